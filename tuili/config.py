@@ -1,0 +1,193 @@
+"""Model and engine configuration: plain dataclasses, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
+
+# Architectures (as config.json's "architectures" names them) that tuili's Llama-family
+# network runs, and what each one changes in that network.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face config.json dict."""
+
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool  # bias on the output projection (Llama's attention_bias only)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        if "text_config" in cfg and "hidden_size" not in cfg:
+            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architecture {archs or cfg.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        missing = [k for k in _REQUIRED_FIELDS if k not in cfg]
+        if missing:
+            raise CheckpointError(f"config is missing required field(s) {missing} for {arch}")
+        _refuse_sliding_window(family, cfg)
+
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        # transformers >= 5 folds rope_theta into "rope_parameters".
+        rope_params = cfg.get("rope_parameters")
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("default", "llama3"):
+                raise UnsupportedModelError(
+                    f"rope_scaling type {kind!r} is not supported; supported: 'default', 'llama3'"
+                )
+            if kind == "default":
+                rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family in ("llama", "mistral") and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=dict(cfg),
+        )
+
+
+def _refuse_sliding_window(family: str, cfg: dict[str, Any]) -> None:
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3"):
+        active = bool(cfg.get("use_sliding_window", False)) and window is not None
+    else:
+        active = window is not None
+    if active:
+        raise UnsupportedModelError(
+            f"sliding-window attention (sliding_window={window}) is not supported yet; "
+            "tuili only runs full attention. Use a checkpoint whose config sets sliding_window to null."
+        )
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise TuiliError(f"device={device!r} is invalid: expected 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TuiliError(f"device={device!r} requested but torch sees no CUDA GPU")
+    if dev.type not in ("cpu", "cuda"):
+        raise TuiliError(f"device={device!r} is not supported: expected 'cpu' or 'cuda'")
+    return dev
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The working dtype. "auto": fp16 on GPUs without bf16 (V100), bf16 on newer GPUs,
+    fp32 on CPUs (see docs/benchmarks.md: a bf16 linear at decode shapes reads weights
+    slower than fp32 on the CPUs we measured)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise TuiliError(f"dtype={dtype} is not supported: expected float32, bfloat16 or float16")
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise TuiliError(f"dtype={dtype!r} is not supported: expected auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs; `validate()` runs once when the engine is built."""
+
+    model: str | None = None
+    dtype: str | torch.dtype | None = "auto"
+    device: str | None = "auto"
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None  # bytes; None = a default for the device
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise TuiliError(f"{name}={value!r} is invalid: expected an integer >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise TuiliError(f"max_model_len={self.max_model_len!r} is invalid: expected an integer >= 2")
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
+            raise TuiliError(f"kv_cache_memory={self.kv_cache_memory!r} is invalid: expected a positive number of bytes")

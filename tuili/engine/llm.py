@@ -1,0 +1,109 @@
+"""The offline Python API, in the shape vLLM users know:
+
+    from tuili import LLM, SamplingParams
+    llm = LLM()                       # the embedded SmolLM2 model
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tuili.config import EngineConfig
+from tuili.engine.core import LLMEngine, Prompt
+from tuili.engine.request import RequestOutput
+from tuili.errors import RequestError
+from tuili.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype | None = "auto",
+        device: str | None = "auto",
+        block_size: int = 16,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                kv_cache_memory=kv_cache_memory,
+                seed=seed,
+            )
+        )
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        All prompts are validated before any runs, so a bad one raises without side effects.
+        `on_step` (optional) sees each step's outputs, e.g. for a progress bar.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise RequestError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts: expected one or one per prompt"
+                )
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                ids.append(self.engine.add_request(prompt, params))
+            return self._run(ids, on_step)
+        finally:
+            for request_id in ids:  # no-op for finished ones; frees blocks after an exception
+                self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("chat needs a tokenizer with a chat template; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, ids: list[str], on_step: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            outputs = self.engine.step()
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+            if on_step is not None:
+                on_step(outputs)
+        return [final[i] for i in ids]

@@ -1,0 +1,87 @@
+"""Requests and their sequences: the scheduler's plain data, no tensors.
+
+A request with n > 1 owns n sequences that share the prompt and sample independently.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tuili.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet scheduled, or preempted and waiting to recompute
+    RUNNING = "running"  # holds KV blocks; gets tokens scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output stream. Invariant: the KV cache holds exactly `num_computed_tokens`
+    leading tokens of `token_ids`, in the blocks listed by `block_table`."""
+
+    seq_id: int
+    request_id: str
+    index: int  # position among the request's n outputs
+    token_ids: list[int]  # prompt followed by generated tokens
+    prompt_len: int
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    """What one sequence has produced so far (cumulative, like vLLM's default)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[dict[int, float]] | None  # per generated token: chosen + top alternatives
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic) of one request's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,147 @@
+"""The model runner: turns a scheduled batch into tensors, runs the network, samples.
+
+It owns the KV pool (one key and one value tensor per layer) and the per-sequence
+random generators. It knows nothing of HTTP or of scheduling policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tuili.config import ModelConfig
+from tuili.engine.request import Sequence
+from tuili.engine.scheduler import ScheduledSeq
+from tuili.layers.attention import AttentionMetadata
+from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
+from tuili.models.llama import LlamaForCausalLM
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of every layer for `block_size` tokens."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self._generators: dict[int, torch.Generator] = {}
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        for attn in model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:
+        """Run one forward over `batch`; return one sampled token per item whose chunk ends
+        its sequence (in batch order)."""
+        input_ids, positions, meta, sample_index = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        sampling = [item.seq for item in batch if item.samples]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[sample_index]).float()
+        return self.sampler(logits, [self._row(seq) for seq in sampling])
+
+    @torch.inference_mode()
+    def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Float32 logits of every scheduled token ([T, vocab]), for scoring prompts."""
+        input_ids, positions, meta, _ = self._prepare(batch)
+        return self.model.compute_logits(self.model(input_ids, positions, meta)).float()
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state when a sequence finishes or is aborted."""
+        self._generators.pop(seq.seq_id, None)
+
+    def _row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        generator = None
+        if params.seed is not None:
+            generator = self._generators.get(seq.seq_id)
+            if generator is None:
+                # Each of a request's n outputs gets its own stream, derived from the seed.
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed + seq.index * 1_000_003)
+                self._generators[seq.seq_id] = generator
+        suppressed: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            suppressed = sorted(set(params.stop_token_ids) | self.eos_token_ids)
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=seq.token_ids[: seq.prompt_len],
+            output_token_ids=seq.output_token_ids,
+            generator=generator,
+            suppressed_token_ids=suppressed,
+        )
+
+    def _prepare(
+        self, batch: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
+        sample_index: list[int] = []
+        for item in batch:
+            seq, start, n = item.seq, item.start, item.num_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            span = range(start, start + n)
+            positions.extend(span)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            starts.append(start)
+            query_lens.append(n)
+            if item.samples:
+                sample_index.append(len(input_ids) - 1)
+
+        dev = self.device
+        max_blocks = max(len(item.seq.block_table) for item in batch)
+        block_tables = torch.tensor(
+            [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in batch],
+            dtype=torch.long,
+        )
+        start_t = torch.tensor(starts, dtype=torch.long)
+        qlen_t = torch.tensor(query_lens, dtype=torch.long)
+        context_lens = start_t + qlen_t
+        max_q, max_ctx = int(qlen_t.max()), int(context_lens.max())
+
+        offsets = torch.arange(max_q)
+        token_valid = offsets[None, :] < qlen_t[:, None]
+        query_start = torch.cumsum(qlen_t, 0) - qlen_t
+        token_index = torch.where(token_valid, query_start[:, None] + offsets[None, :], 0)
+        # Causal over absolute positions: query at position p sees keys 0..p. Padding rows
+        # see key 0 only, so no row is fully masked (which would give NaN).
+        query_pos = start_t[:, None] + offsets[None, :]
+        keys = torch.arange(max_ctx)
+        mask = keys[None, None, :] <= query_pos[:, :, None]
+        mask = torch.where(token_valid[:, :, None], mask, keys[None, None, :] == 0)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            context_lens=context_lens.to(dev, non_blocking=True),
+            token_index=token_index.to(dev, non_blocking=True),
+            token_valid=token_valid.to(dev, non_blocking=True),
+            mask=mask.unsqueeze(1).to(dev, non_blocking=True),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
+            torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            meta,
+            torch.tensor(sample_index, dtype=torch.long).to(dev, non_blocking=True),
+        )

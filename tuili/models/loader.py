@@ -1,0 +1,139 @@
+"""Load a checkpoint from a local path: a Hugging Face directory (config.json + safetensors)
+or a single GGUF file. Every failure is a CheckpointError that names the path and the problem."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tuili.config import ModelConfig
+from tuili.errors import CheckpointError
+from tuili.models.llama import LlamaForCausalLM
+from tuili.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: Path
+    weight_format: str  # "safetensors" or "gguf"
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The path to load; with none named, the embedded SmolLM2 model (and say so)."""
+    if model is None:
+        from tuili.models.default_model import default_model_path
+
+        path = default_model_path()
+        logger.info("no model named: using the embedded default %s", path.name)
+        return path
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"model path {str(path)!r} does not exist: expected a Hugging Face model directory "
+            "(config.json + *.safetensors) or a .gguf file"
+        )
+    return path
+
+
+def load_model(
+    model: str | None, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+) -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_file():
+        return _load_gguf(path, dtype, device, max_positions)
+    return _load_hf_dir(path, dtype, device, max_positions)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None) -> LoadedModel:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json: expected a Hugging Face model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+    cfg = ModelConfig.from_hf_config(raw)
+    files = _safetensors_files(path)
+
+    def tensors() -> Iterable[tuple[str, Callable[[], torch.Tensor]]]:
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+                for name in handle.keys():
+                    yield name, (lambda h=handle, n=name: h.get_tensor(n))
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+
+    model = _build(cfg, tensors(), dtype, device, max_positions or cfg.max_position_embeddings, str(path))
+    return LoadedModel(model, cfg, Tokenizer.from_pretrained_dir(path), path, "safetensors")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shard(s) that are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weights (only safetensors checkpoints are read)")
+    return files
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None) -> LoadedModel:
+    from tuili.models.gguf import open_gguf
+
+    ckpt = open_gguf(path)
+    cfg = ModelConfig.from_hf_config(ckpt.config)
+    tensors = ((name, (lambda n=name: ckpt.load_tensor(n, torch.float32))) for name in ckpt.tensor_names())
+    model = _build(cfg, tensors, dtype, device, max_positions or cfg.max_position_embeddings, str(path))
+    return LoadedModel(model, cfg, Tokenizer(ckpt.load_tokenizer()), path, "gguf")
+
+
+def _build(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]],
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    source: str,
+) -> LlamaForCausalLM:
+    """Construct the network without allocating weights, then assign each checkpoint tensor
+    (cast to the working dtype) by name; every parameter must be covered exactly once."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    params = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    for name, load in tensors:
+        if name not in params:
+            continue  # e.g. lm_head.weight beside tied embeddings, rotary inv_freq buffers
+        tensor = load()
+        if tensor.shape != params[name].shape:
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(params[name].shape)} from the config"
+            )
+        loaded[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{source} lacks weights the config requires: {shown}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    return model.to(device).eval()
