@@ -1,0 +1,17 @@
+import pytest
+import torch
+import transformers
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama checkpoint written by transformers (no tokenizer files)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,73 @@
+"""Continuous batching, chunked prefill and preemption, observed through the engine."""
+
+from __future__ import annotations
+
+from tuili import LLM, SamplingParams
+
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # K+V x 2 layers x 4 tokens x 2 KV heads x 16 dims x fp32
+
+PROMPTS = [list(range(10 + i, 22 + 2 * i)) for i in range(6)]
+
+
+def _llm(path, num_blocks, **kw):
+    return LLM(model=str(path), dtype="float32", device="cpu", block_size=4,
+               kv_cache_memory=num_blocks * BLOCK_BYTES, **kw)
+
+
+def test_preempted_requests_finish_with_identical_outputs(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    reference = _llm(tiny_llama, 512).generate(prompts, params)
+
+    small = _llm(tiny_llama, 14, max_model_len=48, max_num_batched_tokens=32)
+    preempted = []
+    outs = small.generate(prompts, params, on_step=lambda _: preempted.extend(small.engine.last_step.preempted))
+    assert preempted, "the pool was meant to be too small for all requests at once"
+    for ref, out in zip(reference, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert len(out.outputs[0].token_ids) == 24
+    assert small.engine.block_manager.num_free_blocks == small.engine.num_blocks
+
+
+def test_seeded_sampling_survives_preemption(tiny_llama):
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True) for i in range(6)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    reference = _llm(tiny_llama, 512).generate(prompts, params)
+    small = _llm(tiny_llama, 14, max_model_len=48, max_num_batched_tokens=32)
+    outs = small.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in reference]
+
+
+def test_steps_mix_decodes_with_prompt_chunks_within_budget(tiny_llama):
+    llm = _llm(tiny_llama, 512, max_num_batched_tokens=8, max_num_seqs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    steps = []
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                 on_step=lambda _: steps.append(llm.engine.last_step))
+    assert all(s.num_tokens <= 8 for s in steps)
+    assert all(len(s.scheduled) <= 3 for s in steps)
+    mixed = [s for s in steps if any(i.num_tokens == 1 and i.samples for i in s.scheduled)
+             and any(i.num_tokens > 1 for i in s.scheduled)]
+    assert mixed, "some step should carry both decodes and a prompt chunk"
+    chunked = [s for s in steps for i in s.scheduled if i.num_tokens > 1 and not i.samples]
+    assert chunked, "prompts longer than the budget are prefilled in several chunks"
+
+
+def test_continuous_batching_admits_new_requests_while_others_run(tiny_llama):
+    llm = _llm(tiny_llama, 512)
+    engine = llm.engine
+    long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": PROMPTS[0]}], long)[0].outputs[0].token_ids
+
+    first = engine.add_request({"prompt_token_ids": PROMPTS[0]}, long)
+    for _ in range(5):
+        engine.step()
+    second = engine.add_request({"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0.0, max_tokens=3))
+    order, results = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+                results[out.request_id] = out
+    assert order == [second, first], "the short late request joins the running batch and leaves first"
+    assert results[first].outputs[0].token_ids == alone

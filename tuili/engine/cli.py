@@ -1,0 +1,249 @@
+"""`tuili generate` and `tuili chat`, plus the engine and sampling flags other commands reuse."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tuili.errors import TuiliError
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: expected e.g. 2GiB, 512MiB or a byte count")
+    number, unit, binary = match.groups()
+    base = 1024 if binary or not unit else 1000
+    return int(float(number) * base ** "_KMGT".index(unit.upper() or "_"))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and engine")
+    group.add_argument("--model", default=None,
+                       help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="working dtype (auto: float32 on CPU, bf16/fp16 on GPU)")
+    group.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when present)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=512,
+                       help="token budget of one step, decodes plus prefill chunks (default 512)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once (default 64)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's, capped by the KV pool)")
+    group.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                       help="KV pool size, e.g. 2GiB (default: 2GiB on CPU, 90%% of free memory on GPU)")
+    group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int = 256) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=default_max_tokens,
+                       help=f"tokens to generate at most (default {default_max_tokens})")
+    group.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before EOS/stop may end it")
+    group.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1, help="-1 disables")
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+
+
+def sampling_params(args: argparse.Namespace):
+    from tuili.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def register(subparsers) -> None:
+    gen = subparsers.add_parser(
+        "generate", help="generate from a prompt (streamed) or a JSONL file of prompts (batched)",
+        description="Generate text offline. --prompt streams one completion to the terminal; "
+        "--prompts-file runs a JSONL file (one {\"prompt\": ...}, {\"prompt_token_ids\": [...]} or "
+        "{\"messages\": [...]} per line) through continuous batching and writes JSONL results.",
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompts-file", type=Path, help="JSONL file of prompts")
+    gen.add_argument("--output", type=Path, default=None, help="where --prompts-file results go (default: stdout)")
+    gen.add_argument("--chat-template", action="store_true",
+                     help="wrap --prompt as a user message in the model's chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=run_generate)
+
+    chat = subparsers.add_parser("chat", help="interactive chat that keeps the conversation history",
+                                 description="Chat with the model in the terminal. Commands: /reset clears "
+                                 "the history, /exit (or Ctrl-D) quits.")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat, default_max_tokens=512)
+    chat.set_defaults(func=run_chat)
+
+
+def _load(args: argparse.Namespace):
+    from tuili import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    engine = llm.engine
+    print(
+        f"tuili: {engine.model_path.name} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+        f"KV pool {engine.num_blocks * engine.config.block_size} tokens",
+        file=sys.stderr,
+    )
+    return llm
+
+
+def _stream(llm, prompt, params) -> Iterator[str]:
+    """Yield text deltas of one request as the engine produces them."""
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params)
+    shown = 0
+    try:
+        while True:
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                text = out.outputs[0].text
+                yield text[shown:]
+                shown = len(text)
+                if out.finished:
+                    return
+    finally:
+        engine.abort_request(request_id)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    try:
+        params = sampling_params(args)
+        llm = _load(args)
+        if args.prompt is not None:
+            prompt = args.prompt
+            if args.chat_template:
+                prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])}
+            for delta in _stream(llm, prompt, params):
+                print(delta, end="", flush=True)
+            print()
+            return 0
+        return _generate_file(llm, args.prompts_file, args.output, params)
+    except TuiliError as e:
+        print(f"tuili: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _read_prompts(path: Path, tokenizer) -> list:
+    if not path.is_file():
+        raise TuiliError(f"prompts file {str(path)!r} does not exist")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TuiliError(f"{path}:{number} is not valid JSON: {e}") from e
+        if isinstance(item, dict) and "messages" in item:
+            if tokenizer is None:
+                raise TuiliError(f"{path}:{number} has messages but the model has no tokenizer")
+            prompts.append({"prompt_token_ids": tokenizer.apply_chat_template(item["messages"])})
+        elif isinstance(item, dict) and ("prompt" in item or "prompt_token_ids" in item):
+            prompts.append(item["prompt"] if "prompt_token_ids" not in item else {"prompt_token_ids": item["prompt_token_ids"]})
+        else:
+            raise TuiliError(f"{path}:{number}: expected an object with 'prompt', 'prompt_token_ids' or 'messages'")
+    return prompts
+
+
+def _generate_file(llm, path: Path, output: Path | None, params) -> int:
+    from tqdm import tqdm
+
+    prompts = _read_prompts(path, llm.get_tokenizer())
+    bar = tqdm(total=len(prompts), unit="req", file=sys.stderr, dynamic_ncols=True)
+    start = time.perf_counter()
+    counted = {"out": 0}
+
+    def on_step(outputs) -> None:
+        counted["out"] += sum(1 for item in llm.engine.last_step.scheduled if item.samples)
+        finished = sum(1 for o in outputs if o.finished)
+        elapsed = time.perf_counter() - start
+        bar.set_postfix_str(f"{counted['out'] / elapsed:.1f} tok/s")
+        bar.update(finished)
+
+    results = llm.generate(prompts, params, on_step=on_step)
+    bar.close()
+    elapsed = time.perf_counter() - start
+    sink = output.open("w") if output else sys.stdout
+    try:
+        for result in results:
+            for completion in result.outputs:
+                sink.write(json.dumps({
+                    "prompt": result.prompt, "index": completion.index, "text": completion.text,
+                    "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+                }, ensure_ascii=False) + "\n")
+    finally:
+        if output:
+            sink.close()
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
+    output_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+    print(
+        f"tuili: {len(results)} requests, {prompt_tokens} prompt + {output_tokens} output tokens in {elapsed:.2f}s "
+        f"({output_tokens / elapsed:.1f} output tok/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    try:
+        params = sampling_params(args)
+        llm = _load(args)
+        tokenizer = llm.get_tokenizer()
+        if tokenizer is None:
+            raise TuiliError("chat needs a model with a tokenizer and chat template")
+        history = [{"role": "system", "content": args.system}] if args.system else []
+        print("tuili chat — /reset clears the history, /exit quits", file=sys.stderr)
+        while True:
+            try:
+                user = input("> ")
+            except EOFError:
+                print()
+                return 0
+            if user.strip() == "/exit":
+                return 0
+            if user.strip() == "/reset":
+                history = history[:1] if args.system else []
+                continue
+            if not user.strip():
+                continue
+            history.append({"role": "user", "content": user})
+            ids = tokenizer.apply_chat_template(history)
+            reply = ""
+            for delta in _stream(llm, {"prompt_token_ids": ids}, params):
+                reply += delta
+                print(delta, end="", flush=True)
+            print()
+            history.append({"role": "assistant", "content": reply})
+    except TuiliError as e:
+        print(f"tuili: error: {e}", file=sys.stderr)
+        return 2
