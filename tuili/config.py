@@ -180,6 +180,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     kv_cache_memory: int | None = None  # bytes; None = a default for the device
+    enable_prefix_caching: bool = True
+    kv_offload_memory: int = 0  # bytes of host memory for evicted prefix-cache blocks; 0 = off
     seed: int = 0
 
     def validate(self) -> None:
@@ -191,3 +193,5 @@ class EngineConfig:
             raise TuiliError(f"max_model_len={self.max_model_len!r} is invalid: expected an integer >= 2")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
             raise TuiliError(f"kv_cache_memory={self.kv_cache_memory!r} is invalid: expected a positive number of bytes")
+        if not isinstance(self.kv_offload_memory, int) or self.kv_offload_memory < 0:
+            raise TuiliError(f"kv_offload_memory={self.kv_offload_memory!r} is invalid: expected bytes >= 0")

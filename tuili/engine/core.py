@@ -37,6 +37,13 @@ Prompt = str | list[int] | dict
 
 
 @dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache misses, recomputes)
+
+
+@dataclass
 class _SequenceText:
     """Output-side state of one sequence: its text so far and how it is produced."""
 
@@ -103,9 +110,13 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.eos_token_ids = set(cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
 
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        num_host_blocks = config.kv_offload_memory // block_bytes if config.enable_prefix_caching else 0
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.dtype, self.device, self.eos_token_ids)
+        self.runner = ModelRunner(
+            loaded.model, num_blocks, config.block_size, self.dtype, self.device, self.eos_token_ids, num_host_blocks
+        )
+        self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
@@ -210,7 +221,12 @@ class LLMEngine:
         now = time.monotonic()
         for item in out.scheduled:
             metrics = self._requests[item.seq.request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = item.seq.num_cached_tokens or 0
+            seq = item.seq
+            self.stats.prompt_tokens_computed += max(0, min(item.start + item.num_tokens, seq.prompt_len) - item.start)
+        self.runner.copy_blocks(out.copies)
         sampled = self.runner.execute(out.scheduled)
         self.scheduler.update(out)
 

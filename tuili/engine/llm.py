@@ -9,42 +9,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-
-import torch
+from dataclasses import fields
 
 from tuili.config import EngineConfig
 from tuili.engine.core import LLMEngine, Prompt
 from tuili.engine.request import RequestOutput
-from tuili.errors import RequestError
+from tuili.errors import RequestError, TuiliError
 from tuili.sampling import SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str | torch.dtype | None = "auto",
-        device: str | None = "auto",
-        block_size: int = 16,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | None = None,
-        seed: int = 0,
-    ) -> None:
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                block_size=block_size,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                kv_cache_memory=kv_cache_memory,
-                seed=seed,
-            )
-        )
+    def __init__(self, model: str | None = None, **options) -> None:
+        """`model`: a Hugging Face directory or .gguf file (None: the embedded SmolLM2).
+        `options`: any EngineConfig field — dtype, device, block_size, max_num_batched_tokens,
+        max_num_seqs, max_model_len, kv_cache_memory, enable_prefix_caching,
+        kv_offload_memory, seed."""
+        known = {f.name for f in fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TuiliError(f"unknown LLM option(s) {unknown}: expected some of {sorted(known)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

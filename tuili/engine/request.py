@@ -33,6 +33,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_digests: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None
     num_preemptions: int = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tuili.config import ModelConfig
+from tuili.engine.kv_cache import BlockCopies
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.layers.attention import AttentionMetadata
@@ -31,6 +32,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         eos_token_ids: set[int],
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.device = device
@@ -43,6 +45,34 @@ class ModelRunner:
         for attn in model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # The prefix cache's second tier: the same layout in host memory (pinned on a GPU so
+        # host-to-device copies run asynchronously). On a CPU it is simply a separate pool.
+        host_shape = (num_host_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self._host_pools = [
+            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin), torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            for _ in model.attention_layers()
+        ] if num_host_blocks else []
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: BlockCopies) -> None:
+        """Spill evicted blocks to the host pool, then bring host hits back, before the forward
+        that may overwrite them. Device-to-host copies are synchronous (the host pool is read
+        by later steps); host-to-device ones are queued on the compute stream, ahead of the
+        forward that reads them."""
+        if not (copies.to_host or copies.to_device):
+            return
+        for (host_k, host_v), attn in zip(self._host_pools, self.model.attention_layers(), strict=True):
+            if copies.to_host:
+                src = torch.tensor([d for d, _ in copies.to_host], device=self.device)
+                dst = torch.tensor([h for _, h in copies.to_host])
+                host_k[dst] = attn.k_cache[src].cpu()
+                host_v[dst] = attn.v_cache[src].cpu()
+            if copies.to_device:
+                src = torch.tensor([h for h, _ in copies.to_device])
+                dst = torch.tensor([d for _, d in copies.to_device], device=self.device)
+                attn.k_cache[dst] = host_k[src].to(self.device, non_blocking=True)
+                attn.v_cache[dst] = host_v[src].to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:

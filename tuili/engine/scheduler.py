@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tuili.engine.kv_cache import BlockManager
+from tuili.engine.kv_cache import BlockCopies, BlockManager
 from tuili.engine.request import Sequence, SequenceStatus
 
 
@@ -44,6 +44,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: BlockCopies = field(default_factory=BlockCopies)  # host-tier copies to run first
 
     @property
     def num_tokens(self) -> int:
@@ -84,15 +85,23 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            match = self.blocks.match_prefix(seq)
+            seq.num_computed_tokens = match.tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                self.blocks.free(seq)  # the matched blocks stay cached for the next try
+                seq.num_computed_tokens = 0
                 break
+            self.blocks.record_query(seq, match)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = match.tokens
             self.waiting.popleft()
             self.blocks.grow(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
             budget -= n
+        out.copies = self.blocks.take_copies()
         return out
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
@@ -119,6 +128,7 @@ class Scheduler:
         """Record that the scheduled tokens are now in the KV cache (call after the forward)."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
+            self.blocks.register_full_blocks(item.seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (finished or aborted) and free its blocks at once."""
