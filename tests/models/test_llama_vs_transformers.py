@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from tuili import LLM, SamplingParams
-from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.request import Sequence
+from tuili.engine.scheduler import ScheduledSeq
 
 COMMON = dict(
     vocab_size=320,

@@ -38,6 +38,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="longest prompt + output (default: the model's, capped by the KV pool)")
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                        help="KV pool size, e.g. 2GiB (default: 2GiB on CPU, 90%% of free memory on GPU)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="do not reuse the KV of prompt prefixes computed before (on by default)")
+    group.add_argument("--kv-offload-memory", type=parse_bytes, default=0,
+                       help="host memory for prefix-cache blocks evicted from the KV pool, e.g. 4GiB (default 0: off)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
 
 
@@ -45,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory, seed=args.seed,
     )
 
 
@@ -206,9 +211,11 @@ def _generate_file(llm, path: Path, output: Path | None, params) -> int:
             sink.close()
     prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
     output_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
+    cache = llm.engine.block_manager.stats
     print(
         f"tuili: {len(results)} requests, {prompt_tokens} prompt + {output_tokens} output tokens in {elapsed:.2f}s "
-        f"({output_tokens / elapsed:.1f} output tok/s)",
+        f"({output_tokens / elapsed:.1f} output tok/s); prefix cache hit rate {cache.hit_rate:.1%} "
+        f"({cache.device_hit_tokens} tokens from the KV pool, {cache.host_hit_tokens} from host memory)",
         file=sys.stderr,
     )
     return 0
