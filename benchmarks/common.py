@@ -1,0 +1,80 @@
+"""Shared pieces of the benchmarks: model checkpoints made here, timing, bandwidth."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+CACHE = Path(os.environ.get("TUILI_BENCH_CACHE", Path.home() / ".cache" / "tuili-bench"))
+
+# Qwen3-0.6B's published config.json (shape only; the weights here are random).
+QWEN3_06B = dict(
+    architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    bos_token_id=151643, eos_token_id=151645,
+)
+
+
+def qwen3_06b_checkpoint() -> Path:
+    """A random bf16 checkpoint with Qwen3-0.6B's shape, written once by transformers."""
+    import transformers
+
+    path = CACHE / "qwen3-0.6b-shape-bf16"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        config = transformers.Qwen3Config(**QWEN3_06B)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+    return path
+
+
+def smollm2_bf16_checkpoint() -> Path:
+    """The embedded SmolLM2 GGUF dequantized to a bf16 safetensors directory by transformers,
+    so transformers and tuili run the very same weights."""
+    import transformers
+
+    from tuili.models.default_model import default_model_path
+
+    path = CACHE / "smollm2-135m-instruct-bf16"
+    if not (path / "config.json").exists():
+        gguf = default_model_path()
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def timed(fn, repeat: int = 1) -> float:
+    """Best wall time of `repeat` calls, in seconds."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth(size_bytes: int = 1 << 30, repeat: int = 5) -> float:
+    """Bytes/s a full read of a large fp32 tensor achieves (a sum touches every byte once)."""
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)
+    x.sum()
+    return size_bytes / timed(lambda: x.sum(), repeat)
+
+
+def machine() -> str:
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
