@@ -1,0 +1,597 @@
+"""GGUF checkpoints: one llama.cpp file holding metadata, tensors and the tokenizer.
+
+`open_gguf` validates the file once (magic, version 3, every byte it names present, a supported
+architecture and tensor types) and returns a `GGUFCheckpoint` that speaks Hugging Face: a
+config.json-style dict, tensors under Hugging Face names in Hugging Face layout, and a
+transformers tokenizer with the chat template. Tensors stay memory-mapped until asked for, and are
+then dequantized by the vectorized torch code at the end of this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from tuili.errors import CheckpointError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+GGUF_VERSION = 3
+# llama.cpp stores Mistral models as "llama": the same network, run with full attention.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# llama.cpp's Llama 3 converter drops rope_scaling's original context length; Llama 3 used 8192.
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+# GGUF tensor names (llama.cpp's) → Hugging Face names.
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, folded into the config
+_REQUIRED = object()  # marks a metadata key without a default
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor's bytes lie in the file and how to turn them into the HF tensor."""
+
+    gguf_name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # row-major (Hugging Face) order: GGUF lists dimensions innermost first
+    offset: int
+    n_bytes: int
+    rope_heads: int | None  # set for llama q/k projections, whose rows llama.cpp permuted per head
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """Open and validate a GGUF v3 file; every problem is a CheckpointError naming the file."""
+    path = Path(path)
+    _check_header(path)
+    try:
+        reader = _READER(path)
+    except _PastEnd as e:
+        raise CheckpointError(
+            f"{path} is truncated: it has {e.size} bytes but its header and tensor table need "
+            f"{e.needed} (an interrupted download or copy?)"
+        ) from e
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
+        raise CheckpointError(f"{path} is a corrupt GGUF file: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be memory-mapped: {e.strerror}") from e
+    return GGUFCheckpoint(path, reader)
+
+
+class GGUFCheckpoint:
+    """A validated GGUF file, presented with Hugging Face names, layout and config keys."""
+
+    def __init__(self, path: Path, reader: GGUFReader) -> None:
+        self.path = path
+        self._reader = reader
+        self._bytes = reader.data.view(np.ndarray)  # the whole file, memory-mapped
+        self.architecture = self._architecture()
+        self._tensors = self._tensor_table()
+        self.config = self._config()
+        self.chat_template: str | None = self.metadata("tokenizer.chat_template", None)
+
+    # -- tensors -------------------------------------------------------------------------
+
+    def tensor_names(self) -> list[str]:
+        """Hugging Face names of the tensors in the file, in file order."""
+        return list(self._tensors)
+
+    def tensor_info(self, hf_name: str) -> GGUFTensorInfo:
+        """How the tensor `hf_name` is stored: its GGUF name, type, shape and place in the file."""
+        info = self._tensors.get(hf_name)
+        if info is None:
+            raise CheckpointError(f"{self.path} has no tensor {hf_name!r}")
+        return info
+
+    def raw_tensor(self, hf_name: str) -> np.ndarray:
+        """The tensor's bytes as stored (quantized, GGUF row order), memory-mapped and read-only."""
+        info = self.tensor_info(hf_name)
+        return self._bytes[info.offset : info.offset + info.n_bytes]
+
+    def load_tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor `hf_name`, dequantized, in Hugging Face layout ([out, in] for linear weights)."""
+        info = self.tensor_info(hf_name)
+        tensor = dequantize(self.raw_tensor(hf_name), info.ggml_type, info.shape)
+        if info.rope_heads is not None:
+            tensor = _undo_rope_permutation(tensor, info.rope_heads)
+        return tensor.to(dtype)
+
+    # -- tokenizer -----------------------------------------------------------------------
+
+    def load_tokenizer(self) -> PreTrainedTokenizerFast | None:
+        """The tokenizer stored in the metadata, with its chat template; None if the file has none.
+
+        transformers builds it from the metadata. PreTrainedTokenizerFast is asked directly rather
+        than AutoTokenizer, which first derives a model config from the file with the slow generic
+        GGUF reader only to pick a tokenizer class (7 s instead of under 1 s for SmolLM2); the
+        tokenizer itself comes from the same GGUF converter either way.
+        """
+        if "tokenizer.ggml.model" not in self._reader.fields:
+            return None
+        from transformers import PreTrainedTokenizerFast  # importing transformers takes seconds
+
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(
+                str(self.path.parent), gguf_file=self.path.name
+            )
+        except (ValueError, KeyError, IndexError, OSError, NotImplementedError) as e:
+            raise CheckpointError(f"{self.path}: cannot build a tokenizer from its metadata: {e}") from e
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
+        return tokenizer
+
+    # -- reading the metadata ------------------------------------------------------------
+
+    def metadata(self, key: str, default: Any = _REQUIRED) -> Any:
+        """The value of a GGUF metadata key; a CheckpointError if it is absent and has no default."""
+        field = self._reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.path} lacks the metadata key {key!r}")
+            return default
+        return _field_value(field)
+
+    def _arch_meta(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.metadata(f"{self.architecture}.{key}", default)
+
+    def _architecture(self) -> str:
+        arch = self.metadata("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path} holds a {arch!r} model; tuili runs the GGUF architectures "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Mistral models are stored as 'llama')"
+            )
+        window = self.metadata(f"{arch}.attention.sliding_window", None)
+        if window:
+            raise UnsupportedModelError(
+                f"{self.path} uses sliding-window attention ({arch}.attention.sliding_window = {window}), "
+                "which tuili does not support yet; it only runs full attention"
+            )
+        return arch
+
+    def _head_counts(self) -> tuple[int, int]:
+        heads = self._arch_meta("attention.head_count")
+        kv_heads = self._arch_meta("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):  # one value per layer
+            if len(set(kv_heads)) != 1:
+                raise UnsupportedModelError(
+                    f"{self.path}: layers with different numbers of KV heads {sorted(set(kv_heads))} "
+                    "are not supported"
+                )
+            kv_heads = kv_heads[0]
+        return heads, kv_heads
+
+    def _tensor_table(self) -> dict[str, GGUFTensorInfo]:
+        heads, kv_heads = self._head_counts()
+        table: dict[str, GGUFTensorInfo] = {}
+        for t in self._reader.tensors:
+            if t.name == _ROPE_FREQS:
+                continue
+            hf_name = _hf_tensor_name(t.name)
+            if hf_name is None:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {t.name!r} has no place in tuili's {self.architecture} network"
+                )
+            if t.tensor_type not in _DEQUANTIZERS:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which tuili cannot "
+                    f"dequantize; supported types: {', '.join(q.name for q in _DEQUANTIZERS)}"
+                )
+            # llama.cpp reorders q/k rows for its rope layout only in files it labels "llama".
+            module = hf_name.split(".")[-2]
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            rope_heads = None
+            if self.architecture == "llama" and module in ("q_proj", "k_proj"):
+                rope_heads = heads if module == "q_proj" else kv_heads
+                if shape[0] % (2 * rope_heads) != 0:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {t.name!r} has {shape[0]} rows, which cannot be "
+                        f"{rope_heads} heads of an even size"
+                    )
+            table[hf_name] = GGUFTensorInfo(
+                gguf_name=t.name,
+                ggml_type=t.tensor_type,
+                shape=shape,
+                offset=t.data_offset,
+                n_bytes=t.n_bytes,
+                rope_heads=rope_heads,
+            )
+        return table
+
+    def _config(self) -> dict[str, Any]:
+        """A config.json dict for the Hugging Face class of this architecture."""
+        arch = self.architecture
+        hidden = self._arch_meta("embedding_length")
+        heads, kv_heads = self._head_counts()
+        embeddings = self._tensors.get("model.embed_tokens.weight")
+        if embeddings is None:
+            raise CheckpointError(f"{self.path} has no token embeddings (token_embd.weight)")
+        head_dim = self._arch_meta("attention.key_length", hidden // heads)
+        if self._arch_meta("attention.value_length", head_dim) != head_dim:
+            raise UnsupportedModelError(f"{self.path}: keys and values of different widths are not supported")
+        if self._arch_meta("rope.dimension_count", head_dim) != head_dim:
+            raise UnsupportedModelError(
+                f"{self.path}: rotary embedding on part of each head is not supported"
+            )
+        rope_theta = _float32_value(self._arch_meta("rope.freq_base", 10000.0))
+        config: dict[str, Any] = {
+            "architectures": [_HF_ARCHITECTURES[arch]],
+            "model_type": arch,
+            "hidden_size": hidden,
+            "intermediate_size": self._arch_meta("feed_forward_length"),
+            "num_hidden_layers": self._arch_meta("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": _float32_value(self._arch_meta("attention.layer_norm_rms_epsilon")),
+            "rope_theta": rope_theta,
+            "rope_scaling": self._rope_scaling(rope_theta, head_dim),
+            "max_position_embeddings": self._arch_meta("context_length"),
+            "vocab_size": embeddings.shape[0],
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+        }
+        for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+            value = self.metadata(f"tokenizer.ggml.{key}", None)
+            if value is not None:
+                config[key.replace("padding", "pad")] = value
+        return config
+
+    def _rope_scaling(self, rope_theta: float, head_dim: int) -> dict[str, Any] | None:
+        kind = self._arch_meta("rope.scaling.type", None)
+        factor = self._arch_meta("rope.scaling.factor", None)
+        original = self._arch_meta("rope.scaling.original_context_length", None)
+        rope_freqs = next((t for t in self._reader.tensors if t.name == _ROPE_FREQS), None)
+        if rope_freqs is not None:
+            if kind not in (None, "none"):
+                raise UnsupportedModelError(f"{self.path} has both {_ROPE_FREQS} and rope scaling {kind!r}")
+            stored = self._bytes[rope_freqs.data_offset : rope_freqs.data_offset + rope_freqs.n_bytes]
+            divisors = dequantize(stored, rope_freqs.tensor_type, (rope_freqs.n_elements,)).double()
+            return _llama3_rope_scaling(
+                divisors, rope_theta, head_dim, original or _LLAMA3_ORIGINAL_CONTEXT, self.path
+            )
+        if kind in (None, "none"):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": factor}
+        if kind == "yarn":
+            scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+            for key in ("beta_fast", "beta_slow"):
+                value = self._arch_meta(f"rope.scaling.yarn_{key}", None)
+                if value is not None:
+                    scaling[key] = value
+            return scaling
+        raise UnsupportedModelError(f"{self.path}: rope scaling type {kind!r} is not supported")
+
+
+def _hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in _LAYER_TENSORS:
+        return None
+    return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+
+
+def _undo_rope_permutation(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's convert_hf_to_gguf permutation of q/k rows (and biases).
+
+    Hugging Face rotates the two halves of each head's dimensions together (rotate_half);
+    llama.cpp rotates adjacent pairs, so its converter interleaves the halves: within each head,
+    GGUF row 2i holds HF row i and GGUF row 2i+1 holds HF row i + head_dim/2.
+    """
+    rows = tensor.shape[0]
+    pairs = tensor.reshape(n_heads, rows // n_heads // 2, 2, *tensor.shape[1:])
+    return pairs.transpose(1, 2).reshape(tensor.shape)
+
+
+def _llama3_rope_scaling(
+    divisors: torch.Tensor, rope_theta: float, head_dim: int, original_context: int, path: Path
+) -> dict[str, Any] | None:
+    """Recover Llama 3's rope_scaling from the per-frequency divisors llama.cpp stores instead.
+
+    The converter writes f_i = 1 for wavelengths below L/high_freq_factor, f_i = factor above
+    L/low_freq_factor, and between them 1/f_i = (1 - s_i)/factor + s_i with
+    s_i = (L/wavelength_i - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    s is affine in L/wavelength, so a least-squares line through the in-between frequencies gives
+    both factors. L itself cannot be told apart from a rescaling of the two factors (each choice
+    yields the same divisors), so it comes from the metadata or defaults to Llama 3's 8192.
+    """
+    factor = float(divisors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = rope_theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    x = original_context * inv_freq / (2 * math.pi)  # L / wavelength
+    between = (divisors > 1 + 1e-5) & (divisors < factor * (1 - 1e-5))
+    if len(divisors) != len(inv_freq) or int(between.sum()) < 2:
+        raise UnsupportedModelError(
+            f"{path}: {_ROPE_FREQS} ({len(divisors)} values) does not follow Llama 3's rope scaling"
+        )
+    s = (1 / divisors[between] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(x[between].numpy(), s.numpy(), 1)
+    low = round(float(-intercept / slope), 6)
+    high = round(float(low + 1 / slope), 6)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 6),
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original_context,
+    }
+    # The fit must reproduce every stored divisor, or the file uses some other scheme.
+    smooth = ((x - low) / (high - low)).clamp(0, 1)
+    rebuilt = 1 / ((1 - smooth) / factor + smooth)
+    if not torch.allclose(rebuilt, divisors, rtol=1e-4, atol=0):
+        raise UnsupportedModelError(f"{path}: {_ROPE_FREQS} does not follow Llama 3's rope scaling")
+    return scaling
+
+
+# -- reading the file --------------------------------------------------------------------
+
+
+def _check_header(path: Path) -> None:
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: expected a .gguf file")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file: expected a .gguf file")
+    try:
+        with path.open("rb") as f:
+            header = f.read(8)
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e.strerror}") from e
+    if header[:4] != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file: it starts with {header[:4]!r}, not b'GGUF'")
+    if len(header) < 8:
+        raise CheckpointError(f"{path} is truncated: it ends inside the GGUF header")
+    version = int.from_bytes(header[4:8], "little")
+    if version & 0xFFFF == 0:  # the version field reads byte-swapped: a big-endian file
+        raise CheckpointError(f"{path} is a big-endian GGUF file; tuili reads little-endian GGUF files")
+    if version != GGUF_VERSION:
+        raise CheckpointError(
+            f"{path} is GGUF version {version}; tuili reads GGUF version {GGUF_VERSION} "
+            "(convert it again with a current llama.cpp)"
+        )
+
+
+class _PastEnd(Exception):
+    def __init__(self, needed: int, size: int) -> None:
+        super().__init__(f"needs {needed} bytes, file has {size}")
+        self.needed, self.size = needed, size
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that refuses to read past the end of the file, and reads faster.
+
+    Every read GGUFReader makes goes through `_get` (a private method, unchanged from gguf 0.10
+    to 0.19). Unchecked, a short read surfaces far from its cause, as an IndexError
+    or a failed reshape; here it raises _PastEnd. Slicing a plain ndarray view of the memory map
+    instead of the np.memmap itself also skips memmap's per-slice bookkeeping, which makes parsing
+    a 49k-token vocabulary about three times faster.
+    """
+
+    _plain: np.ndarray | None = None
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None) -> np.ndarray:
+        if self._plain is None:
+            self._plain = self.data.view(np.ndarray)
+        dtype = np.dtype(dtype)
+        end = offset + dtype.itemsize * int(count)
+        if end > self._plain.size:
+            raise _PastEnd(end, self._plain.size)
+        values = self._plain[offset:end].view(dtype)
+        return values.view(values.dtype.newbyteorder(override_order or self.byte_order))
+
+
+# Should a later gguf read differently, use its reader unchanged: slower, with vaguer messages
+# for truncated files (which tests/models/test_gguf.py would then flag).
+_READER = (
+    _Reader
+    if list(inspect.signature(GGUFReader._get).parameters)
+    == ["self", "offset", "dtype", "count", "override_order"]
+    else GGUFReader
+)
+
+
+def _field_value(field: Any) -> Any:
+    """The Python value of a metadata field (a scalar, a string, or a list of either)."""
+    kind = field.types[0]
+    parts = [field.parts[i] for i in field.data]
+    if kind == GGUFValueType.ARRAY:
+        if len(field.types) == 1:  # an empty array records no item type
+            return []
+        if field.types[-1] == GGUFValueType.STRING:
+            return [bytes(p).decode("utf-8") for p in parts]
+        return [p.tolist()[0] for p in parts]
+    if kind == GGUFValueType.STRING:
+        return bytes(parts[0]).decode("utf-8")
+    return parts[0].tolist()[0]
+
+
+def _float32_value(value: float) -> float:
+    """GGUF stores floats as float32: give back the short decimal it came from (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+# -- dequantization ----------------------------------------------------------------------
+#
+# Each function turns a [n_blocks, bytes_per_block] uint8 tensor into [n_blocks, block_size]
+# float32 values, following ggml's block layouts (ggml-common.h). Scales are float16. 4-bit
+# values come two to a byte: within each group of 32 values the low nibbles hold the first 16
+# and the high nibbles the last 16. The arithmetic order matches gguf.quants bit for bit.
+
+
+def dequantize(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Dequantize `raw` (bytes-like or a uint8 array) holding a tensor of `shape` to float32.
+
+    `shape` is row-major (the last dimension is contiguous and blocked), i.e. the Hugging Face
+    shape, the reverse of the dimension list a GGUF file records.
+    """
+    ggml_type = GGMLQuantizationType(ggml_type)
+    convert = _DEQUANTIZERS.get(ggml_type)
+    if convert is None:
+        raise CheckpointError(
+            f"tensor type {ggml_type.name} cannot be dequantized; supported types: "
+            f"{', '.join(q.name for q in _DEQUANTIZERS)}"
+        )
+    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    n_values = math.prod(shape)
+    data = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else raw
+    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if shape[-1] % block_size != 0 or data.size != n_values // block_size * block_bytes:
+        raise CheckpointError(
+            f"a {ggml_type.name} tensor of shape {tuple(shape)} needs rows in multiples of {block_size} "
+            f"and {n_values // block_size * block_bytes} bytes; got {data.size} bytes"
+        )
+    blocks = torch.from_numpy(data.copy()).reshape(-1, block_bytes)  # copy: the file map is read-only
+    return convert(blocks).reshape(shape)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of each block, as a float32 column [n_blocks, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., k] bytes → [..., 2k] 4-bit values: all low nibbles, then all high nibbles."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """[..., k] bytes → [..., 8k] bits, least significant first (a little-endian bit string)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def _dequantize_f32(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.view(torch.float32)
+
+
+def _dequantize_f16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.view(torch.float16).float()
+
+
+def _dequantize_bf16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.view(torch.bfloat16).float()
+
+
+def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    # d: f16 | q: 32 x int8
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)
+
+
+def _dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    # d: f16 | q: 32 x 4 bits, offset by 8
+    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).float() - 8)
+
+
+def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    # d: f16 | m: f16 | q: 32 x 4 bits; x = d*q + m
+    return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
+
+
+def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    # d: f16 | fifth bits: 32 bits | q: 32 x 4 bits, offset by 16
+    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
+    return _f16(blocks, 0) * (q.float() - 16)
+
+
+def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    # d: f16 | m: f16 | fifth bits: 32 bits | q: 32 x 4 bits; x = d*q + m
+    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and 8 six-bit mins of a Q4_K/Q5_K block from their 12 bytes.
+
+    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; scales and mins 4-7 take
+    their low 4 bits from bytes 8-11 (scale low nibble, min high nibble) and their top 2 bits from
+    the spare top bits of bytes 0-3 (scales) and 4-7 (mins).
+    """
+    first, second, rest = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([first & 63, (rest & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([second & 63, (rest >> 4) | ((second >> 2) & 0x30)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # d: f16 | dmin: f16 | scales and mins: 12 bytes | q: 256 x 4 bits, 8 sub-blocks of 32
+    scales, mins = _k_scales(blocks[:, 4:16])
+    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
+    step = (_f16(blocks, 0) * scales).unsqueeze(-1)
+    offset = (_f16(blocks, 2) * mins).unsqueeze(-1)
+    return (step * q - offset).reshape(-1, 256)
+
+
+def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    # d | dmin | scales and mins: 12 bytes | fifth bits: 32 bytes (bit j for sub-block j) | q: 256 x 4 bits
+    scales, mins = _k_scales(blocks[:, 4:16])
+    low = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = (blocks[:, 16:48].unsqueeze(1) >> shifts) & 1
+    q = (low | (high << 4)).float()
+    step = (_f16(blocks, 0) * scales).unsqueeze(-1)
+    offset = (_f16(blocks, 2) * mins).unsqueeze(-1)
+    return (step * q - offset).reshape(-1, 256)
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # low 4 bits: 128 bytes | high 2 bits: 64 bytes | 16 int8 scales | d: f16; two halves of 128 values.
+    # In each half, 64 low-bit bytes give values 0-63 (low nibbles) and 64-127 (high nibbles);
+    # 32 high-bit bytes give values 0-31, 32-63, 64-95, 96-127 from bit pairs 0-1, 2-3, 4-5, 6-7.
+    low = _nibbles(blocks[:, :128].reshape(-1, 2, 64))
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = ((blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 2, 128)
+    q = ((low | (high << 4)).float() - 32).reshape(-1, 16, 16)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    return ((_f16(blocks, 208) * scales).unsqueeze(-1) * q).reshape(-1, 256)
+
+
+_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLQuantizationType.F32: _dequantize_f32,
+    GGMLQuantizationType.F16: _dequantize_f16,
+    GGMLQuantizationType.BF16: _dequantize_bf16,
+    GGMLQuantizationType.Q8_0: _dequantize_q8_0,
+    GGMLQuantizationType.Q4_0: _dequantize_q4_0,
+    GGMLQuantizationType.Q4_1: _dequantize_q4_1,
+    GGMLQuantizationType.Q5_0: _dequantize_q5_0,
+    GGMLQuantizationType.Q5_1: _dequantize_q5_1,
+    GGMLQuantizationType.Q4_K: _dequantize_q4_k,
+    GGMLQuantizationType.Q5_K: _dequantize_q5_k,
+    GGMLQuantizationType.Q6_K: _dequantize_q6_k,
+}
