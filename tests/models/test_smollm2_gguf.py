@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from tuili import LLM, SamplingParams
-from tuili.models.default_model import default_model_path
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -21,13 +19,6 @@ STEPS = 24
 @pytest.fixture(scope="module")
 def llm():
     return LLM(dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory=256 << 20)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
 
 
 def _hf_greedy(model, ids, steps, eos):
@@ -43,14 +34,14 @@ def _hf_greedy(model, ids, steps, eos):
     return out
 
 
-def test_greedy_chat_matches_transformers(llm, hf_model):
+def test_greedy_chat_matches_transformers(llm, transformers_smollm2):
     tokenizer = llm.get_tokenizer()
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=STEPS))
     for conv, out in zip(conversations, outs, strict=True):
         ids = tokenizer.apply_chat_template(conv)
         assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == _hf_greedy(hf_model, ids, STEPS, llm.engine.eos_token_ids)
+        assert out.outputs[0].token_ids == _hf_greedy(transformers_smollm2, ids, STEPS, llm.engine.eos_token_ids)
 
 
 def test_capital_of_france_is_paris(llm):

