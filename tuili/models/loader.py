@@ -104,7 +104,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     cfg = ModelConfig.from_hf_config(ckpt.config)
     tensors = ((name, (lambda n=name: ckpt.load_tensor(n, torch.float32))) for name in ckpt.tensor_names())
     model = _build(cfg, tensors, dtype, device, max_positions or cfg.max_position_embeddings, str(path))
-    return LoadedModel(model, cfg, Tokenizer(ckpt.load_tokenizer()), path, "gguf")
+    hf_tokenizer = ckpt.load_tokenizer()
+    # Chat models end a turn with an end-of-turn token that llama.cpp records apart from EOS.
+    eot = [ckpt.metadata(key, None) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    tokenizer = Tokenizer(hf_tokenizer, [int(t) for t in eot if t is not None]) if hf_tokenizer else None
+    return LoadedModel(model, cfg, tokenizer, path, "gguf")
 
 
 def _build(

@@ -1,5 +1,105 @@
-"""Placeholder until this part lands."""
+"""`tuili serve`: load a model and serve it over an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from tuili.engine.cli import add_engine_args, engine_kwargs, parse_bytes
+from tuili.errors import TuiliError
 
 
 def register(subparsers) -> None:
-    """Add this part's subcommands to the `tuili` parser."""
+    serve = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /metrics). With no --model, serves the embedded "
+        "SmolLM2-135M-Instruct. SIGINT / SIGTERM shut it down gracefully.",
+    )
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    http.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on the API routes (/health and /metrics stay open)")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model name clients use (default: the model file or directory name)")
+    http.add_argument("--max-waiting", type=int, default=None,
+                      help="answer 503 while this many sequences wait to be scheduled (default: no limit)")
+    http.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
+                      help="largest request body accepted, e.g. 4MiB (default); larger ones get 413")
+    http.add_argument("--shutdown-grace", type=float, default=30.0,
+                      help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are "
+                      "aborted (default 30)")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    http.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(serve)
+    serve.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _check_args(args)
+        # Bind first: a port in use fails now, not after the model has loaded.
+        sock = _bind(args.host, args.port)
+    except (TuiliError, OSError) as e:
+        print(f"tuili: error: {e}", file=sys.stderr)
+        return 2
+    with sock:
+        try:
+            engine = _load_engine(args)
+        except TuiliError as e:
+            print(f"tuili: error: {e}", file=sys.stderr)
+            return 2
+        return _serve(engine, args, sock)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise TuiliError(f"--port {args.port} is invalid: expected 0 to 65535")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise TuiliError(f"--max-waiting {args.max_waiting} is invalid: expected at least 1")
+    if args.shutdown_grace < 0:
+        raise TuiliError(f"--shutdown-grace {args.shutdown_grace} is invalid: expected seconds >= 0")
+    if args.max_request_bytes < 1024:
+        raise TuiliError(f"--max-request-bytes {args.max_request_bytes} is invalid: expected at least 1KiB")
+    if args.api_key is not None and not args.api_key:
+        raise TuiliError("--api-key is empty: expected a key")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise TuiliError(f"--host {host!r} is not an address this machine can listen on: {e}") from e
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+def _load_engine(args: argparse.Namespace):
+    from tuili.config import EngineConfig
+    from tuili.engine.core import LLMEngine
+
+    return LLMEngine(EngineConfig(**engine_kwargs(args)))
+
+
+def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
+    from tuili.server.app import ServerSettings
+    from tuili.server.serve import serve
+
+    name = args.served_model_name or _default_name(engine.model_path)
+    settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes)
+    serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log)
+    return 0
+
+
+def _default_name(path) -> str:
+    return path.stem if path.suffix == ".gguf" else path.name
