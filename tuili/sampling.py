@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tuili.errors import RequestError
+
 
 @dataclass
 class SamplingParams:
@@ -49,9 +51,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and what was expected."""
-        def bad(name: str, value: object, expected: str) -> ValueError:
-            return ValueError(f"{name}={value!r} is invalid: expected {expected}")
+        """Raise RequestError (a ValueError) naming the first bad field and what was expected."""
+
+        def bad(name: str, value: object, expected: str) -> RequestError:
+            return RequestError(f"{name}={value!r} is invalid: expected {expected}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tuili.engine.request import RequestOutput
 from tuili.errors import TuiliError
 
 
@@ -121,8 +122,8 @@ def _load(args: argparse.Namespace):
     return llm
 
 
-def _stream(llm, prompt, params) -> Iterator[str]:
-    """Yield text deltas of one request as the engine produces them."""
+def _stream(llm, prompt, params) -> Iterator[tuple[str, RequestOutput]]:
+    """Yield (new text, output so far) for one request as the engine produces it."""
     engine = llm.engine
     request_id = engine.add_request(prompt, params)
     shown = 0
@@ -132,7 +133,7 @@ def _stream(llm, prompt, params) -> Iterator[str]:
                 if out.request_id != request_id:
                     continue
                 text = out.outputs[0].text
-                yield text[shown:]
+                yield text[shown:], out
                 shown = len(text)
                 if out.finished:
                     return
@@ -148,7 +149,7 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt = args.prompt
             if args.chat_template:
                 prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])}
-            for delta in _stream(llm, prompt, params):
+            for delta, _ in _stream(llm, prompt, params):
                 print(delta, end="", flush=True)
             print()
             return 0
@@ -245,11 +246,17 @@ def run_chat(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": user})
             ids = tokenizer.apply_chat_template(history)
-            reply = ""
-            for delta in _stream(llm, {"prompt_token_ids": ids}, params):
+            reply, out, start = "", None, time.perf_counter()
+            for delta, out in _stream(llm, {"prompt_token_ids": ids}, params):
                 reply += delta
                 print(delta, end="", flush=True)
             print()
+            generated = len(out.outputs[0].token_ids)
+            print(
+                f"[{len(ids)} prompt tokens, {out.metrics.num_cached_tokens} from cache; {generated} generated "
+                f"in {time.perf_counter() - start:.1f}s]",
+                file=sys.stderr,
+            )
             history.append({"role": "assistant", "content": reply})
     except TuiliError as e:
         print(f"tuili: error: {e}", file=sys.stderr)
