@@ -247,8 +247,8 @@ def run_chat(args: argparse.Namespace) -> int:
             history.append({"role": "user", "content": user})
             ids = tokenizer.apply_chat_template(history)
             reply, out, start = "", None, time.perf_counter()
-            for delta, out in _stream(llm, {"prompt_token_ids": ids}, params):
-                reply += delta
+            for delta, snapshot in _stream(llm, {"prompt_token_ids": ids}, params):
+                reply, out = reply + delta, snapshot
                 print(delta, end="", flush=True)
             print()
             generated = len(out.outputs[0].token_ids)

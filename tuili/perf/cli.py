@@ -53,7 +53,7 @@ def register(subparsers) -> None:
         "decode-like shapes; print a table and save a spec that `tuili plan` and the engine's MFU/MBU use.",
     )
     probe.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when present)")
-    probe.add_argument("--quick", action="store_true", help="small sizes, about a second on a CPU")
+    probe.add_argument("--quick", action="store_true", help="fewer shapes and repeats: a few seconds")
     probe.add_argument("--no-save", action="store_true", help="print only; keep the saved spec as it is")
     probe.add_argument("--json", action="store_true", help="print the spec as JSON")
     probe.set_defaults(func=run_probe)
@@ -134,7 +134,12 @@ def run_probe(args: argparse.Namespace) -> int:
         print(f"{spec.name}: {_gib(spec.memory_bytes)} memory")
         width = max(len(m.name) for m in results)
         for m in results:
-            value = f"{m.value / 1e9:10.2f} GB/s   " if m.unit == "B/s" else f"{m.value / 1e12:10.3f} TFLOP/s"
+            if m.unit == "B/s":
+                value = f"{m.value / 1e9:10.2f} GB/s   "
+            elif m.unit == "s":
+                value = f"{m.value * 1e6:10.1f} µs     "
+            else:
+                value = f"{m.value / 1e12:10.3f} TFLOP/s"
             print(f"  {m.name:<{width}}  {value}  ({m.seconds * 1e3:.2f} ms per run)")
     if path is not None:
         print(f"saved to {path}: `tuili plan` and the engine's MFU/MBU use it on this machine", file=sys.stderr)
