@@ -182,6 +182,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None = a default for the device
     enable_prefix_caching: bool = True
     kv_offload_memory: int = 0  # bytes of host memory for evicted prefix-cache blocks; 0 = off
+    hardware: str | None = None  # preset name or spec file for MFU/MBU; None = probed or estimated
     seed: int = 0
 
     def validate(self) -> None:

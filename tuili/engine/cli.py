@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="do not reuse the KV of prompt prefixes computed before (on by default)")
     group.add_argument("--kv-offload-memory", type=parse_bytes, default=0,
                        help="host memory for prefix-cache blocks evicted from the KV pool, e.g. 4GiB (default 0: off)")
+    group.add_argument("--hardware", default=None,
+                       help="hardware preset or spec file that MFU/MBU are measured against "
+                       "(default: this machine's `tuili probe` result, else a quick estimate)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
 
 
@@ -51,7 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
+        hardware=args.hardware, seed=args.seed,
     )
 
 
@@ -149,9 +153,15 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt = args.prompt
             if args.chat_template:
                 prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])}
-            for delta, _ in _stream(llm, prompt, params):
+            start, out = time.perf_counter(), None
+            for delta, snapshot in _stream(llm, prompt, params):
+                out = snapshot
                 print(delta, end="", flush=True)
             print()
+            generated = len(out.outputs[0].token_ids)
+            print(f"tuili: {len(out.prompt_token_ids)} prompt + {generated} generated tokens in "
+                  f"{time.perf_counter() - start:.2f}s ({out.outputs[0].finish_reason})", file=sys.stderr)
+            print(llm.engine.meter.summary().format(), file=sys.stderr)
             return 0
         return _generate_file(llm, args.prompts_file, args.output, params)
     except TuiliError as e:
@@ -219,6 +229,7 @@ def _generate_file(llm, path: Path, output: Path | None, params) -> int:
         f"({cache.device_hit_tokens} tokens from the KV pool, {cache.host_hit_tokens} from host memory)",
         file=sys.stderr,
     )
+    print(llm.engine.meter.summary().format(), file=sys.stderr)
     return 0
 
 

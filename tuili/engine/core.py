@@ -28,6 +28,10 @@ from tuili.engine.scheduler import Scheduler, SchedulerOutput
 from tuili.errors import RequestError, TuiliError
 from tuili.layers.sampler import SampledToken
 from tuili.models.loader import load_model
+from tuili.perf.cost import ModelCost
+from tuili.perf.formats import canonical_dtype
+from tuili.perf.hardware import current_hardware
+from tuili.perf.meter import UtilizationMeter
 from tuili.sampling import SamplingParams
 from tuili.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -117,10 +121,21 @@ class LLMEngine:
             loaded.model, num_blocks, config.block_size, self.dtype, self.device, self.eos_token_ids, num_host_blocks
         )
         self.stats = EngineStats()
+        self.meter = self._build_meter(config.hardware)
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
         self.last_step: SchedulerOutput | None = None
+
+    def _build_meter(self, hardware: str | None) -> UtilizationMeter:
+        """Live MFU/MBU against this device's spec: a preset or spec file when named, else the
+        last `tuili probe` of this machine, else a quick estimate (marked as such)."""
+        cost = ModelCost.from_config(self.model_config.raw)
+        spec = current_hardware(self.device.type, hardware)
+        kv_per_token = kv_bytes_per_block(self.model_config, 1, self.dtype)
+        return UtilizationMeter(
+            cost, spec, self.runner.weight_bytes(), kv_per_token, compute_dtype=canonical_dtype(str(self.dtype))
+        )
 
     # ---- requests -------------------------------------------------------------------
 
@@ -226,8 +241,12 @@ class LLMEngine:
                 metrics.num_cached_tokens = item.seq.num_cached_tokens or 0
             seq = item.seq
             self.stats.prompt_tokens_computed += max(0, min(item.start + item.num_tokens, seq.prompt_len) - item.start)
+        started = time.perf_counter()
         self.runner.copy_blocks(out.copies)
         sampled = self.runner.execute(out.scheduled)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a step without sampling returns before the GPU is done
+        self.meter.record_step(*out.split_prefill_decode(), time.perf_counter() - started)
         self.scheduler.update(out)
 
         touched: dict[str, _Request] = {}

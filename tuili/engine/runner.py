@@ -92,6 +92,11 @@ class ModelRunner:
         input_ids, positions, meta, _ = self._prepare(batch)
         return self.model.compute_logits(self.model(input_ids, positions, meta)).float()
 
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights, each storage once (a tied embedding is one tensor)."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.model.parameters()}
+        return sum(storages.values())
+
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state when a sequence finishes or is aborted."""
         self._generators.pop(seq.seq_id, None)

@@ -50,6 +50,18 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
+    def split_prefill_decode(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """This step as prefill chunks (tokens cached before, chunk length) and decode context
+        lengths (including the new token). A decode computes one generated token; anything
+        else, including the recompute of generated tokens after a preemption, is prefill."""
+        chunks, decodes = [], []
+        for item in self.scheduled:
+            if item.num_tokens == 1 and item.start >= item.seq.prompt_len:
+                decodes.append(item.start + 1)
+            else:
+                chunks.append((item.start, item.num_tokens))
+        return chunks, decodes
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:

@@ -1,0 +1,110 @@
+"""Prefix caching on and off, in one run, on the embedded SmolLM2 model; prints ratios.
+
+1. A shared system prompt of ~2,000 tokens followed by 64 short questions, sent one after
+   another: median TTFT with caching vs without (goal: <= 1/5).
+2. A 10-turn conversation, each turn resending the whole history: prompt tokens computed
+   vs new tokens (goal: <= 1.2x).
+3. A workload with 0% hits (distinct random prompts, all at once): throughput with caching
+   on vs off (goal: within 3%).
+
+    python benchmarks/prefix_cache.py [--questions 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+from tuili import LLM, SamplingParams  # noqa: E402
+
+WORDS = ("system policy careful answer user model cache token memory block request server latency "
+         "throughput batch prefill decode kernel tensor layer attention rotary norm sample").split()
+
+
+def system_prompt(tokenizer, target_tokens: int) -> str:
+    rng = random.Random(0)
+    text = "You are a helpful assistant. Follow these rules.\n"
+    while len(tokenizer.encode(text)) < target_tokens:
+        text += " ".join(rng.choice(WORDS) for _ in range(40)) + ".\n"
+    return text
+
+
+def ttft_of_questions(llm: LLM, system: str, questions: list[str]) -> list[float]:
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    ttfts = []
+    for q in questions:
+        out = llm.chat([{"role": "system", "content": system}, {"role": "user", "content": q}], params)[0]
+        ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+    return ttfts
+
+
+def shared_prefix(questions: int) -> None:
+    results = {}
+    for caching in (True, False):
+        llm = LLM(enable_prefix_caching=caching, max_model_len=4096)
+        system = system_prompt(llm.get_tokenizer(), 2000)
+        qs = [f"Question {i}: what is {i} plus {i * 3}?" for i in range(questions)]
+        results[caching] = statistics.median(ttft_of_questions(llm, system, qs))
+        del llm
+    ratio = results[True] / results[False]
+    print(f"1. shared 2,000-token system prompt, {questions} questions: median TTFT {results[True] * 1e3:.0f} ms "
+          f"with caching, {results[False] * 1e3:.0f} ms without: ratio {ratio:.3f} (goal <= 0.2) "
+          f"{'PASS' if ratio <= 0.2 else 'MISS'}")
+
+
+def multi_turn(turns: int = 10) -> None:
+    llm = LLM(max_model_len=4096)
+    tokenizer = llm.get_tokenizer()
+    history: list[dict] = []
+    new_tokens = 0
+    before = llm.engine.stats.prompt_tokens_computed
+    previous_len = 0
+    for turn in range(turns):
+        history.append({"role": "user", "content": f"Turn {turn}: tell me one short fact about the number {turn}."})
+        ids = tokenizer.apply_chat_template(history)
+        new_tokens += len(ids) - previous_len
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=48))[0]
+        history.append({"role": "assistant", "content": out.outputs[0].text})
+        previous_len = len(ids)
+    computed = llm.engine.stats.prompt_tokens_computed - before
+    ratio = computed / new_tokens
+    print(f"2. {turns}-turn conversation: {computed} prompt tokens computed for {new_tokens} new ones: "
+          f"{ratio:.2f}x (goal <= 1.2) {'PASS' if ratio <= 1.2 else 'MISS'}")
+
+
+def zero_hit_overhead(requests: int = 32, repeats: int = 3) -> None:
+    rng = random.Random(1)
+    best = {True: 0.0, False: 0.0}
+    llms = {c: LLM(enable_prefix_caching=c, max_model_len=1024) for c in (True, False)}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for _ in range(repeats):
+        for caching, llm in llms.items():  # interleaved, best of `repeats`: less noise
+            prompts = [{"prompt_token_ids": [rng.randrange(100, 49000) for _ in range(256)]} for _ in range(requests)]
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            best[caching] = max(best[caching], requests * 32 / (time.perf_counter() - start))
+    assert llms[True].engine.block_manager.stats.hit_tokens == 0
+    ratio = best[True] / best[False]
+    print(f"3. 0% hits, {requests} x 256-token prompts: {best[True]:.1f} vs {best[False]:.1f} output tok/s "
+          f"with / without caching: {ratio:.3f} (goal >= 0.97) {'PASS' if ratio >= 0.97 else 'MISS'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", type=int, default=64)
+    args = parser.parse_args()
+    print(f"machine: {machine()}; model: embedded SmolLM2-135M-Instruct (Q4_1 GGUF, float32)")
+    shared_prefix(args.questions)
+    multi_turn()
+    zero_hit_overhead()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""One decode step of the engine on CPU: the bytes the cost model says it reads are the engine's
+own weight tensors plus the KV blocks the sequence holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from tuili import LLM
+from tuili.engine.runner import kv_bytes_per_block
+from tuili.perf.cost import ModelCost
+from tuili.perf.hardware import HardwareSpec
+from tuili.perf.meter import UtilizationMeter
+from tuili.sampling import SamplingParams
+
+BLOCK = 16
+
+
+def checkpoint(path, tied: bool):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return path
+
+
+def engine_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the engine's parameter tensors, a shared (tied) one counted once."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_decode_step_bytes_are_engine_weights_plus_kv_blocks(tmp_path, tied):
+    path = checkpoint(tmp_path / "model", tied)
+    engine = LLM(model=str(path), device="cpu", dtype="float32", block_size=BLOCK, max_model_len=128,
+                 kv_cache_memory=1 << 20).engine
+    prompt_len = 2 * BLOCK - 1  # the decoded token fills the second block exactly
+    engine.add_request({"prompt_token_ids": list(range(1, prompt_len + 1))},
+                       SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    engine.step()  # the prefill
+    engine.step()  # one decode step
+    [item] = engine.last_step.scheduled
+    assert (item.start, item.num_tokens) == (prompt_len, 1)
+    context = item.start + 1
+    blocks = len(item.seq.block_table)
+    assert blocks * BLOCK == context
+
+    model = engine.runner.model
+    weights = engine_weight_bytes(model)
+    kv_blocks = blocks * kv_bytes_per_block(engine.model_config, BLOCK, engine.dtype)
+    # an untied input embedding is read only for the one row looked up
+    embedding = model.model.embed_tokens.weight
+    skipped = 0 if tied else embedding.nbytes - embedding[0].nbytes
+
+    cost = ModelCost.from_config(json.loads((path / "config.json").read_text()))
+    assert cost.decode_step_bytes("fp32", [context], kv_dtype="fp32") == weights - skipped + kv_blocks
+
+    card = HardwareSpec(name="cpu", peak_flops={"fp32": 1e11}, memory_bandwidth=1e10, memory_bytes=2**33)
+    meter = UtilizationMeter(cost, card, weights, kv_bytes_per_block(engine.model_config, 1, engine.dtype),
+                             compute_dtype="fp32")
+    assert meter.step_decode_bytes([context]) == weights - skipped + kv_blocks
+
+
+def test_plan_measure_runs_the_engine_and_compares(tmp_path, capsys, monkeypatch):
+    from tuili.cli import main
+
+    monkeypatch.setenv("TUILI_CACHE_DIR", str(tmp_path / "cache"))
+    path = checkpoint(tmp_path / "model", tied=True)
+    spec = tmp_path / "cpu.json"
+    spec.write_text(json.dumps({
+        "name": "cpu", "peak_flops": {"fp32": 5e10}, "memory_bandwidth": 5e9, "memory_bytes": 2**33,
+        # one-row matmuls: 1 MiB in 210 µs, 16 MiB in 2.61 ms -> 50 µs + bytes at 6.55 GB/s
+        "measurements": {"matmul fp32 skinny 1x512x512 seconds per matmul": 210e-6,
+                         "matmul fp32 skinny 1x2048x2048 seconds per matmul": 2.61e-3},
+    }))
+    assert main(["plan", "--model", str(path), "--hardware", str(spec), "--device", "cpu", "--measure",
+                 "--prompt", "24", "--output", "6", "--batch", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in report["comparisons"]}
+    assert {"TTFT", "prefill MFU", "decode step", "decode MBU", "decode step, probe's matmul overhead"} <= set(rows)
+    assert report["decode_steps"] == 5  # output tokens after the first, both sequences in each step
+    for row in rows.values():
+        assert row["predicted"] > 0 and row["measured"] > 0
+    # 50 µs per matmul and a slower rate than the memory bandwidth: a slower prediction
+    assert rows["decode step, probe's matmul overhead"]["predicted"] > rows["decode step"]["predicted"]

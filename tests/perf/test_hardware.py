@@ -1,0 +1,154 @@
+"""Hardware presets, spec files, the probe cache and `tuili probe`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tuili.cli import main
+from tuili.errors import TuiliError
+from tuili.perf.hardware import (
+    LINKS,
+    PRESETS,
+    HardwareSpec,
+    current_hardware,
+    load_spec_file,
+    preset,
+    preset_for_device_name,
+    probe_path,
+    save_probe,
+)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Every test gets its own probe cache, so none sees a real probe of this machine."""
+    monkeypatch.setenv("TUILI_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_presets_cover_the_cards_and_links_the_ruler_promises():
+    cards = [
+        "v100-sxm2-16gb", "v100-sxm2-32gb", "v100-pcie-16gb", "v100-pcie-32gb", "v100s", "t4", "a10",
+        "a100-sxm-40gb", "a100-sxm-80gb", "a100-pcie-40gb", "a100-pcie-80gb", "l40s", "h100-sxm", "h100-pcie",
+        "h800", "h20", "h200", "b200", "rtx3090", "rtx4090", "rtx5090",
+    ]
+    assert set(cards) <= set(PRESETS)
+    assert {"pcie3", "pcie4", "pcie5", "nvlink2", "nvlink3", "nvlink4", "nvlink5", "100gbe", "200gbe", "400gbe",
+            "ib-hdr", "ib-ndr"} <= set(LINKS)
+    for spec in PRESETS.values():
+        assert spec.source and spec.origin == "preset"
+        assert spec.interconnect in LINKS
+
+
+@pytest.mark.parametrize(
+    "name, sms, clock_hz, flop_per_clock_per_sm",
+    [
+        ("a100-sxm-80gb", 108, 1.41e9, 2048),  # Ampere: 4 tensor cores x 256 dense FP16 FMA per clock
+        ("h100-sxm", 132, 1.83e9, 4096),  # Hopper: 4 tensor cores x 512 dense FP16 FMA per clock
+    ],
+)
+def test_presets_are_dense_not_sparse_figures(name, sms, clock_hz, flop_per_clock_per_sm):
+    """SMs x boost clock x FLOPs per SM per clock gives the dense rate; the sparse one is twice it."""
+    assert preset(name).flops("bf16") == pytest.approx(sms * clock_hz * flop_per_clock_per_sm, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "name, bus_bits, gbit_per_pin",
+    [("a100-sxm-80gb", 5120, 3.186), ("h100-sxm", 5120, 5.23), ("rtx3090", 384, 19.5), ("rtx4090", 384, 21),
+     ("rtx5090", 512, 28), ("t4", 256, 10)],
+)
+def test_memory_bandwidth_is_bus_width_times_data_rate(name, bus_bits, gbit_per_pin):
+    assert preset(name).memory_bandwidth == pytest.approx(bus_bits * gbit_per_pin * 1e9 / 8, rel=0.01)
+
+
+def test_unknown_hardware_lists_the_known_ones():
+    with pytest.raises(TuiliError) as e:
+        current_hardware("cpu", "h100-super")
+    assert "h100-super" in str(e.value) and "h100-sxm" in str(e.value) and "rtx5090" in str(e.value)
+
+
+def test_preset_names_are_forgiving_and_device_names_map_to_presets():
+    assert preset("H100") is PRESETS["h100-sxm"]
+    assert preset("RTX 4090") is PRESETS["rtx4090"]
+    assert preset_for_device_name("NVIDIA H100 80GB HBM3") is PRESETS["h100-sxm"]
+    assert preset_for_device_name("NVIDIA A100-SXM4-40GB") is PRESETS["a100-sxm-40gb"]
+    assert preset_for_device_name("Tesla V100-PCIE-16GB") is PRESETS["v100-pcie-16gb"]
+    assert preset_for_device_name("NVIDIA H200") is PRESETS["h200"]
+    assert preset_for_device_name("NVIDIA H20") is PRESETS["h20"]
+    assert preset_for_device_name("NVIDIA H100 MIG 1g.10gb") is None  # a slice: its own figures
+    assert preset_for_device_name("AMD Instinct MI300X") is None
+
+
+def test_user_spec_files_json_and_yaml(tmp_path):
+    spec = {"name": "my-card", "peak_flops": {"bf16": 100e12, "fp8": 200e12}, "memory_bandwidth": 1e12,
+            "memory_bytes": 48 * 2**30, "interconnect": "pcie4", "source": "our lab"}
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps(spec))
+    loaded = current_hardware("cpu", str(path))
+    assert loaded.name == "my-card" and loaded.origin == "file" and loaded.flops("fp8") == 200e12
+    assert loaded.flops("int4") == 100e12  # a dtype the card lacks runs at its 16-bit rate
+    yaml_path = tmp_path / "card.yaml"
+    yaml_path.write_text("name: yaml-card\npeak_flops: {bf16: 5.0e13}\nmemory_bandwidth: 4.0e11\nmemory_bytes: 17179869184\n")
+    assert load_spec_file(yaml_path).memory_bandwidth == 4e11
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"name": "x", "peak_flops": {"bf16": 1e12}}', "memory_bandwidth"),
+        ('{"name": "x", "peak_flops": {"bf17": 1e12}, "memory_bandwidth": 1e9, "memory_bytes": 1}', "bf17"),
+        ('{"name": "x", "peak_flops": {"bf16": -1}, "memory_bandwidth": 1e9, "memory_bytes": 1}', "positive"),
+        ('{"name": "x", "peak_flops": {"bf16": 1e12}, "memory_bandwidth": "fast", "memory_bytes": 1}', "fast"),
+        ('{"name": "x", "peak_flops": {"bf16": 1e12}, "memory_bandwidth": 1e9, "memory_bytes": 1, "color": 1}',
+         "color"),
+    ],
+)
+def test_bad_spec_files_are_named_clearly(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(TuiliError, match=message):
+        load_spec_file(path)
+
+
+def test_never_probed_machine_gets_a_marked_estimate_then_its_probe():
+    estimate = current_hardware("cpu")
+    assert estimate.origin == "estimate" and estimate.estimated
+    assert estimate.memory_bandwidth > 0 and estimate.flops("fp32") > 0
+    probed = HardwareSpec(name="this box (probed)", peak_flops={"fp32": 1e11}, memory_bandwidth=2e10,
+                          memory_bytes=2**34, origin="probe")
+    path = save_probe(probed, "cpu")
+    assert path == probe_path("cpu") and path.is_file()
+    assert current_hardware("cpu") == probed
+
+
+def test_probe_quick_measures_saves_and_is_used(capsys):
+    assert main(["probe", "--device", "cpu", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "memory read" in out and "matmul fp32 large" in out and "skinny" in out
+    spec = current_hardware("cpu")
+    assert spec.origin == "probe"
+    assert spec.memory_bandwidth > 1e8  # any machine reads more than 100 MB/s
+    assert spec.flops("fp32") > 1e8
+    assert any("skinny" in name for name in spec.measurements)
+
+
+def test_probe_of_a_missing_gpu_is_a_clear_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the error is for machines without one")
+    assert main(["probe", "--device", "cuda", "--quick", "--no-save"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_matmul_overhead_and_rate_fit_the_probe_points():
+    from tuili.perf.probe import fit_gemv
+
+    small, large = 512 * 512 * 4, 2048 * 2048 * 4  # fp32 weight bytes
+    overhead, rate = 50e-6, 6.5e9
+    measured = {"matmul fp32 skinny 1x512x512 seconds per matmul": overhead + small / rate,
+                "matmul fp32 skinny 1x2048x2048 seconds per matmul": overhead + large / rate}
+    assert fit_gemv(measured, "fp32") == pytest.approx((overhead, rate))
+    assert fit_gemv(measured, "bf16") is None

@@ -1,0 +1,364 @@
+"""Hardware specs: datasheet presets with their sources, user spec files, and probed machines.
+
+Units are SI throughout: FLOP/s, bytes/s, bytes. FLOP/s figures are **dense** peaks (NVIDIA's
+datasheets print the 2:4-sparse figure for Ampere and later; the dense one is half of it) for
+matrix multiplies on tensor cores, except "fp32", which is the plain (non-tensor) FP32 rate.
+GeForce cards are listed at their FP32-accumulate rate, the mode inference kernels use (the
+FP16-accumulate rate printed first on their spec pages is twice that). Memory capacities are
+binary, as DRAM is built: an "80 GB" card holds 80 x 2^30 bytes (nvidia-smi reports 81920 MiB
+on an A100 80GB). Bandwidths are decimal (3.35 TB/s = 3.35e12 bytes/s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tuili.errors import TuiliError
+
+GiB = 2**30
+T = 1e12
+G = 1e9
+
+# Dtypes a peak_flops table may list ("tf32": fp32 inputs on tensor cores; "fp32": plain FP32).
+PEAK_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp4", "int4")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link between devices or machines. ``bandwidth`` is bytes/s in each direction (a ring
+    all-reduce and a point-to-point copy both run at the one-direction rate). ``latency`` is the
+    typical small-message time per hop: an order of magnitude from published measurements, not a
+    datasheet figure, so plans that hinge on it say so."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    source: str
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One device: its peaks by dtype, memory bandwidth and size, and where the figures came from.
+
+    ``origin`` is "preset" (a datasheet), "file" (a user's spec), "probe" (measured on this
+    machine by `tuili probe`) or "estimate" (a quick built-in guess, made when nothing better is
+    known; every report that uses one says so).
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    memory_bytes: int
+    interconnect: str | None = None
+    source: str = ""
+    origin: str = "preset"
+    measurements: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops:
+            raise TuiliError(f"hardware {self.name!r} gives no peak_flops: expected e.g. {{\"bf16\": 989.4e12}}")
+        for dtype, value in self.peak_flops.items():
+            if dtype not in PEAK_DTYPES:
+                raise TuiliError(
+                    f"hardware {self.name!r} lists peak_flops for {dtype!r}: expected dtypes among {', '.join(PEAK_DTYPES)}"
+                )
+            _positive(f"peak_flops[{dtype!r}] of {self.name!r}", value)
+        _positive(f"memory_bandwidth of {self.name!r}", self.memory_bandwidth)
+        _positive(f"memory_bytes of {self.name!r}", self.memory_bytes)
+        if self.interconnect is not None and self.interconnect not in LINKS:
+            raise TuiliError(
+                f"hardware {self.name!r} names interconnect {self.interconnect!r}: expected one of {', '.join(LINKS)}"
+            )
+
+    def flops(self, dtype: str = "bf16") -> float:
+        """Peak FLOP/s for matmuls in ``dtype``; a dtype the device lacks falls back to the 16-bit
+        rate (it would run there after dequantizing), then to fp32."""
+        for candidate in (dtype, "bf16", "fp16", "fp32"):
+            if candidate in self.peak_flops:
+                return self.peak_flops[candidate]
+        return max(self.peak_flops.values())
+
+    def dtype_used(self, dtype: str) -> str:
+        """The dtype whose peak ``flops(dtype)`` returns."""
+        for candidate in (dtype, "bf16", "fp16", "fp32"):
+            if candidate in self.peak_flops:
+                return candidate
+        return max(self.peak_flops, key=self.peak_flops.__getitem__)
+
+    @property
+    def estimated(self) -> bool:
+        return self.origin == "estimate"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "hardware spec") -> HardwareSpec:
+        if not isinstance(data, dict):
+            raise TuiliError(f"{where}: expected a JSON/YAML object, got {type(data).__name__}")
+        required = ("name", "peak_flops", "memory_bandwidth", "memory_bytes")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise TuiliError(
+                f"{where} lacks {', '.join(missing)}: a spec needs name, peak_flops (FLOP/s by dtype), "
+                f"memory_bandwidth (bytes/s) and memory_bytes"
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TuiliError(f"{where} has unknown field(s) {', '.join(unknown)}: expected {', '.join(sorted(known))}")
+        if not isinstance(data["peak_flops"], dict):
+            raise TuiliError(f"{where}: peak_flops must map dtype names to FLOP/s, got {data['peak_flops']!r}")
+        return cls(
+            name=str(data["name"]),
+            peak_flops={str(k).lower(): _number(f"{where} peak_flops[{k!r}]", v) for k, v in data["peak_flops"].items()},
+            memory_bandwidth=_number(f"{where} memory_bandwidth", data["memory_bandwidth"]),
+            memory_bytes=int(_number(f"{where} memory_bytes", data["memory_bytes"])),
+            interconnect=data.get("interconnect"),
+            source=str(data.get("source", where)),
+            origin=str(data.get("origin", "file")),
+            measurements={str(k): float(v) for k, v in (data.get("measurements") or {}).items()},
+        )
+
+
+def _number(where: str, value: object) -> float:
+    if isinstance(value, str):
+        # PyYAML (YAML 1.1) reads "5.0e13" as a string; accept any numeric spelling
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TuiliError(f"{where}={value!r} is invalid: expected a number (SI units)")
+    return float(value)
+
+
+def _positive(where: str, value: float) -> None:
+    if not value > 0:
+        raise TuiliError(f"{where}={value!r} is invalid: expected a positive number")
+
+
+# ---- links ------------------------------------------------------------------------------------
+
+_PCIE = "PCI-SIG base specs: 8/16/32 GT/s per lane, 128b/130b encoding, x16, per direction"
+_NVLINK = "NVIDIA NVLink product page and GPU datasheets (total bidirectional figure / 2)"
+_ETH = "IEEE 802.3 line rate / 8"
+_IB = "InfiniBand Trade Association data rates (4x link) / 8"
+_LAT = "latency: typical small-message figure (NCCL tests, perftest), order of magnitude only"
+
+LINKS: dict[str, LinkSpec] = {
+    "pcie3": LinkSpec("pcie3", 8e9 * 16 * 128 / 130 / 8, 5e-6, f"{_PCIE}; {_LAT}"),
+    "pcie4": LinkSpec("pcie4", 16e9 * 16 * 128 / 130 / 8, 5e-6, f"{_PCIE}; {_LAT}"),
+    "pcie5": LinkSpec("pcie5", 32e9 * 16 * 128 / 130 / 8, 5e-6, f"{_PCIE}; {_LAT}"),
+    "nvlink2": LinkSpec("nvlink2", 150 * G, 3e-6, f"V100 SXM2: 300 GB/s total; {_NVLINK}; {_LAT}"),
+    "nvlink3": LinkSpec("nvlink3", 300 * G, 3e-6, f"A100 SXM: 600 GB/s total; {_NVLINK}; {_LAT}"),
+    "nvlink4": LinkSpec("nvlink4", 450 * G, 3e-6, f"H100/H200/H20 SXM: 900 GB/s total; {_NVLINK}; {_LAT}"),
+    "nvlink-h800": LinkSpec("nvlink-h800", 200 * G, 3e-6, f"H800 SXM: 400 GB/s total; {_NVLINK}; {_LAT}"),
+    "nvlink5": LinkSpec("nvlink5", 900 * G, 3e-6, f"B200: 1.8 TB/s total; {_NVLINK}; {_LAT}"),
+    "100gbe": LinkSpec("100gbe", 100e9 / 8, 10e-6, f"{_ETH}; {_LAT} (RoCE; TCP is slower)"),
+    "200gbe": LinkSpec("200gbe", 200e9 / 8, 10e-6, f"{_ETH}; {_LAT} (RoCE; TCP is slower)"),
+    "400gbe": LinkSpec("400gbe", 400e9 / 8, 10e-6, f"{_ETH}; {_LAT} (RoCE; TCP is slower)"),
+    "ib-edr": LinkSpec("ib-edr", 100e9 / 8, 2e-6, f"EDR 100 Gb/s; {_IB}; {_LAT}"),
+    "ib-hdr": LinkSpec("ib-hdr", 200e9 / 8, 2e-6, f"HDR 200 Gb/s; {_IB}; {_LAT}"),
+    "ib-ndr": LinkSpec("ib-ndr", 400e9 / 8, 2e-6, f"NDR 400 Gb/s; {_IB}; {_LAT}"),
+    "ib-xdr": LinkSpec("ib-xdr", 800e9 / 8, 2e-6, f"XDR 800 Gb/s; {_IB}; {_LAT}"),
+}
+_LINK_ALIASES = {
+    "pcie3-x16": "pcie3", "pcie4-x16": "pcie4", "pcie5-x16": "pcie5",
+    "100gbe-ethernet": "100gbe", "ib-100g": "ib-edr", "ib-200g": "ib-hdr", "ib-400g": "ib-ndr", "ib-800g": "ib-xdr",
+    "infiniband-ndr": "ib-ndr", "400g-ib": "ib-ndr",
+}
+
+
+def link(name: str) -> LinkSpec:
+    key = _LINK_ALIASES.get(name.lower(), name.lower())
+    if key not in LINKS:
+        raise TuiliError(f"unknown link {name!r}: expected one of {', '.join(LINKS)}")
+    return LINKS[key]
+
+
+# ---- presets ----------------------------------------------------------------------------------
+
+_V100 = "NVIDIA Tesla V100 datasheet (volta-v100-datasheet-update-us-1165301-r5)"
+_T4 = "NVIDIA T4 datasheet (t4-tensor-core-datasheet-951643)"
+_A10 = "NVIDIA A10 datasheet (a10-datasheet-nvidia-us-2144296); sparse figures halved"
+_A100 = "NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4); sparse figures halved"
+_L40S = "NVIDIA L40S datasheet (l40s-datasheet-2648316); sparse figures halved"
+_H100 = "NVIDIA H100 datasheet (h100-datasheet-2430615); sparse figures halved"
+_H800 = "NVIDIA H800 SXM5 product brief: H100 SXM compute, 3.35 TB/s, NVLink 400 GB/s; sparse figures halved"
+_H20 = "NVIDIA H20 published specs (148 TFLOPS BF16, 296 TFLOPS FP8/INT8 dense, 96 GB HBM3, 4.0 TB/s)"
+_H200 = "NVIDIA H200 datasheet (h200-datasheet-3002446); sparse figures halved"
+_B200 = "NVIDIA HGX B200 datasheet, individual GPU at 1,000 W; sparse figures halved"
+_GA102 = "NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A (FP32 accumulate)"
+_AD102 = "NVIDIA Ada GPU architecture whitepaper, appendix A (FP32 accumulate)"
+_GB202 = "NVIDIA RTX Blackwell GPU architecture whitepaper, appendix (FP32 accumulate)"
+
+
+def _gpu(name: str, flops_t: dict[str, float], bw: float, mem_gib: float, link_name: str, source: str) -> HardwareSpec:
+    return HardwareSpec(
+        name=name, peak_flops={k: v * T for k, v in flops_t.items()}, memory_bandwidth=bw,
+        memory_bytes=int(mem_gib * GiB), interconnect=link_name, source=source, origin="preset",
+    )
+
+
+_V100_SXM2 = {"fp16": 125, "fp32": 15.7}
+_V100_PCIE = {"fp16": 112, "fp32": 14}
+_AMPERE_A100 = {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312, "int8": 624}
+_HOPPER_SXM = {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "int8": 1978.9}
+
+PRESETS: dict[str, HardwareSpec] = {p.name: p for p in [
+    _gpu("v100-sxm2-16gb", _V100_SXM2, 900 * G, 16, "nvlink2", _V100),
+    _gpu("v100-sxm2-32gb", _V100_SXM2, 900 * G, 32, "nvlink2", _V100),
+    _gpu("v100-pcie-16gb", _V100_PCIE, 900 * G, 16, "pcie3", _V100),
+    _gpu("v100-pcie-32gb", _V100_PCIE, 900 * G, 32, "pcie3", _V100),
+    _gpu("v100s", {"fp16": 130, "fp32": 16.4}, 1134 * G, 32, "pcie3", "NVIDIA V100S PCIe datasheet"),
+    _gpu("t4", {"fp16": 65, "int8": 130, "fp32": 8.1}, 320 * G, 16, "pcie3", _T4),
+    _gpu("a10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125, "int8": 250}, 600 * G, 24, "pcie4", _A10),
+    _gpu("a100-sxm-40gb", _AMPERE_A100, 1555 * G, 40, "nvlink3", _A100),
+    _gpu("a100-sxm-80gb", _AMPERE_A100, 2039 * G, 80, "nvlink3", _A100),
+    _gpu("a100-pcie-40gb", _AMPERE_A100, 1555 * G, 40, "pcie4", _A100),
+    _gpu("a100-pcie-80gb", _AMPERE_A100, 1935 * G, 80, "pcie4", _A100),
+    _gpu("l40s", {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733, "int8": 733},
+         864 * G, 48, "pcie4", _L40S),
+    _gpu("h100-sxm", _HOPPER_SXM, 3350 * G, 80, "nvlink4", _H100),
+    _gpu("h100-pcie", {"fp32": 51, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513, "int8": 1513},
+         2000 * G, 80, "pcie5", _H100),
+    _gpu("h800", _HOPPER_SXM, 3350 * G, 80, "nvlink-h800", _H800),
+    _gpu("h20", {"fp32": 44, "tf32": 74, "bf16": 148, "fp16": 148, "fp8": 296, "int8": 296},
+         4000 * G, 96, "nvlink4", _H20),
+    _gpu("h200", _HOPPER_SXM, 4800 * G, 141, "nvlink4", _H200),
+    _gpu("b200", {"fp32": 75, "tf32": 1100, "bf16": 2250, "fp16": 2250, "fp8": 4500, "int8": 4500, "fp4": 9000},
+         7700 * G, 180, "nvlink5", _B200),
+    _gpu("rtx3090", {"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71, "int8": 284}, 936 * G, 24, "pcie4", _GA102),
+    _gpu("rtx4090", {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3, "int8": 660.6},
+         1008 * G, 24, "pcie4", _AD102),
+    _gpu("rtx5090", {"fp32": 104.8, "tf32": 104.8, "bf16": 209.5, "fp16": 209.5, "fp8": 419, "int8": 838, "fp4": 1676},
+         1792 * G, 32, "pcie5", _GB202),
+]}
+
+_PRESET_ALIASES = {
+    "v100": "v100-sxm2-32gb", "v100-sxm2": "v100-sxm2-32gb", "v100-pcie": "v100-pcie-32gb",
+    "v100s-pcie": "v100s", "a100": "a100-sxm-80gb", "a100-40gb": "a100-sxm-40gb", "a100-80gb": "a100-sxm-80gb",
+    "a100-sxm": "a100-sxm-80gb", "a100-pcie": "a100-pcie-80gb", "h100": "h100-sxm", "h800-sxm": "h800",
+    "h200-sxm": "h200", "rtx-3090": "rtx3090", "rtx-4090": "rtx4090", "rtx-5090": "rtx5090",
+    "3090": "rtx3090", "4090": "rtx4090", "5090": "rtx5090",
+}
+
+# nvidia-smi / torch.cuda device names -> preset, tried in order.
+_DEVICE_NAME_PATTERNS: list[tuple[str, str | None]] = [
+    # A MIG slice or a card whose variant has other figures gets no preset (it is estimated).
+    (r"\bMIG\b", None), (r"H100 NVL", None), (r"H200 NVL", None),
+    (r"V100S", "v100s"),
+    (r"V100.*SXM2.*16", "v100-sxm2-16gb"), (r"V100.*SXM2", "v100-sxm2-32gb"),
+    (r"V100.*PCIE.*16", "v100-pcie-16gb"), (r"V100", "v100-pcie-32gb"),
+    (r"\bT4\b", "t4"), (r"\bA10\b", "a10"),
+    (r"A100.*SXM.*40", "a100-sxm-40gb"), (r"A100.*SXM", "a100-sxm-80gb"),
+    (r"A100.*PCIE.*40", "a100-pcie-40gb"), (r"A100.*(PCIE|80GB PCIe)", "a100-pcie-80gb"), (r"A100", "a100-sxm-80gb"),
+    (r"L40S", "l40s"), (r"H100.*PCIE", "h100-pcie"), (r"H100", "h100-sxm"), (r"H800", "h800"),
+    (r"H20\b", "h20"), (r"H200", "h200"), (r"B200", "b200"),
+    (r"RTX 3090", "rtx3090"), (r"RTX 4090", "rtx4090"), (r"RTX 5090", "rtx5090"),
+]
+
+
+def preset(name: str) -> HardwareSpec:
+    """A preset by name (case-insensitive, a few common aliases accepted)."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    key = _PRESET_ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise TuiliError(f"unknown hardware {name!r}: expected a spec file or one of {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+def preset_for_device_name(device_name: str) -> HardwareSpec | None:
+    """The preset whose card a driver-reported device name ("NVIDIA H100 80GB HBM3") denotes."""
+    for pattern, key in _DEVICE_NAME_PATTERNS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return PRESETS[key] if key else None
+    return None
+
+
+# ---- spec files and probe results -------------------------------------------------------------
+
+def load_spec_file(path: str | os.PathLike) -> HardwareSpec:
+    """A user's spec (JSON, or YAML when PyYAML is installed) in the fields of HardwareSpec."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise TuiliError(f"cannot read hardware spec {str(p)!r}: {e.strerror}") from None
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise TuiliError(f"{p} is YAML but PyYAML is not installed: pip install pyyaml, or use JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise TuiliError(f"{p} is not valid YAML: {e}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TuiliError(f"{p} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    return HardwareSpec.from_dict(data, where=str(p))
+
+
+def cache_dir() -> Path:
+    """Where tuili keeps probe results: $TUILI_CACHE_DIR, else $XDG_CACHE_HOME/tuili, else ~/.cache/tuili."""
+    if os.environ.get("TUILI_CACHE_DIR"):
+        return Path(os.environ["TUILI_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tuili"
+
+
+def machine_key(device: str) -> str:
+    """Names this machine and device for the probe cache: hostname plus the device ("myhost-cuda0")."""
+    dev = device.lower().replace(":", "")
+    if dev == "cuda":
+        dev = "cuda0"
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
+    return f"{host}-{dev}"
+
+
+def probe_path(device: str) -> Path:
+    return cache_dir() / "hardware" / f"{machine_key(device)}.json"
+
+
+def save_probe(spec: HardwareSpec, device: str) -> Path:
+    path = probe_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
+    tmp.replace(path)  # atomic: the engine may read it while a probe writes
+    return path
+
+
+def current_hardware(device: str = "cpu", name_or_path: str | None = None) -> HardwareSpec:
+    """The spec to judge runs on ``device`` against.
+
+    In order: ``name_or_path`` as a spec file or a preset name; else the last `tuili probe` saved
+    for this machine and device; else, for a GPU, the preset its name matches; else a quick
+    built-in estimate (origin "estimate"), measured in well under a second.
+    """
+    if name_or_path:
+        if os.path.sep in name_or_path or Path(name_or_path).suffix.lower() in (".json", ".yaml", ".yml") \
+                or Path(name_or_path).exists():
+            return load_spec_file(name_or_path)
+        return preset(name_or_path)
+    saved = probe_path(device)
+    if saved.exists():
+        return load_spec_file(saved)
+    if device.startswith("cuda"):
+        import torch
+
+        matched = preset_for_device_name(torch.cuda.get_device_name(torch.device(device)))
+        if matched is not None:
+            return matched
+    from tuili.perf.probe import estimate
+
+    return estimate(device)

@@ -1,0 +1,167 @@
+"""Live MFU and MBU: the engine reports each forward step, the meter keeps end-to-end totals.
+
+Prefill is judged by MFU (useful FLOPs / prefill time / peak FLOP/s), decode by MBU (necessary
+bytes / decode time / memory bandwidth). A step that mixes prefill chunks and decodes has one
+measured duration; it is split between the two in proportion to each part's roofline time
+(prefill FLOPs / peak FLOP/s against decode bytes / bandwidth), i.e. as if both parts ran at the
+same efficiency. Pure steps are attributed whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tuili.errors import TuiliError
+from tuili.perf.cost import ModelCost
+from tuili.perf.hardware import HardwareSpec
+
+
+@dataclass(frozen=True)
+class UtilizationSummary:
+    """Totals since the meter started, in SI units; mfu/mbu are fractions (0.45 = 45%)."""
+
+    prefill_tokens: int
+    prefill_flops: float
+    prefill_seconds: float
+    prefill_mfu: float | None
+    decode_tokens: int
+    decode_flops: float
+    decode_bytes: float
+    decode_seconds: float
+    decode_mbu: float | None
+    peak_flops: float
+    memory_bandwidth: float
+    hardware: str
+    hardware_origin: str
+    compute_dtype: str
+
+    def prometheus(self) -> dict[str, float]:
+        """Samples for the server's /metrics, keyed by metric name."""
+        return {
+            "tuili:prefill_mfu": self.prefill_mfu or 0.0,
+            "tuili:decode_mbu": self.decode_mbu or 0.0,
+            "tuili:prefill_flops_total": self.prefill_flops,
+            "tuili:prefill_seconds_total": self.prefill_seconds,
+            "tuili:prefill_tokens_total": float(self.prefill_tokens),
+            "tuili:decode_flops_total": self.decode_flops,
+            "tuili:decode_bytes_total": self.decode_bytes,
+            "tuili:decode_seconds_total": self.decode_seconds,
+            "tuili:decode_tokens_total": float(self.decode_tokens),
+            "tuili:peak_flops": self.peak_flops,
+            "tuili:memory_bandwidth": self.memory_bandwidth,
+        }
+
+    def format(self) -> str:
+        """Two lines for a run summary, naming the hardware figures the percentages are against."""
+        def pct(x: float | None) -> str:
+            return "n/a" if x is None else f"{100 * x:.1f}%"
+
+        note = " (an estimate: run `tuili probe` for measured figures)" if self.hardware_origin == "estimate" else ""
+        return (
+            f"prefill: {self.prefill_tokens} tokens, {self.prefill_flops / 1e12:.3f} TFLOP in "
+            f"{self.prefill_seconds:.3f} s, MFU {pct(self.prefill_mfu)} of "
+            f"{self.peak_flops / 1e12:.2f} TFLOP/s {self.compute_dtype}\n"
+            f"decode: {self.decode_tokens} tokens, {self.decode_bytes / 1e9:.3f} GB read in "
+            f"{self.decode_seconds:.3f} s, MBU {pct(self.decode_mbu)} of "
+            f"{self.memory_bandwidth / 1e9:.1f} GB/s — {self.hardware} [{self.hardware_origin}]{note}"
+        )
+
+
+class UtilizationMeter:
+    """Counts each step's useful FLOPs and necessary bytes against ``hardware``.
+
+    ``weight_bytes``: bytes of all weight tensors the engine holds (per step the meter counts the
+    share a decode step reads: all of it for a dense model with tied embeddings). ``devices``:
+    the number of devices the step ran on (the peaks scale with it).
+    """
+
+    def __init__(
+        self, cost: ModelCost, hardware: HardwareSpec, weight_bytes: int, kv_bytes_per_token: int,
+        *, compute_dtype: str = "bf16", state_bytes_per_sequence: int | None = None, devices: int = 1,
+    ) -> None:
+        if weight_bytes <= 0 or kv_bytes_per_token < 0:
+            raise TuiliError(
+                f"weight_bytes={weight_bytes} and kv_bytes_per_token={kv_bytes_per_token}: expected "
+                f"a positive and a non-negative byte count"
+            )
+        self.cost = cost
+        self.hardware = hardware
+        self.weight_bytes = weight_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.state_bytes_per_sequence = (
+            cost.state_bytes_per_sequence() if state_bytes_per_sequence is None else state_bytes_per_sequence
+        )
+        self.compute_dtype = hardware.dtype_used(compute_dtype)
+        self.peak_flops = hardware.flops(compute_dtype) * devices
+        self.memory_bandwidth = hardware.memory_bandwidth * devices
+        self._read_fraction: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self.prefill_tokens = 0
+        self.prefill_flops = 0.0
+        self.prefill_seconds = 0.0
+        self.decode_tokens = 0
+        self.decode_flops = 0.0
+        self.decode_bytes = 0.0
+        self.decode_seconds = 0.0
+
+    def step_decode_bytes(self, decode_context_lens: Sequence[int]) -> int:
+        """Bytes a decode step over these sequences must read."""
+        if not decode_context_lens:
+            return 0
+        batch = len(decode_context_lens)
+        fraction = self._read_fraction.get(batch)
+        if fraction is None:
+            fraction = self._read_fraction[batch] = self.cost.weight_read_fraction(batch)
+        return self.cost.decode_bytes(
+            round(self.weight_bytes * fraction), self.kv_bytes_per_token, decode_context_lens,
+            self.state_bytes_per_sequence,
+        )
+
+    def record_step(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], seconds: float,
+    ) -> None:
+        """One forward step: prefill chunks as (tokens already cached, chunk length), decodes as
+        context lengths including the new token, and the step's wall time in seconds."""
+        p_flops = sum(self.cost.prefill_flops(start, length) for start, length in prefill_chunks)
+        d_bytes = self.step_decode_bytes(decode_context_lens)
+        d_flops = self.cost.decode_flops(decode_context_lens) if decode_context_lens else 0
+        if prefill_chunks and decode_context_lens:
+            t_prefill = p_flops / self.peak_flops
+            t_decode = d_bytes / self.memory_bandwidth
+            prefill_share = t_prefill / (t_prefill + t_decode)
+        else:
+            prefill_share = 1.0 if prefill_chunks else 0.0
+        with self._lock:
+            self.prefill_tokens += sum(length for _, length in prefill_chunks)
+            self.prefill_flops += p_flops
+            self.prefill_seconds += seconds * prefill_share
+            self.decode_tokens += len(decode_context_lens)
+            self.decode_flops += d_flops
+            self.decode_bytes += d_bytes
+            self.decode_seconds += seconds * (1.0 - prefill_share)
+
+    @property
+    def prefill_mfu(self) -> float | None:
+        if self.prefill_seconds <= 0:
+            return None
+        return self.prefill_flops / self.prefill_seconds / self.peak_flops
+
+    @property
+    def decode_mbu(self) -> float | None:
+        if self.decode_seconds <= 0:
+            return None
+        return self.decode_bytes / self.decode_seconds / self.memory_bandwidth
+
+    def summary(self) -> UtilizationSummary:
+        with self._lock:
+            return UtilizationSummary(
+                prefill_tokens=self.prefill_tokens, prefill_flops=self.prefill_flops,
+                prefill_seconds=self.prefill_seconds, prefill_mfu=self.prefill_mfu,
+                decode_tokens=self.decode_tokens, decode_flops=self.decode_flops,
+                decode_bytes=self.decode_bytes, decode_seconds=self.decode_seconds,
+                decode_mbu=self.decode_mbu, peak_flops=self.peak_flops,
+                memory_bandwidth=self.memory_bandwidth, hardware=self.hardware.name,
+                hardware_origin=self.hardware.origin, compute_dtype=self.compute_dtype,
+            )

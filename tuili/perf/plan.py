@@ -1,0 +1,244 @@
+"""Capacity and latency planning: the cost model against a hardware spec, for one serving shape.
+
+Every time here is a roofline floor divided by an assumed efficiency (``mfu``/``mbu``, 1.0 by
+default: the physical limit). A step's time is the larger of its compute time (FLOPs / peak) and
+its memory time (bytes / bandwidth), plus its tensor-parallel communication, which is assumed not
+to overlap with either. docs/ruler.md states each formula and the reserve assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tuili.errors import TuiliError
+from tuili.perf.cost import CheckpointBytes, ModelCost, WeightStorage
+from tuili.perf.formats import WeightFormat, dtype_bytes
+from tuili.perf.hardware import HardwareSpec, LinkSpec, link
+
+# Share of each device's memory kept back for activations, the CUDA context, allocator slack and
+# other runtime state: vLLM's default gpu_memory_utilization=0.9 leaves 10%, and seed 004 advises
+# 10-20% for activations plus a few hundred MB to 1 GB for the framework.
+DEFAULT_RESERVE_FRACTION = 0.10
+ACTIVATION_DTYPE = "bf16"  # what crosses the link in a tensor-parallel all-reduce
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    weights: WeightStorage
+    kv_dtype: str = "bf16"
+    gpus: int = 1
+    tp: int = 1
+    context: int = 4096  # tokens a request reaches (prompt + output): what its KV must hold
+    prompt: int = 1024
+    output: int = 256
+    batch: int = 1  # sequences decoding together
+    link: LinkSpec | None = None  # None: the hardware's own interconnect
+    reserve_fraction: float = DEFAULT_RESERVE_FRACTION
+    mfu: float = 1.0  # achievable share of peak FLOP/s assumed for compute time
+    mbu: float = 1.0  # achievable share of memory bandwidth assumed for memory time
+    compute_dtype: str | None = None  # None: the weight format's (fp8 -> W8A8 fp8)
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "tp", "context", "prompt", "output", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TuiliError(f"--{name} {value!r} is invalid: expected an integer >= 1")
+        if self.gpus % self.tp:
+            raise TuiliError(f"--gpus {self.gpus} is not a multiple of --tp {self.tp}")
+        if not 0 <= self.reserve_fraction < 1:
+            raise TuiliError(f"--reserve {self.reserve_fraction!r} is invalid: expected a fraction in [0, 1)")
+        for name in ("mfu", "mbu"):
+            if not 0 < getattr(self, name) <= 1:
+                raise TuiliError(f"--{name} {getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
+        dtype_bytes(self.kv_dtype)
+
+
+def max_concurrent_requests(
+    memory_bytes: float, weight_bytes: float, request_bytes: float, reserve_bytes: float = 0,
+) -> int:
+    """Requests whose KV and state fit beside the weights: floor((memory - reserve - weights) / request)."""
+    free = memory_bytes - reserve_bytes - weight_bytes
+    return max(0, math.floor(free / request_bytes)) if request_bytes > 0 else 0
+
+
+def compute_bound_batch(
+    peak_flops: float, bandwidth: float, flops_per_token: float, weight_bytes: float, bytes_per_sequence: float = 0,
+) -> float | None:
+    """Batch at which a decode step's compute time reaches its memory time:
+    B x F / peak = (W + B x s) / bandwidth  =>  B = (W / bandwidth) / (F / peak - s / bandwidth).
+    None when per-sequence bytes grow as fast as compute, so decode never becomes compute-bound."""
+    slope = flops_per_token / peak_flops - bytes_per_sequence / bandwidth
+    return (weight_bytes / bandwidth) / slope if slope > 0 else None
+
+
+def allreduce_seconds(message_bytes: float, devices: int, over: LinkSpec) -> float:
+    """Ring all-reduce: 2 (n-1) steps, each moving message/n bytes one hop."""
+    if devices == 1:
+        return 0.0
+    steps = 2 * (devices - 1)
+    return steps * (over.latency + message_bytes / devices / over.bandwidth)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float  # all devices together
+    bytes: float  # per device
+    seconds: float
+
+
+class Roofline:
+    """Step times of one model on one hardware spec and parallel layout: each step takes the
+    larger of its compute time and its memory time, plus its tensor-parallel communication."""
+
+    def __init__(self, cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> None:
+        self.cost, self.hardware, self.inputs = cost, hardware, inputs
+        self.tp = tp = inputs.tp
+        storage = inputs.weights
+        self.compute_dtype = inputs.compute_dtype or (
+            storage.compute_dtype if isinstance(storage, WeightFormat) else ACTIVATION_DTYPE
+        )
+        self.peak = hardware.flops(self.compute_dtype) * inputs.mfu  # per device
+        self.bandwidth = hardware.memory_bandwidth * inputs.mbu
+        self.link = inputs.link or (link(hardware.interconnect) if hardware.interconnect else None)
+        if tp > 1 and self.link is None:
+            raise TuiliError(f"--tp {tp} needs a link between devices: {hardware.name} names none, give --link")
+        self.kv_token_device = cost.kv_bytes_per_token(inputs.kv_dtype, tp)
+        self.state_device = cost.state_bytes_per_sequence(tp=tp)
+        self.hidden_bytes = cost.shape.hidden_size * dtype_bytes(ACTIVATION_DTYPE)
+        # an all-reduce after attention and after the MLP of every layer, and one for the embedding
+        self.allreduces = 2 * cost.shape.num_layers + 1
+
+    def prefill(self, start: int, length: int) -> StepCost:
+        """One request's prefill chunk alone (its KV written once, the weights read once)."""
+        cost, tp = self.cost, self.tp
+        flops = cost.prefill_flops(start, length)
+        nbytes = cost.decode_weight_bytes(self.inputs.weights, length, tp) + self.kv_token_device * length
+        comm = self.allreduces * allreduce_seconds(length * self.hidden_bytes, tp, self.link) if tp > 1 else 0.0
+        return StepCost(flops, nbytes, max(flops / tp / self.peak, nbytes / self.bandwidth) + comm)
+
+    def sequence_bytes(self, context: int) -> float:
+        """Per device, one decoding sequence's KV reads plus its state read and written back."""
+        return self.kv_token_device * self.cost.kv_tokens_read(context) + 2 * self.state_device
+
+    def decode(self, context_lens: list[int]) -> StepCost:
+        """One decode step over sequences at these context lengths (new token included)."""
+        batch = len(context_lens)
+        flops = self.cost.decode_flops(context_lens)
+        nbytes = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp) + sum(
+            self.sequence_bytes(c) for c in context_lens
+        )
+        return StepCost(flops, nbytes, max(flops / self.tp / self.peak, nbytes / self.bandwidth) + self.comm(batch))
+
+    def decode_uniform(self, context: int, batch: int) -> StepCost:
+        """decode([context] * batch), in constant time."""
+        flops = batch * self.cost.flops_per_token(context)
+        nbytes = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp) + batch * self.sequence_bytes(context)
+        return StepCost(flops, nbytes, max(flops / self.tp / self.peak, nbytes / self.bandwidth) + self.comm(batch))
+
+    def comm(self, batch: int) -> float:
+        """Seconds of tensor-parallel communication in one decode step."""
+        if self.tp == 1:
+            return 0.0
+        assert self.link is not None
+        tp, over = self.tp, self.link
+        # the vocabulary-parallel lm_head's logits are gathered on one device
+        gather = (tp - 1) * over.latency + (tp - 1) / tp * self._logits_bytes(batch) / over.bandwidth
+        return self.allreduces * allreduce_seconds(batch * self.hidden_bytes, tp, over) + gather
+
+    def comm_bytes(self, batch: int) -> float:
+        """Bytes one device sends in one decode step: 2 (n-1)/n of each all-reduced message
+        (a ring), plus its share of the gathered logits."""
+        if self.tp == 1:
+            return 0.0
+        tp = self.tp
+        return 2 * (tp - 1) / tp * self.allreduces * batch * self.hidden_bytes + (tp - 1) / tp * self._logits_bytes(batch)
+
+    def _logits_bytes(self, batch: int) -> float:
+        return batch * self.cost.shape.vocab_size * dtype_bytes(ACTIVATION_DTYPE)
+
+
+def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> dict[str, object]:
+    """One flat dict of SI figures (bytes, seconds, FLOPs, FLOP/s); raise TuiliError if nothing fits."""
+    tp, storage, batch = inputs.tp, inputs.weights, inputs.batch
+    roof = Roofline(cost, hardware, inputs)
+
+    # ---- memory -----------------------------------------------------------------------------
+    weights_device = cost.weight_bytes_per_device(storage, tp)
+    kv_token = cost.kv_bytes_per_token(inputs.kv_dtype)
+    state = cost.state_bytes_per_sequence()
+    reserve = inputs.reserve_fraction * hardware.memory_bytes
+    if weights_device > hardware.memory_bytes - reserve:
+        raise TuiliError(
+            f"cannot fit: the weights need {weights_device / 1e9:.1f} GB per device but {hardware.name} "
+            f"has {hardware.memory_bytes / 1e9:.1f} GB, {reserve / 1e9:.1f} GB of it reserved for "
+            f"activations and runtime; use more devices (--tp), fewer bits (--weights), or bigger hardware"
+        )
+    request_device = roof.kv_token_device * inputs.context + roof.state_device
+    per_replica = max_concurrent_requests(hardware.memory_bytes, weights_device, request_device, reserve)
+    if per_replica == 0:
+        raise TuiliError(
+            f"cannot fit one request of {inputs.context} tokens: it needs {request_device / 1e9:.2f} GB "
+            f"per device beside {weights_device / 1e9:.1f} GB of weights on {hardware.memory_bytes / 1e9:.1f} GB "
+            f"({reserve / 1e9:.1f} GB reserved); shorten --context, use --kv fp8, or more devices"
+        )
+
+    # ---- time -------------------------------------------------------------------------------
+    prefill = roof.prefill(0, inputs.prompt)
+    step = roof.decode_uniform(inputs.context, batch)
+    # the prefill yields the first token; each later one is a decode step at a context one longer
+    e2e = prefill.seconds + sum(roof.decode_uniform(inputs.prompt + j, batch).seconds for j in range(1, inputs.output))
+    # MoE: at the crossover batch every expert is read, so take the weights a large batch reads.
+    crossover = compute_bound_batch(
+        roof.peak * tp, roof.bandwidth * tp, cost.flops_per_token(inputs.context),
+        cost.decode_weight_bytes(storage, max(batch, 4096), tp) * tp, roof.sequence_bytes(inputs.context) * tp,
+    )
+    kv_transfer_bytes = kv_token * inputs.prompt + state
+    over = roof.link
+
+    return {
+        "model_type": cost.shape.model_type,
+        "params_total": cost.params_total,
+        "params_matmul": cost.params_matmul,
+        "params_active": cost.params_active,
+        "weights_format": storage.source if isinstance(storage, CheckpointBytes) else storage.name,
+        "weights_bytes": cost.weight_bytes(storage),
+        "weights_bytes_per_device": weights_device,
+        "kv_dtype": inputs.kv_dtype,
+        "kv_bytes_per_token": kv_token,
+        "kv_bytes_per_request": kv_token * inputs.context,
+        "state_bytes_per_request": state,
+        "hardware": hardware.name,
+        "hardware_origin": hardware.origin,
+        "hardware_source": hardware.source,
+        "gpus": inputs.gpus,
+        "tp": tp,
+        "replicas": inputs.gpus // tp,
+        "memory_bytes_per_device": hardware.memory_bytes,
+        "reserve_fraction": inputs.reserve_fraction,
+        "reserve_bytes_per_device": reserve,
+        "max_concurrent_requests": inputs.gpus // tp * per_replica,
+        "compute_dtype": hardware.dtype_used(roof.compute_dtype),
+        "peak_flops_per_device": hardware.flops(roof.compute_dtype),
+        "memory_bandwidth_per_device": hardware.memory_bandwidth,
+        "assumed_mfu": inputs.mfu,
+        "assumed_mbu": inputs.mbu,
+        "prompt_tokens": inputs.prompt,
+        "output_tokens": inputs.output,
+        "context_tokens": inputs.context,
+        "batch": batch,
+        "prefill_flops": prefill.flops,
+        "prefill_seconds": prefill.seconds,
+        "decode_step_flops": step.flops,
+        "decode_step_bytes": step.bytes,
+        "decode_step_seconds": step.seconds,
+        "compute_bound_batch": crossover,
+        "decode_tokens_per_second": batch / step.seconds,
+        "ttft_seconds": prefill.seconds,
+        "e2e_seconds": e2e,
+        "link": over.name if over else None,
+        "allreduce_bytes_per_step": roof.comm_bytes(batch),
+        "allreduce_seconds_per_step": roof.comm(batch),
+        "kv_transfer_bytes": kv_transfer_bytes,
+        "kv_transfer_seconds": kv_transfer_bytes / over.bandwidth + over.latency if over else None,
+    }

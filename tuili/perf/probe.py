@@ -1,0 +1,284 @@
+"""Measure this machine: memory bandwidth (read and copy) and matmul throughput per dtype, at large
+shapes (what prefill runs) and at skinny decode-like shapes (a few rows times a weight matrix).
+
+The spec a probe returns takes the best large-matmul rate per dtype as that dtype's peak and the
+read bandwidth as the memory bandwidth: what this machine demonstrably reaches, through the same
+torch kernels the engine calls. MFU/MBU against a probed spec therefore read as "share of what
+this machine can do", which is the only meaningful ceiling for a CPU (no datasheet states one).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tuili.errors import TuiliError
+from tuili.perf.hardware import HardwareSpec
+
+_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SMALL_GEMV_K = 512  # a small model's projection: its time is mostly the per-matmul overhead
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One figure a probe measured: ``value`` in ``unit`` (bytes/s or FLOP/s), best of its runs."""
+
+    name: str
+    value: float
+    unit: str
+    seconds: float  # time of the best single run
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    buffer_bytes: int  # streamed memory: at least twice the last-level cache, so DRAM is what is timed
+    matmul_n: int  # large square matmuls
+    skinny_k: int  # decode-like matmuls: a few rows times k x k weight matrices, cycled through
+    skinny_rows: tuple[int, ...]
+    skinny_dtypes: tuple[str, ...]
+    seconds_per_item: float
+
+
+def _sizes(dev: torch.device, quick: bool) -> _Sizes:
+    # --quick: one decode shape in the dtype the engine runs there (fp32 on a CPU, bf16 on a GPU)
+    if dev.type == "cuda":
+        return _Sizes(256 << 20 if quick else 1 << 30, 4096 if quick else 8192, 8192, (1,) if quick else (1, 16),
+                      ("bf16",) if quick else ("fp32", "bf16", "fp16"), 0.05 if quick else 0.3)
+    # --quick streams 128 MiB, which a large last-level cache may partly hold; a full probe
+    # streams at least twice that cache
+    buffer = 128 << 20 if quick else min(max(256 << 20, 2 * _last_level_cache_bytes()), _memory_bytes(dev) // 16)
+    return _Sizes(buffer, 512 if quick else 1536, 2048 if quick else 4096, (1,) if quick else (1, 16),
+                  ("fp32",) if quick else ("fp32", "bf16"), 0.05 if quick else 0.3)
+
+
+def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[Measurement]]:
+    """Measure ``device`` ("cpu", "cuda", "cuda:N"); ``quick`` takes a few seconds."""
+    dev = _device(device)
+    sizes = _sizes(dev, quick)
+    results = [*_bandwidth(dev, sizes), *_matmuls(dev, sizes)]
+    peaks = {}
+    for m in results:
+        if m.name.startswith("matmul ") and " large" in m.name:
+            dtype = m.name.split()[1]
+            peaks[dtype] = max(peaks.get(dtype, 0.0), m.value)
+    read = next(m.value for m in results if m.name == "memory read")
+    spec = HardwareSpec(
+        name=f"{_device_name(dev)} (probed)",
+        peak_flops=peaks,
+        memory_bandwidth=read,
+        memory_bytes=_memory_bytes(dev),
+        source=f"tuili probe{' --quick' if quick else ''} on {platform.node()}, torch {torch.__version__}",
+        origin="probe",
+        measurements={m.name: m.value for m in results},
+    )
+    return spec, results
+
+
+def estimate(device: str = "cpu") -> HardwareSpec:
+    """A quick built-in estimate for a machine never probed: a fraction of a second of measuring
+    (small buffers, one matmul size), marked origin="estimate" so every report can say so."""
+    dev = _device(device)
+    if dev.type == "cpu":
+        sizes = _Sizes(32 << 20, 384, 1024, (1,), (), 0.02)
+    else:
+        sizes = _Sizes(128 << 20, 2048, 4096, (1,), (), 0.02)
+    read = _bandwidth(dev, sizes)[0]
+    peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, dtypes=("fp32", "bf16"), skinny=False)}
+    return HardwareSpec(
+        name=_device_name(dev),
+        peak_flops=peaks,
+        memory_bandwidth=read.value,
+        memory_bytes=_memory_bytes(dev),
+        source="quick built-in estimate (tiny buffers; `tuili probe` measures properly)",
+        origin="estimate",
+    )
+
+
+def _device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise TuiliError(f"unknown device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TuiliError(f"device {device!r} asked for, but torch sees no CUDA GPU on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise TuiliError(f"tuili probe measures cpu or cuda devices, not {device!r}")
+    return dev
+
+
+def _time(fn: Callable[[], object], dev: torch.device, budget: float) -> float:
+    """Best wall time of ``fn`` over repeated runs within about ``budget`` seconds (one warm-up)."""
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    fn()
+    sync()
+    best = float("inf")
+    deadline = time.perf_counter() + budget
+    runs = 0
+    while runs < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+        runs += 1
+        if runs >= 200:
+            break
+    return best
+
+
+def _bandwidth(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    n = sizes.buffer_bytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    # A sum reads every byte once and does almost no arithmetic: the read rate decode depends on.
+    t_read = _time(lambda: src.sum(), dev, sizes.seconds_per_item)
+    t_copy = _time(lambda: dst.copy_(src), dev, sizes.seconds_per_item)
+    nbytes = n * 4
+    return [
+        Measurement("memory read", nbytes / t_read, "B/s", t_read),
+        Measurement("memory copy", 2 * nbytes / t_copy, "B/s", t_copy),  # read + write
+    ]
+
+
+def _matmuls(
+    dev: torch.device, sizes: _Sizes, dtypes: tuple[str, ...] | None = None, skinny: bool = True,
+) -> list[Measurement]:
+    if dtypes is None:
+        dtypes = ("fp32", "bf16") if dev.type == "cpu" else ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+    out = []
+    n = sizes.matmul_n
+    for dtype in dtypes:
+        run = _matmul_runner(dtype, dev)
+        if run is None:
+            continue
+        t = run(n, n, n, sizes.seconds_per_item)
+        out.append(Measurement(f"matmul {dtype} large {n}x{n}x{n}", 2 * n**3 / t, "FLOP/s", t))
+        if skinny and dtype in sizes.skinny_dtypes:
+            out += _skinny(dtype, dev, sizes)
+    return out
+
+
+def _skinny(dtype: str, dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    """Decode's matmuls: a few rows of activations times one weight matrix after another, as a
+    model's layers follow each other, the matrices together larger than the caches. One row at a
+    small and at a large matrix size give the two terms of a decode matmul's time (see fit_gemv)."""
+    out = []
+    for k, rows in ((SMALL_GEMV_K, (1,)), (sizes.skinny_k, sizes.skinny_rows)):
+        torch_dtype = _TORCH_DTYPES[dtype]
+        elem = torch.finfo(torch_dtype).bits // 8
+        count = max(1, -(-sizes.buffer_bytes // (k * k * elem)))
+        # values do not change a matmul's speed (no denormals here), so a fast fill will do
+        weights = [torch.full((k, k), 0.5, dtype=torch_dtype, device=dev) for _ in range(count)]
+        for m in rows:
+            x = torch.randn(m, k, device=dev).to(torch_dtype)
+
+            def layers(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
+                for w in weights:
+                    torch.nn.functional.linear(x, w)
+
+            t = _time(layers, dev, sizes.seconds_per_item)
+            name = f"matmul {dtype} skinny {m}x{k}x{k}"
+            out.append(Measurement(name, 2 * m * k * k * count / t, "FLOP/s", t))
+            # the weight bytes such matmuls stream per second: the bandwidth decode can reach
+            out.append(Measurement(f"{name} weight read", k * k * elem * count / t, "B/s", t))
+            if m == 1:
+                out.append(Measurement(f"matmul {dtype} skinny 1x{k}x{k} seconds per matmul", t / count, "s", t))
+        del weights
+    return out
+
+
+def fit_gemv(measurements: dict[str, float], dtype: str) -> tuple[float, float] | None:
+    """(overhead seconds per matmul, streaming bytes/s) of one-row matmuls in ``dtype``, from a
+    probe's small and large ones: time = overhead + weight bytes / bandwidth. None if the probe
+    did not time both or they do not fit the line (noise)."""
+    prefix = f"matmul {dtype} skinny 1x"
+    times = {}
+    for name, value in measurements.items():
+        if name.startswith(prefix) and name.endswith("seconds per matmul"):
+            k = int(name.removeprefix(prefix).split("x")[0])
+            times[k * k * (torch.finfo(_TORCH_DTYPES[dtype]).bits // 8)] = value
+    if len(times) < 2:
+        return None
+    (b_small, t_small), (b_large, t_large) = min(times.items()), max(times.items())
+    if t_large <= t_small:
+        return None
+    bandwidth = (b_large - b_small) / (t_large - t_small)
+    overhead = max(0.0, t_small - b_small / bandwidth)
+    return overhead, bandwidth
+
+
+def _matmul_runner(dtype: str, dev: torch.device) -> Callable[[int, int, int, float], float] | None:
+    """A function timing an (m x k) @ (k x n) matmul in ``dtype``, or None where it cannot run here."""
+    if dtype in _TORCH_DTYPES:
+        def run(m: int, k: int, n: int, budget: float) -> float:
+            a = torch.randn(m, k, device=dev).to(_TORCH_DTYPES[dtype])
+            b = torch.randn(k, n, device=dev).to(_TORCH_DTYPES[dtype])
+            if dev.type != "cuda":
+                return _time(lambda: a @ b, dev, budget)
+            tf32 = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+            try:
+                return _time(lambda: a @ b, dev, budget)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+        return run
+    if dev.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(dev)
+    if dtype == "fp8" and capability >= (8, 9) and hasattr(torch, "_scaled_mm"):
+        def run_fp8(m: int, k: int, n: int, budget: float) -> float:
+            a = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+            b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm needs
+            one = torch.ones((), device=dev)
+            return _time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), dev, budget)
+        return run_fp8
+    if dtype == "int8" and capability >= (7, 5) and hasattr(torch, "_int_mm"):
+        def run_int8(m: int, k: int, n: int, budget: float) -> float:
+            a = torch.randint(-8, 8, (m, k), dtype=torch.int8, device=dev)
+            b = torch.randint(-8, 8, (k, n), dtype=torch.int8, device=dev)
+            return _time(lambda: torch._int_mm(a, b), dev, budget)
+        return run_int8
+    return None
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} CPU ({torch.get_num_threads()} threads)"
+
+
+def _last_level_cache_bytes() -> int:
+    """Largest CPU cache the kernel reports (0 if it reports none)."""
+    largest = 0
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size_file.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            largest = max(largest, int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return largest
+
+
+def _memory_bytes(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        raise TuiliError("cannot read this machine's memory size; give a spec file with --hardware") from None
