@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tuili.config import resolve_device
 from tuili.errors import TuiliError
 from tuili.perf.hardware import HardwareSpec
 
@@ -59,7 +60,7 @@ def _sizes(dev: torch.device, quick: bool) -> _Sizes:
 
 def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[Measurement]]:
     """Measure ``device`` ("cpu", "cuda", "cuda:N"); ``quick`` takes a few seconds."""
-    dev = _device(device)
+    dev = resolve_device(device)
     sizes = _sizes(dev, quick)
     results = [*_bandwidth(dev, sizes), *_matmuls(dev, sizes)]
     peaks = {}
@@ -83,7 +84,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
 def estimate(device: str = "cpu") -> HardwareSpec:
     """A quick built-in estimate for a machine never probed: a fraction of a second of measuring
     (small buffers, one matmul size), marked origin="estimate" so every report can say so."""
-    dev = _device(device)
+    dev = resolve_device(device)
     if dev.type == "cpu":
         sizes = _Sizes(32 << 20, 384, 1024, (1,), (), 0.02)
     else:
@@ -98,18 +99,6 @@ def estimate(device: str = "cpu") -> HardwareSpec:
         source="quick built-in estimate (tiny buffers; `tuili probe` measures properly)",
         origin="estimate",
     )
-
-
-def _device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise TuiliError(f"unknown device {device!r}: expected cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TuiliError(f"device {device!r} asked for, but torch sees no CUDA GPU on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        raise TuiliError(f"tuili probe measures cpu or cuda devices, not {device!r}")
-    return dev
 
 
 def _time(fn: Callable[[], object], dev: torch.device, budget: float) -> float:
