@@ -120,24 +120,55 @@ def _build(
     source: str,
 ) -> LlamaForCausalLM:
     """Construct the network without allocating weights, then assign each checkpoint tensor
-    (cast to the working dtype) by name; every parameter must be covered exactly once."""
+    (cast to the working dtype) by name; every parameter must be covered exactly once.
+    Checkpoint tensors of a packed parameter (q/k/v -> qkv_proj) are stacked in order."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     params = dict(model.named_parameters())
+    packed_into = {part: (fused, i) for fused, parts in model.packed_modules.items() for i, part in enumerate(parts)}
     loaded: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
     for name, load in tensors:
-        if name not in params:
+        target, index = _packed_target(name, packed_into)
+        if target not in params:
             continue  # e.g. lm_head.weight beside tied embeddings, rotary inv_freq buffers
-        tensor = load()
+        tensor = load().to(device=device, dtype=dtype)
+        if index is None:
+            loaded[target] = tensor
+        else:
+            parts.setdefault(target, {})[index] = tensor
+    for target, pieces in parts.items():
+        fused = target.split(".")[-2]
+        if len(pieces) == len(model.packed_modules[fused]):
+            loaded[target] = torch.cat([pieces[i] for i in range(len(pieces))])
+    for name, tensor in loaded.items():
         if tensor.shape != params[name].shape:
             raise CheckpointError(
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
                 f"{tuple(params[name].shape)} from the config"
             )
-        loaded[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(params) - set(loaded))
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        names = [_checkpoint_names(m, model.packed_modules, parts.get(m, {})) for m in missing]
+        flat = [n for group in names for n in group]
+        shown = ", ".join(flat[:5]) + (f" and {len(flat) - 5} more" if len(flat) > 5 else "")
         raise CheckpointError(f"{source} lacks weights the config requires: {shown}")
     model.load_state_dict(loaded, strict=False, assign=True)
     return model.to(device).eval()
+
+
+def _packed_target(name: str, packed_into: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 1); others unchanged."""
+    *prefix, module, leaf = name.split(".")
+    if module in packed_into:
+        fused, index = packed_into[module]
+        return ".".join([*prefix, fused, leaf]), index
+    return name, None
+
+
+def _checkpoint_names(param: str, packed: dict[str, tuple[str, ...]], present: dict[int, torch.Tensor]) -> list[str]:
+    """The checkpoint tensor names a missing parameter stands for (only the absent parts)."""
+    *prefix, module, leaf = param.split(".")
+    if module not in packed:
+        return [param]
+    return [".".join([*prefix, part, leaf]) for i, part in enumerate(packed[module]) if i not in present]
