@@ -71,8 +71,11 @@ def paged_attention(
     values = v_cache[meta.block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
 
     # Queries padded per sequence, grouped under their KV head so K/V are never repeated:
-    # [B, max_q, Hkv, group, D] -> [B, Hkv, group * max_q, D].
-    padded_q = q[meta.token_index].view(batch, max_q, num_kv_heads, group, head_dim)
+    # [B, max_q, Hkv, group, D] -> [B, Hkv, group * max_q, D]. A pure decode step has one
+    # query per sequence, already in order: no gather, no scatter back.
+    decode_only = max_q == 1
+    padded_q = q if decode_only else q[meta.token_index]
+    padded_q = padded_q.view(batch, max_q, num_kv_heads, group, head_dim)
     padded_q = padded_q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim)
     mask = meta.mask.expand(batch, group, max_q, max_ctx).reshape(batch, 1, group * max_q, max_ctx)
     out = F.scaled_dot_product_attention(padded_q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
@@ -80,6 +83,8 @@ def paged_attention(
     # Back to the flat layout, dropping padding.
     out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(batch * max_q, num_heads, head_dim)
+    if decode_only:
+        return out
     flat_index = meta.token_index.reshape(-1)[meta.token_valid.reshape(-1)]
     result = q.new_empty(num_tokens, num_heads, head_dim)
     result[flat_index] = out[meta.token_valid.reshape(-1)]
