@@ -105,9 +105,10 @@ def register(subparsers) -> None:
     report.add_argument("--percentiles", default="",
                         help="more percentiles besides 50, 90 and 99, e.g. 95,99.9")
     report.add_argument("--hardware", metavar="NAME|spec.json",
-                        help="hardware preset or spec (tuili plan's) for MFU and MBU; needs --model-config")
+                        help="hardware preset or spec (tuili plan's) to report MFU and MBU against")
     report.add_argument("--model-config", metavar="PATH",
-                        help="the served model: its config.json, checkpoint directory or GGUF file")
+                        help="the served model: its config.json, checkpoint directory or GGUF file "
+                             "(default: the path a server on this machine gives in /v1/models, as tuili serve does)")
     report.add_argument("--weights", metavar="FORMAT",
                         help="weight storage for MBU (bf16, fp8, int8, int4, q4_1, ...; default: the "
                              "checkpoint's real bytes, or bf16 for a bare config.json)")
