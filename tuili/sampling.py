@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tuili.errors import RequestError
+
+_GREEDY_TEMPERATURE = 1e-5
+_SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -48,7 +52,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Arg-max decoding: temperature 0 (or so close to it that dividing by it would
+        overflow, vLLM's rule), or top_k == 1."""
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         """Raise RequestError (a ValueError) naming the first bad field and what was expected."""
@@ -56,6 +62,10 @@ class SamplingParams:
         def bad(name: str, value: object, expected: str) -> RequestError:
             return RequestError(f"{name}={value!r} is invalid: expected {expected}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, value, "a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         if self.temperature < 0:
@@ -84,5 +94,5 @@ class SamplingParams:
             raise bad("stop", self.stop, "non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]):
+            raise bad("seed", self.seed, "a 64-bit signed integer")

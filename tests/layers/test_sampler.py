@@ -334,3 +334,32 @@ def test_no_logprobs_unless_asked():
 def test_logits_rows_must_match_the_rows():
     with pytest.raises(ValueError, match="2 rows"):
         sampler(torch.randn(3, 10), [make_row(), make_row()])
+
+
+def test_extreme_parameters_never_draw_outside_the_vocabulary():
+    """Found by the server's property-based test: a tiny temperature or repetition penalty used
+    to overflow the logits to inf, and the draw then returned an id past the vocabulary."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 10
+    rows = [
+        SamplingRow(SamplingParams(temperature=1e-300), [1, 2], [3]),
+        SamplingRow(SamplingParams(temperature=1e-4), [1, 2], [3]),
+        SamplingRow(SamplingParams(temperature=1.0, repetition_penalty=5e-324), list(range(50)), []),
+        SamplingRow(SamplingParams(temperature=0.7, repetition_penalty=1e300, presence_penalty=2.0), [5], [5, 6]),
+    ]
+    for _ in range(20):
+        tokens = [t.token_id for t in Sampler()(logits, rows)]
+        assert all(0 <= t < 50 for t in tokens)
+    assert tokens[0] == int(logits[0].argmax())  # below 1e-5 counts as greedy
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "presence_penalty"])
+def test_non_finite_parameters_are_refused(field):
+    with pytest.raises(ValueError, match=f"^{field}=nan"):
+        SamplingParams(**{field: float("nan")})
+
+
+def test_seed_must_fit_64_bits():
+    with pytest.raises(ValueError, match="^seed="):
+        SamplingParams(seed=2**70)
+    SamplingParams(seed=2**63 - 1)

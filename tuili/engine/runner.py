@@ -109,7 +109,7 @@ class ModelRunner:
             if generator is None:
                 # Each of a request's n outputs gets its own stream, derived from the seed.
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed + seq.index * 1_000_003)
+                generator.manual_seed((params.seed + seq.index * 1_000_003) % 2**64)
                 self._generators[seq.seq_id] = generator
         suppressed: list[int] = []
         if seq.num_output_tokens < params.min_tokens:

@@ -13,7 +13,7 @@ For each row of the logits, in this order:
    the distribution the request's penalties define, before temperature and the filters below
    reshape it for drawing. (vLLM returns the raw model distribution instead; ours answers
    "how likely was this token under this request's rules", and is what greedy decoding ranks.)
-4. **Greedy** rows (``temperature == 0``, or ``top_k == 1``, which keeps only the arg-max)
+4. **Greedy** rows (``temperature < 1e-5``, or ``top_k == 1``, which keeps only the arg-max)
    take the arg-max of the processed logits; the rest continue.
 5. **Temperature**: logits / temperature.
 6. **top_k** keeps the k largest logits (ties at the k-th value are all kept).
@@ -75,15 +75,18 @@ class Sampler:
         _apply_repetition_penalty(logits, rows)
         _apply_presence_frequency_penalties(logits, rows)
         _suppress(logits, rows)
+        # Extreme penalties can overflow a logit to +inf; keep it the largest finite value so
+        # that softmax stays defined.
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
 
         want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy = [i for i, row in enumerate(rows) if row.params.temperature == 0 or row.params.top_k == 1]
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
             token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        random = [i for i, row in enumerate(rows) if row.params.temperature != 0 and row.params.top_k != 1]
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random:
             random_rows = [rows[i] for i in random]
             sub = logits if len(random) == len(rows) else logits[random]  # no copy in the common case
@@ -155,6 +158,7 @@ def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def _apply_temperature_and_filters(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p on ``logits`` [R, V], in place; filtered tokens get -inf."""
     logits /= _param_column([row.params.temperature for row in rows], logits)
+    torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
     vocab_size = logits.shape[1]
 
     top_k = [i for i, row in enumerate(rows) if 0 < row.params.top_k < vocab_size]

@@ -1,0 +1,101 @@
+"""Bad input gets the right status and OpenAI's error shape, never a traceback, and the server
+keeps serving a good request running alongside."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+GOOD_TOKENS = 24
+
+
+def _check_error(response: httpx.Response, status: int, param: str | None = None) -> str:
+    assert response.status_code == status, response.text
+    assert "Traceback" not in response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error["message"]
+
+
+BAD_REQUESTS = [
+    # (id, path, body, expected status, expected param, text the message must contain)
+    ("invalid json", "/v1/completions", b'{"prompt": "hi", ', 400, None, "JSON"),
+    ("max_tokens as a string", "/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
+    ("temperature as a string", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", "temperature"),
+    ("prompt as a number", "/v1/completions", {"prompt": 5}, 400, "prompt", "prompt"),
+    ("messages as a string", "/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages"),
+    ("stream as a string", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "stream"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "role"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "-1"),
+    ("n=0", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n=0"),
+    ("temperature=-1", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature", "temperature"),
+    ("top_p=0", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
+    ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt", "prompt"),
+    ("token id out of range", "/v1/completions", {"prompt": [10**9]}, 400, "prompt", str(10**9)),
+    ("max_tokens past the context", "/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "prompt",
+     "context holds"),
+    ("echo", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "echo"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     400, "stream_options", "stream"),
+    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", "gpt-9"),
+    ("detokenize a bad id", "/detokenize", {"tokens": [-1]}, 400, "tokens", "-1"),
+]
+
+
+def test_bad_input_is_answered_while_a_good_request_completes(server, model_name, auth, max_model_len):
+    headers = {**auth, "Content-Type": "application/json"}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            good = asyncio.create_task(http.post("/v1/completions", headers=headers, json={
+                "model": model_name, "prompt": "Tell me about the sea.", "max_tokens": GOOD_TOKENS,
+                "ignore_eos": True, "temperature": 0,
+            }))
+            answers = {}
+            for name, path, body, *_ in BAD_REQUESTS:
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                answers[name] = await http.post(path, content=content, headers=headers)
+            # Ten times the context, as text: refused with the limit and the prompt's length.
+            long_prompt = "hello " * (10 * max_model_len)
+            answers["long prompt"] = await http.post("/v1/completions", headers=headers,
+                                                     json={"prompt": long_prompt, "max_tokens": 1})
+            answers["long prompt length"] = await http.post("/tokenize", headers=headers, json={"prompt": long_prompt})
+            answers["10 MB body"] = await http.post("/v1/completions", headers=headers,
+                                                    json={"prompt": "x" * (10 << 20)})
+            answers["no key"] = await http.post("/v1/completions", json={"prompt": "hi"})
+            answers["wrong key"] = await http.post("/v1/chat/completions", headers={"Authorization": "Bearer nope"},
+                                                   content=b"not even json")
+            answers["unknown route"] = await http.get("/v2/nothing", headers=headers)
+            answers["health without key"] = await http.get("/health")
+            return await good, answers
+
+    good, answers = asyncio.run(run())
+
+    for name, _, _, status, param, needle in BAD_REQUESTS:
+        assert needle in _check_error(answers[name], status, param), name
+    message = _check_error(answers["long prompt"], 400, "prompt")
+    length = answers["long prompt length"].json()["count"]
+    assert length >= 10 * max_model_len
+    assert str(length) in message and str(max_model_len) in message
+    _check_error(answers["10 MB body"], 413)
+    _check_error(answers["no key"], 401)
+    _check_error(answers["wrong key"], 401)
+    _check_error(answers["unknown route"], 404)
+    assert answers["health without key"].status_code == 200
+
+    assert good.status_code == 200
+    result = good.json()
+    assert result["usage"]["completion_tokens"] == GOOD_TOKENS
+    assert result["choices"][0]["finish_reason"] == "length"

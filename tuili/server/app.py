@@ -1,0 +1,258 @@
+"""The HTTP routes of `tuili serve`: an OpenAI-compatible API over one engine.
+
+FastAPI because its pydantic request models give strict validation, clear per-field errors
+and an OpenAPI schema from the same declarations (the property-based test runs against that
+schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are built on.
+
+    POST /v1/completions, /v1/chat/completions   generation, streamed or not  (key)
+    GET  /v1/models                              the served model             (key)
+    POST /tokenize, /detokenize                  the model's tokenizer        (key)
+    GET  /health                                 200 while the engine thread lives
+    GET  /metrics                                Prometheus text format
+
+With --api-key, the routes marked (key) need `Authorization: Bearer KEY`; /health and
+/metrics stay open for load balancers and scrapers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tuili.engine.core import LLMEngine
+from tuili.server.driver import EngineDriver
+from tuili.server.errors import ApiError, as_api_error, install_error_handlers
+from tuili.server.generation import (
+    Backend,
+    Generation,
+    check_model,
+    complete,
+    start_chat,
+    start_completion,
+    stream,
+)
+from tuili.server.metrics import CONTENT_TYPE, ServerMetrics
+from tuili.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from tuili.server.tokenization import PromptTokenizer
+
+T = TypeVar("T")
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+_STREAMABLE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int | None = None
+    max_request_bytes: int = 4 << 20
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    """The ASGI app serving `engine`; the engine thread starts with the app and stops with it."""
+    metrics = ServerMetrics(settings.model_name, lambda: engine.meter.summary().prometheus())
+    driver = EngineDriver(engine, metrics, settings.max_waiting)
+    tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size)
+    backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        driver.start()
+        try:
+            yield
+        finally:  # uvicorn has already waited out (or cancelled) the requests in flight
+            await driver.stop()
+            tokenizer.close()
+
+    app = FastAPI(title="tuili", version="0.1.0", lifespan=lifespan,
+                  description="An OpenAI-compatible API over the tuili engine.")
+    install_error_handlers(app)
+    app.add_middleware(_LimitBody, limit=settings.max_request_bytes)
+    if settings.api_key:  # added last, so it runs first: no key, no body read
+        app.add_middleware(_RequireApiKey, key=settings.api_key)
+
+    @app.get("/health", responses=_ERRORS)
+    async def health() -> dict:
+        if not driver.alive:
+            raise ApiError(503, "the engine thread has stopped", type="server_error")
+        return {}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        card = ModelCard(id=settings.model_name, created=started, root=str(engine.model_path),
+                         max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMABLE})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        gen = await _answer_errors(start_completion(backend, body, arrival), CompletionRequest)
+        return await _respond(gen, body.stream, body.stream_options, request, driver)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMABLE})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        gen = await _answer_errors(start_chat(backend, body, arrival), ChatCompletionRequest)
+        return await _respond(gen, body.stream, body.stream_options, request, driver)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(backend, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt (text) and messages (a chat)", param="prompt")
+        if body.prompt is not None:
+            ids = await _answer_errors(tokenizer.encode(body.prompt, body.add_special_tokens), TokenizeRequest)
+        else:
+            messages = [message.as_template_input() for message in body.messages]
+            ids = await _answer_errors(
+                tokenizer.apply_chat_template(messages, body.add_generation_prompt), TokenizeRequest
+            )
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(backend, body.model)
+        return DetokenizeResponse(prompt=await _answer_errors(tokenizer.decode(body.tokens), DetokenizeRequest))
+
+    return app
+
+
+async def _answer_errors(work: Awaitable[T], model: type) -> T:
+    """Await `work`, turning a refusal into the API error whose `param` names the field."""
+    try:
+        return await work
+    except ApiError:
+        raise
+    except Exception as error:
+        raise as_api_error(error, set(model.model_fields)) from error
+
+
+async def _respond(gen: Generation, streaming: bool, stream_options, request: Request, driver: EngineDriver) -> Response:
+    if streaming:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        return _EventStream(stream(gen, include_usage), on_close=lambda: driver.release(gen.submission))
+    try:
+        result = await _unless_disconnected(request, complete(gen))
+        if result is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        return Response(result.model_dump_json(), media_type="application/json")
+    except ApiError:
+        raise
+    except Exception as error:
+        raise as_api_error(error) from error
+    finally:
+        driver.release(gen.submission)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None as soon as the client disconnects (then `work` is cancelled)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """A text/event-stream response that calls `on_close` however it ends: finished, failed,
+    or cancelled because the client disconnected (Starlette cancels the stream then)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _LimitBody:
+    """ASGI middleware: a body over `limit` bytes is answered 413, at once when Content-Length
+    declares it (after reading and discarding what the client sends, so that it reads the
+    answer instead of a reset connection), else as soon as the bytes received pass it."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self._message = f"the request body is larger than {limit} bytes, the most this server accepts"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            while (message := await receive())["type"] == "http.request" and message.get("more_body"):
+                pass
+            error = ApiError(413, self._message, code="request_too_large")
+            return await error.response()(scope, receive, send)
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, self._message)  # FastAPI re-raises it from its body read
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class _RequireApiKey:
+    """ASGI middleware: every route but /health, /metrics and the API docs needs the key.
+
+    It answers before the body is read, so an unauthenticated caller gets 401 whatever it sent.
+    """
+
+    _OPEN = ("/health", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._OPEN or scope["path"].startswith("/docs"):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization")
+        if given is None or not hmac.compare_digest(given, self._expected):
+            message = "no API key given" if given is None else "the API key is wrong"
+            error = ApiError(401, f"{message}: send the server's key as 'Authorization: Bearer KEY'",
+                             code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)

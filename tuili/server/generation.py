@@ -1,0 +1,287 @@
+"""/v1/completions and /v1/chat/completions: an API call in, engine requests out, and their
+outputs back as one OpenAI response or as Server-Sent Events.
+
+A completions call with several prompts becomes one engine request per prompt; choice
+`i * n + j` is prompt i's j-th sample, as in OpenAI's API. Streams send, per choice, the text
+each step added (the engine's text is cumulative, so a delta is the new suffix) and end with
+`data: [DONE]`; concatenated, the deltas are exactly the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tuili.engine.request import CompletionOutput, RequestOutput
+from tuili.errors import RequestError
+from tuili.sampling import SamplingParams
+from tuili.server.driver import EngineDriver, Submission
+from tuili.server.errors import ApiError, as_api_error
+from tuili.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from tuili.server.tokenization import PromptTokenizer
+
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Backend:
+    """What the generation endpoints run on."""
+
+    driver: EngineDriver
+    tokenizer: PromptTokenizer
+    model_name: str
+    max_model_len: int
+
+
+def check_model(backend: Backend, model: str | None) -> None:
+    if model is not None and model != backend.model_name:
+        raise ApiError(
+            404, f"model {model!r} does not exist: this server serves {backend.model_name!r}",
+            param="model", code="model_not_found",
+        )
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """The engine's parameters; raises ValueError naming a field whose value is out of range."""
+    return SamplingParams(
+        n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+        min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+        max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+        stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+    )
+
+
+def check_length(field: str, prompt_ids: list[int], max_tokens: int | None, max_model_len: int) -> None:
+    """Refuse a prompt that, with the tokens asked for, cannot fit the context (as OpenAI does)."""
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(
+            f"{field} has {len(prompt_ids)} tokens but the context holds {max_model_len} "
+            "(the prompt plus at least one generated token must fit): shorten it"
+        )
+    if max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len:
+        raise RequestError(
+            f"{field} has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, {len(prompt_ids) + max_tokens} "
+            f"in all, but the context holds {max_model_len}: lower max_tokens or shorten the {field}"
+        )
+
+
+# ---- one call in flight ---------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """One API call's submission and what its response needs to know."""
+
+    kind: str  # "completion" or "chat"
+    api_id: str
+    model: str
+    n: int
+    submission: Submission
+    prompt_lengths: list[int]
+    logprobs: int | None  # top alternatives asked for, None for none
+    token_strings: list[str] | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def choice_index(self, output: RequestOutput, completion: CompletionOutput) -> int:
+        return self.submission.request_ids.index(output.request_id) * self.n + completion.index
+
+    def usage(self, finals: list[RequestOutput]) -> Usage:
+        prompt = sum(self.prompt_lengths)
+        completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        cached = sum(out.metrics.num_cached_tokens for out in finals if out.metrics)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def start_completion(backend: Backend, request: CompletionRequest, arrival: float) -> Generation:
+    request.check_supported()
+    check_model(backend, request.model)
+    params = sampling_params(request, request.max_tokens, request.logprobs)
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise RequestError("prompt=[] is invalid: expected a string, token ids, or a non-empty list of them")
+    prompts, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids = await backend.tokenizer.encode(item)
+        else:
+            ids = list(item)
+            backend.tokenizer.check_ids(ids, "prompt")
+        if not ids:
+            raise RequestError("prompt is empty: expected at least one token")
+        check_length("prompt", ids, params.max_tokens, backend.max_model_len)
+        prompts.append(ids)
+        texts.append(item if isinstance(item, str) else None)
+    return await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival)
+
+
+async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: float) -> Generation:
+    request.check_supported()
+    check_model(backend, request.model)
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    top = (request.top_logprobs or 0) if request.logprobs else None
+    params = sampling_params(request, max_tokens, top)
+    messages = [message.as_template_input() for message in request.messages]
+    ids = await backend.tokenizer.apply_chat_template(messages, request.add_generation_prompt)
+    check_length("messages", ids, max_tokens, backend.max_model_len)
+    return await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival)
+
+
+async def _submit(backend: Backend, kind: str, api_id: str, prompts: list[list[int]], texts: list[str | None],
+                  params: SamplingParams, arrival: float) -> Generation:
+    strings = await backend.tokenizer.token_strings() if params.logprobs is not None else None
+    submission = await backend.driver.submit(api_id, prompts, texts, params, arrival)
+    return Generation(kind, api_id, backend.model_name, params.n, submission, [len(p) for p in prompts],
+                      params.logprobs, strings)
+
+
+# ---- whole responses ------------------------------------------------------------------
+
+
+async def complete(gen: Generation) -> CompletionResponse | ChatCompletionResponse:
+    finals = await gen.submission.final()
+    choices = []
+    for out in finals:
+        for c in out.outputs:
+            index = gen.choice_index(out, c)
+            if gen.kind == "completion":
+                choices.append(CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
+                                                logprobs=_completion_logprobs(gen, c, 0, 0)))
+            else:
+                choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text),
+                                          finish_reason=c.finish_reason, logprobs=_chat_logprobs(gen, c, 0)))
+    choices.sort(key=lambda choice: choice.index)
+    response_type = CompletionResponse if gen.kind == "completion" else ChatCompletionResponse
+    return response_type(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
+                         usage=gen.usage(finals))
+
+
+# ---- streams --------------------------------------------------------------------------
+
+
+@dataclass
+class _Sent:
+    """How much of one choice the stream has sent."""
+
+    chars: int = 0
+    tokens: int = 0
+    finished: bool = False
+
+
+async def stream(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
+    """The call's Server-Sent Events; an engine failure mid-stream becomes an error event."""
+    sent: dict[int, _Sent] = {}
+    if gen.kind == "chat":  # OpenAI opens each choice with its role
+        for index in range(gen.n):
+            yield _chat_chunk(gen, index, ChatDelta(role="assistant", content=""), None, None)
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for outputs in gen.submission.updates():
+            for out in outputs:
+                if out.finished:
+                    finals[out.request_id] = out
+                for c in out.outputs:
+                    index = gen.choice_index(out, c)
+                    progress = sent.setdefault(index, _Sent())
+                    if progress.finished:
+                        continue
+                    delta = c.text[progress.chars:]
+                    new_tokens = len(c.token_ids) - progress.tokens
+                    if not delta and not c.finish_reason and not (new_tokens and gen.logprobs is not None):
+                        continue
+                    if gen.kind == "completion":
+                        logprobs = _completion_logprobs(gen, c, progress.tokens, progress.chars)
+                        yield _event(CompletionResponse(
+                            id=gen.api_id, created=gen.created, model=gen.model,
+                            choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                                                      finish_reason=c.finish_reason)]))
+                    else:
+                        yield _chat_chunk(gen, index, ChatDelta(content=delta), c.finish_reason,
+                                          _chat_logprobs(gen, c, progress.tokens))
+                    progress.chars, progress.tokens = len(c.text), len(c.token_ids)
+                    progress.finished = c.finish_reason is not None
+    except Exception as error:  # noqa: BLE001 - the stream has started: report in-band
+        yield _event(ErrorResponse(error=as_api_error(error).info))
+        yield DONE
+        return
+    if include_usage:
+        usage = gen.usage([finals[request_id] for request_id in gen.submission.request_ids])
+        if gen.kind == "completion":
+            yield _event(CompletionResponse(id=gen.api_id, created=gen.created, model=gen.model, choices=[],
+                                            usage=usage))
+        else:
+            yield _event(ChatCompletionChunk(id=gen.api_id, created=gen.created, model=gen.model, choices=[],
+                                             usage=usage))
+    yield DONE
+
+
+def _event(payload) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _chat_chunk(gen: Generation, index: int, delta: ChatDelta, finish_reason: str | None,
+                logprobs: ChatLogprobs | None) -> str:
+    choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    return _event(ChatCompletionChunk(id=gen.api_id, created=gen.created, model=gen.model, choices=[choice]))
+
+
+# ---- logprobs -------------------------------------------------------------------------
+
+
+def _completion_logprobs(gen: Generation, c: CompletionOutput, start: int, offset: int) -> CompletionLogprobs | None:
+    """The legacy format for tokens[start:]; `offset` is where they begin in the choice's text.
+    As OpenAI documents, each position lists the `logprobs` most likely tokens plus the chosen one."""
+    if gen.logprobs is None or c.logprobs is None:
+        return None
+    strings = gen.token_strings
+    result = CompletionLogprobs()
+    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
+        text = strings[token_id]
+        result.tokens.append(text)
+        result.token_logprobs.append(entry[token_id])
+        result.top_logprobs.append({strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def _chat_logprobs(gen: Generation, c: CompletionOutput, start: int) -> ChatLogprobs | None:
+    """Chat's format for tokens[start:]: each chosen token with exactly `top_logprobs` alternatives.
+    `bytes` is the UTF-8 of the token's text (U+FFFD for a token that splits a character)."""
+    if gen.logprobs is None or c.logprobs is None:
+        return None
+    strings = gen.token_strings
+    content = []
+    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: gen.logprobs]
+        top = [TopLogprob(token=strings[t], logprob=lp, bytes=list(strings[t].encode())) for t, lp in ranked]
+        text = strings[token_id]
+        content.append(TokenLogprob(token=text, logprob=entry[token_id], bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)

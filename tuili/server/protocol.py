@@ -1,0 +1,289 @@
+"""The OpenAI API's request and response bodies, as pydantic models.
+
+Requests are validated *strictly* (no "5" for 5, no 1 for true), as OpenAI's own API does,
+so a wrong field type is a 400 naming the field rather than a silent coercion. The ranges
+declared here are OpenAI's (and vLLM's for its extra fields) and are part of the published
+OpenAPI schema; `tuili.sampling.SamplingParams` checks the sampling fields again when the
+engine builds them, so the two must agree (a test sends the boundary values to both).
+
+Fields OpenAI defines that tuili cannot honour (echo, suffix, best_of, logit_bias, tools,
+response_format) are declared so that a request using them is refused with a clear 400
+instead of being answered as if they had been applied. Unknown fields are ignored, as vLLM
+does, so clients that send extra vendor fields keep working.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+_REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
+
+
+class UnsupportedFieldError(ValueError):
+    """A request used an OpenAI field tuili does not implement; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- requests -------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST_CONFIG
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = Field(None, description="must name the served model when given")
+    temperature: float = Field(1.0, ge=0, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128, description="choices per prompt")
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="accepted and ignored")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent or empty")
+    # vLLM's extra sampling fields.
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        """Raise UnsupportedFieldError for a field tuili would otherwise silently ignore."""
+        if self.logit_bias:
+            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported by tuili")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of such lists"
+    )
+    max_tokens: int | None = Field(16, ge=1, description="null: up to the context length")
+    logprobs: int | None = Field(None, ge=0, le=20, description="log probabilities of this many most likely tokens")
+    echo: bool = Field(False, description="not supported: must be false")
+    suffix: str | None = Field(None, description="not supported: must be absent")
+    best_of: int | None = Field(None, description="not supported beyond best_of == n")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise UnsupportedFieldError("echo", "echo=true is not supported by tuili")
+        if self.suffix is not None:
+            raise UnsupportedFieldError("suffix", "suffix is not supported by tuili")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFieldError("best_of", f"best_of={self.best_of} is not supported: expected best_of == n")
+
+
+class TextPart(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQUEST_CONFIG
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="null: up to the context length")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: most likely tokens per position")
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = Field(None, description="not supported: must be absent or empty")
+    response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise UnsupportedFieldError("tools", "tools are not supported by tuili")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise UnsupportedFieldError(
+                "response_format", f"response_format={self.response_format!r} is not supported: only type text"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs=true")
+
+
+class TokenizeRequest(BaseModel):
+    """Either `prompt` (text) or `messages` (rendered with the chat template)."""
+
+    model_config = _REQUEST_CONFIG
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST_CONFIG
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed: the role once, then content.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tuili"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,68 @@
+"""Text to token ids and back on the HTTP side: prompts, chat templates, logprob token strings.
+
+The engine thread owns the engine's tokenizer. The HTTP side works on a copy of its own, used
+only by one worker thread of its own, so a tokenizer object is never shared between threads,
+and a long prompt being tokenized stalls neither the event loop nor the engine's step loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tuili.errors import RequestError
+from tuili.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self.vocab_size = vocab_size  # the model's: token ids must lie in [0, vocab_size)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuili-tokenizer")
+        self._token_strings: list[str] | None = None  # immutable once built
+
+    async def _run(self, fn: Callable[[Tokenizer], T]) -> T:
+        if self._tokenizer is None:
+            raise RequestError(
+                "this model has no tokenizer: send prompts as token ids (a list of integers), not text or messages"
+            )
+        tokenizer = self._tokenizer
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, tokenizer)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(lambda t: t.encode(text, add_special_tokens=add_special_tokens))
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        return await self._run(lambda t: t.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        self.check_ids(token_ids, "tokens")
+        return await self._run(lambda t: t.decode(list(token_ids)))
+
+    def check_ids(self, token_ids: Sequence[int], field: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"{field} holds token id {bad}, which is invalid: expected integers in [0, {self.vocab_size})")
+
+    async def token_strings(self) -> list[str]:
+        """Each token id's own text (special tokens spelled out), for logprobs; built on first use.
+
+        A token that holds part of a multi-byte character reads as U+FFFD here.
+        """
+        if self._token_strings is None:
+            vocab = self.vocab_size
+
+            def build(t: Tokenizer) -> list[str]:
+                return [t.decode([i], skip_special_tokens=False) for i in range(min(vocab, t.vocab_size))]
+
+            strings = await self._run(build)
+            self._token_strings = strings + [""] * (vocab - len(strings))  # model ids without a token
+        return self._token_strings
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
