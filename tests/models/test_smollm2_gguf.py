@@ -22,16 +22,11 @@ def llm():
 
 
 def _hf_greedy(model, ids, steps, eos):
-    ids = list(ids)
-    out = []
+    """transformers' own greedy generate (with its KV cache), stopping at any EOS id."""
     with torch.no_grad():
-        for _ in range(steps):
-            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(token)
-            if token in eos:
-                break
-            ids.append(token)
-    return out
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
+                             eos_token_id=sorted(eos), pad_token_id=sorted(eos)[0])
+    return out[0, len(ids):].tolist()
 
 
 def test_greedy_chat_matches_transformers(llm, transformers_smollm2):

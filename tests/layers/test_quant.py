@@ -1,0 +1,364 @@
+"""Quantized linears (tuili/layers/quant.py) against references nobody here wrote: the `gguf`
+package's quantizer and dequantizer, the embedded SmolLM2 GGUF, the float model.
+
+Tolerances are bounds on sums of products, |y - ref| <= c * (|x| @ |W|^T): in float32 the packed
+kernels must agree to float32 rounding (c = 1e-5); in bf16 (activations and scales rounded to
+8 significant bits, fp32 accumulation) to c = 2^-6, which any layout or scale mix-up exceeds by
+orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from torch import nn
+
+from tuili import LLM, SamplingParams
+from tuili.engine.request import Sequence
+from tuili.engine.scheduler import ScheduledSeq
+from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
+from tuili.layers.quant import (
+    Int4Linear,
+    Int4Weight,
+    Int8GroupLinear,
+    Int8Linear,
+    QuantizedLinear,
+    gguf_linear,
+    gguf_packed_linears,
+    gguf_weight,
+    make_linear,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
+from tuili.models.default_model import default_model_path
+from tuili.models.gguf import open_gguf
+from tuili.models.llama import LlamaForCausalLM
+
+CPU = torch.device("cpu")
+BF16_BOUND = 2**-6
+FP32_BOUND = 1e-5
+# The CPU weight-only ops read our int4 packing only with AVX-512 (see Int4Linear).
+OPS_EXPECTED = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+
+
+def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias, bound: float) -> None:
+    x64, w64 = x.double().reshape(-1, x.shape[-1]), w.double()
+    ref = x64 @ w64.T + (0 if bias is None else bias.double())
+    limit = bound * (x64.abs() @ w64.abs().T) + 1e-30
+    error = (y.double().reshape(ref.shape) - ref).abs()
+    assert (error <= limit).all(), f"worst error / bound = {(error / limit).max().item():.3g}"
+
+
+def run_both_kernels(module: QuantizedLinear, k: int, bias, w: torch.Tensor, bound: float) -> None:
+    """Rows for the "op" kernel (1, 3) and for "tiled" (200), and a 3-D input."""
+    generator = torch.Generator().manual_seed(1)
+    for shape in [(1, k), (3, k), (200, k), (2, 5, k)]:
+        x = torch.randn(*shape, generator=generator)
+        y = module(x)
+        assert y.shape == (*shape[:-1], w.shape[0]) and y.dtype == x.dtype
+        assert_linear_close(y, x, w, bias, bound)
+
+
+# -- GGUF blocks against the gguf package's own dequantization --------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, compute_dtype):
+    # 96 rows: not a multiple of the 64-row packing tile, so padding is exercised too.
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((96, 128)) * rng.uniform(0.01, 2, (96, 1))).astype(np.float32)
+    w[3, :32] = 0.5  # a constant block
+    raw = gguf.quants.quantize(w, ggml_type)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type).copy())
+    bias = torch.randn(96)
+    module = make_linear(gguf_weight(raw, ggml_type, (96, 128)), bias, compute_dtype)
+    expected_class = Int8GroupLinear if ggml_type == Q.Q8_0 else Int4Linear
+    assert type(module) is expected_class
+    assert module.in_features == 128 and module.out_features == 96
+    if compute_dtype == torch.float32:
+        torch.testing.assert_close(module.dequantize(), reference, rtol=1e-6, atol=1e-7)
+    run_both_kernels(module, 128, bias, reference, FP32_BOUND if compute_dtype == torch.float32 else BF16_BOUND)
+
+
+def test_kernel_choice_follows_rows_device_and_dtype():
+    module = make_linear(quantize_int4(torch.randn(64, 64), 32))
+    assert module.kernel_for(200, CPU) == "tiled"
+    assert module.kernel_for(1, torch.device("cuda")) == "tiled"  # the CUDA op packs differently
+    assert make_linear(quantize_int4(torch.randn(64, 64), 32), None, torch.float32).kernel_for(1, CPU) == "tiled"
+    if OPS_EXPECTED:
+        assert module.kernel_for(1, CPU) == "op"
+        assert make_linear(quantize_int8(torch.randn(64, 64))).kernel_for(1, CPU) == "op"
+    # K not a multiple of 32 would crash the int8 op: the tiled kernel must serve it.
+    odd = make_linear(quantize_int8(torch.randn(5, 33)))
+    assert odd.kernel_for(1, CPU) == "tiled"
+    run_both_kernels(odd, 33, None, odd.dequantize(), BF16_BOUND)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return open_gguf(default_model_path())
+
+
+def test_smollm2_tensors_packed_equal_gguf_dequantization(smollm2):
+    # v_proj (Q4_1, rows as stored) and the first 256 rows of the Q8_0 token embeddings.
+    name = "model.layers.0.self_attn.v_proj.weight"
+    info = smollm2.tensor_info(name)
+    assert info.ggml_type == Q.Q4_1 and info.rope_heads is None
+    raw = smollm2.raw_tensor(name)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw.reshape(info.shape[0], -1), Q.Q4_1).copy())
+    for dtype, bound in [(torch.float32, FP32_BOUND), (torch.bfloat16, BF16_BOUND)]:
+        run_both_kernels(make_linear(gguf_weight(raw, Q.Q4_1, info.shape), None, dtype), info.shape[1], None,
+                         reference, bound)
+
+    embed = smollm2.tensor_info("model.embed_tokens.weight")
+    assert embed.ggml_type == Q.Q8_0
+    rows = smollm2.raw_tensor("model.embed_tokens.weight").reshape(embed.shape[0], -1)[:256]
+    reference = torch.from_numpy(gguf.quants.dequantize(rows, Q.Q8_0).copy())
+    for dtype, bound in [(torch.float32, FP32_BOUND), (torch.bfloat16, BF16_BOUND)]:
+        module = make_linear(gguf_weight(rows, Q.Q8_0, (256, embed.shape[1])), None, dtype)
+        run_both_kernels(module, embed.shape[1], None, reference, bound)
+
+
+def test_smollm2_qkv_stacks_parts_and_undoes_llama_cpp_row_order(smollm2):
+    names = [f"model.layers.3.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert smollm2.tensor_info(names[0]).rope_heads is not None
+    module = gguf_linear(smollm2, names, None, torch.float32)
+    expected = torch.cat([smollm2.load_tensor(n) for n in names])  # the float loader's tensors
+    assert module.dequantize().shape == expected.shape == (960, 576)
+    torch.testing.assert_close(module.dequantize(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_smollm2_every_decoder_linear_runs_packed(smollm2):
+    packed = gguf_packed_linears(smollm2, LlamaForCausalLM.packed_modules)
+    cfg = smollm2.config
+    layers = cfg["num_hidden_layers"]
+    assert len(packed.modules) == 4 * layers
+    assert len(packed.tensors) == 7 * layers  # q, k, v, o, gate, up, down weights
+    qkv = packed.modules["model.layers.0.self_attn.qkv_proj"]
+    assert (qkv.in_features, qkv.out_features) == (576, 576 + 2 * 192)
+    assert packed.modules["model.layers.29.mlp.gate_up_proj"].out_features == 2 * cfg["intermediate_size"]
+    # 4-bit codes plus a bf16 scale and zero per 32 values: 5 bits per weight, like Q4_1 itself.
+    weights = sum(smollm2.tensor_info(n).shape[0] * smollm2.tensor_info(n).shape[1] for n in packed.tensors)
+    assert sum(m.weight_bytes for m in packed.modules.values()) == weights * 5 // 8
+
+
+# -- quantizers: round-trip error bounds ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_int8_round_trip_is_within_half_a_step(scale_dtype):
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0.0
+    q = quantize_int8(w, scale_dtype)
+    assert q.q.dtype == torch.int8 and q.scale.dtype == scale_dtype
+    scale = q.scale.float()
+    row_max = w.abs().amax(dim=1)
+    # the scale is max|w| / 127, rounded to its dtype
+    assert torch.allclose(scale, row_max / 127, rtol=2**-8 if scale_dtype == torch.bfloat16 else 1e-6)
+    dequantized = q.q.float() * scale[:, None]  # the format's meaning, written out here
+    assert ((w - dequantized).abs() <= 0.5 * scale[:, None] * (1 + 1e-5)).all()
+    assert (dequantized[5] == 0).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_int4_round_trip_is_within_half_a_step(group_size, scale_dtype):
+    w = torch.randn(32, 256) * 0.05 + torch.randn(32, 1) * 0.02  # groups off-centre: zero points matter
+    w[2, :group_size] = 0.25  # a constant group
+    q = quantize_int4(w, group_size, scale_dtype)
+    assert q.q.dtype == torch.uint8 and int(q.q.max()) <= 15 and q.scale.shape == (32, 256 // group_size)
+    scale = q.scale.float().repeat_interleave(group_size, dim=1)
+    zero = q.zero.float().repeat_interleave(group_size, dim=1)
+    dequantized = scale * (q.q.float() - 8) + zero
+    slack = 2**-8 * (zero.abs() + 15 * scale) if scale_dtype == torch.bfloat16 else 1e-6 * (zero.abs() + scale)
+    assert ((w - dequantized).abs() <= 0.5 * scale + slack).all()
+    assert dequantized[2, :group_size].eq(zero[2, 0]).all() and scale[2, 0] == 0
+    # and the step is what a 4-bit grid over the group's range gives
+    groups = w.view(32, -1, group_size)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    assert torch.allclose(q.scale.float(), step, rtol=2**-8 if scale_dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_modules_compute_what_their_stored_values_mean(kind):
+    torch.manual_seed(0)
+    w, bias = torch.randn(200, 256), torch.randn(200)
+    for dtype, bound in [(torch.float32, FP32_BOUND), (torch.bfloat16, BF16_BOUND)]:
+        if kind == "int8":
+            q = quantize_int8(w, dtype)
+            meaning = q.q.float() * q.scale.float()[:, None]
+        else:
+            q = quantize_int4(w, 64, dtype)
+            expand = lambda t: t.float().repeat_interleave(64, dim=1)  # noqa: E731
+            meaning = expand(q.scale) * (q.q.float() - 8) + expand(q.zero)
+        module = make_linear(q, bias, dtype)
+        assert type(module) is (Int8Linear if kind == "int8" else Int4Linear)
+        torch.testing.assert_close(module.dequantize(), meaning, rtol=0, atol=0)
+        run_both_kernels(module, 256, bias, meaning, bound)
+
+
+def test_cat_stacks_along_the_output_dimension():
+    torch.manual_seed(0)
+    parts = [torch.randn(n, 64) for n in (64, 32, 32)]
+    for quantize in (quantize_int8, lambda t: quantize_int4(t, 32)):
+        weights = [quantize(p) for p in parts]
+        stacked = make_linear(type(weights[0]).cat(weights), None, torch.float32)
+        singles = [make_linear(w, None, torch.float32) for w in weights]
+        x = torch.randn(4, 64)
+        torch.testing.assert_close(stacked(x), torch.cat([m(x) for m in singles], dim=-1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(CheckpointError, match="different group sizes"):
+        Int4Weight.cat([quantize_int4(parts[0], 32), quantize_int4(parts[1], 64)])
+
+
+# -- whole models --------------------------------------------------------------------------------
+
+TINY = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
+)
+PROMPTS = [[5, 17, 250, 3, 99, 100, 101, 7, 8, 9, 10, 11, 12, 13], [42], list(range(30, 53))]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random Qwen2-style checkpoint (q/k/v biases, tied embeddings), written by transformers."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn_like(param))
+    path = tmp_path_factory.mktemp("ckpt") / "qwen2"
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_llm(path) -> LLM:
+    return LLM(model=str(path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20)
+
+
+def prompt_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits of every prompt token, all prompts in one batch (a prefill)."""
+    batch = []
+    for i, ids in enumerate(prompts):
+        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids),
+                       params=SamplingParams())
+        llm.engine.block_manager.grow(seq, len(ids))
+        batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
+    logits = llm.engine.runner.logits(batch)
+    for seq in (item.seq for item in batch):
+        llm.engine.block_manager.free(seq)
+    return logits
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_logits(tiny_checkpoint, method):
+    baseline = tiny_llm(tiny_checkpoint)
+    float_logits = prompt_logits(baseline, PROMPTS)
+
+    # Exact path (float32 compute): the quantized model equals a float model whose linears hold
+    # the dequantized weights, i.e. the packed kernels compute what the stored values mean.
+    exact = tiny_llm(tiny_checkpoint)
+    report = quantize_model(exact.engine.runner.model, method, compute_dtype=torch.float32)
+    assert report.method == method and report.linears == 4 * TINY["num_hidden_layers"]
+    reference = tiny_llm(tiny_checkpoint)
+    float_linears = dict(reference.engine.runner.model.named_modules())
+    for name, module in exact.engine.runner.model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            with torch.no_grad():
+                float_linears[name].weight.copy_(module.dequantize())
+    exact_logits = prompt_logits(exact, PROMPTS)
+    torch.testing.assert_close(exact_logits, prompt_logits(reference, PROMPTS), rtol=1e-4, atol=1e-4)
+
+    # Fast path (bf16 compute, as on CPUs by default): close to the float model.
+    fast = tiny_llm(tiny_checkpoint)
+    report = quantize_model(fast.engine.runner.model, method)
+    assert not any(isinstance(m, nn.Linear) for m in fast.engine.runner.model.modules())
+    # From fp32: int8 is a quarter plus a bf16 scale per row; int4 at group 32 is 4 bits plus a
+    # bf16 scale and zero per 32 values, 5 bits per weight (every row count here is a multiple of 64).
+    if method == "int8":
+        assert report.original_bytes / 4 < report.packed_bytes < report.original_bytes / 4 * 1.05
+    else:
+        assert report.packed_bytes == report.original_bytes * 5 // 32
+    # Loose bounds for random Gaussian weights (int4's step is ~0.3 sigma of a group): measured
+    # mean error / logit spread 0.009 (int8) and 0.13 (int4); a wrong layout or scale gives ~1.
+    fast_logits = prompt_logits(fast, PROMPTS)
+    error = (fast_logits - float_logits).abs() / float_logits.std()
+    agree = (fast_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
+    if method == "int8":
+        assert error.mean() < 0.02 and error.max() < 0.1 and agree >= 0.9, (error.mean(), error.max(), agree)
+    else:
+        assert error.mean() < 0.25 and agree >= 0.5, (error.mean(), agree)
+
+
+def test_untied_lm_head_is_kept_at_int8():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"proj": nn.Linear(64, 64), "lm_head": nn.Linear(64, 320, bias=False)})
+    quantize_model(model, "int4")
+    assert type(model["proj"]) is Int4Linear and type(model["lm_head"]) is Int8Linear
+
+
+def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2):
+    """The loader's future GGUF path, assembled by hand: the float model with its decoder linears
+    swapped for the packed modules built from the file's raw blocks."""
+    llm = LLM(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory=16 << 20)
+    tokenizer = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(conversation)
+    float_logits = prompt_logits(llm, [prompt])
+    model = llm.engine.runner.model
+    for dtype in (torch.float32, torch.bfloat16):
+        for path, module in gguf_packed_linears(smollm2, LlamaForCausalLM.packed_modules, dtype).modules.items():
+            model.set_submodule(path, module)
+        packed_logits = prompt_logits(llm, [prompt])
+        error = (packed_logits - float_logits).abs() / float_logits.std()
+        agree = (packed_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
+        if dtype == torch.float32:  # the same weights: float32 rounding only
+            assert error.max() < 1e-3, error.max()
+        else:
+            assert error.mean() < 0.1 and agree >= 0.9, (error.mean(), agree)
+    assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
+    out = llm.chat([conversation], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert "Paris" in out.outputs[0].text
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def test_unknown_method_lists_the_supported_ones():
+    with pytest.raises(TuiliError, match=r"quantization 'fp8' is not supported: expected one of int8, int4"):
+        quantize_model(nn.Sequential(nn.Linear(64, 64)), "fp8")
+
+
+def test_int4_on_an_indivisible_input_size_names_the_tensor_and_sizes():
+    model = nn.ModuleDict({"up": nn.Linear(64, 96), "down": nn.Linear(96, 64)})
+    with pytest.raises(TuiliError) as info:
+        quantize_model(model, "int4", group_size=64)
+    message = str(info.value)
+    assert "down.weight has 96 inputs (96 % 64 = 32)" in message and "group sizes that fit every layer: 32" in message
+    assert type(model["up"]) is nn.Linear and type(model["down"]) is nn.Linear  # nothing was replaced
+    with pytest.raises(TuiliError, match="group size 48 is not supported: expected one of 32, 64, 128, 256"):
+        quantize_model(model, "int4", group_size=48)
+    with pytest.raises(TuiliError, match=r"this weight is \[8, 40\] \(40 % 32 = 8\)"):
+        quantize_int4(torch.randn(8, 40), 32)
+
+
+def test_unsupported_gguf_type_names_it_and_the_packed_ones():
+    raw = np.zeros(4 * 210, dtype=np.uint8)  # four rows of one 256-value Q6_K block
+    with pytest.raises(UnsupportedModelError, match="Q6_K cannot run packed; packed types: Q4_0, Q4_1, Q8_0"):
+        gguf_weight(raw, Q.Q6_K, (4, 256))
+
+
+def test_gguf_bytes_that_do_not_fit_the_shape_are_refused():
+    raw = gguf.quants.quantize(np.ones((4, 64), dtype=np.float32), Q.Q4_0)
+    with pytest.raises(CheckpointError, match=r"Q4_0 weight of shape \(4, 96\) needs .* 216 bytes; got 144"):
+        gguf_weight(raw, Q.Q4_0, (4, 96))
+    with pytest.raises(CheckpointError, match="rows in multiples of 32"):
+        gguf_weight(raw, Q.Q4_0, (8, 16))
