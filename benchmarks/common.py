@@ -33,19 +33,24 @@ def qwen3_06b_checkpoint() -> Path:
 
 
 def smollm2_bf16_checkpoint() -> Path:
-    """The embedded SmolLM2 GGUF dequantized to a bf16 safetensors directory by transformers,
-    so transformers and tuili run the very same weights."""
-    import transformers
+    """The embedded SmolLM2 GGUF dequantized to a bf16 safetensors directory (config.json from
+    the GGUF header, the tokenizer saved beside it), so transformers and tuili run the very same
+    weights. (transformers refuses to save a model it loaded from GGUF.)"""
+    import json
+
+    from safetensors.torch import save_file
 
     from tuili.models.default_model import default_model_path
+    from tuili.models.gguf import open_gguf
 
     path = CACHE / "smollm2-135m-instruct-bf16"
     if not (path / "config.json").exists():
-        gguf = default_model_path()
-        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-        model.save_pretrained(path)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer.save_pretrained(path)
+        ckpt = open_gguf(default_model_path())
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {name: ckpt.load_tensor(name, torch.bfloat16).contiguous() for name in ckpt.tensor_names()}
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        ckpt.load_tokenizer().save_pretrained(path)
+        (path / "config.json").write_text(json.dumps({**ckpt.config, "torch_dtype": "bfloat16"}, indent=1))
     return path
 
 
