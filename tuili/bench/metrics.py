@@ -152,6 +152,8 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None,
 
     input_tokens = sum(r.prompt_tokens or 0 for r in done)
     output_tokens = sum(r.output_tokens or 0 for r in done)
+    # None when the server reports no cached count at all, so "no cache" and "no hits" differ.
+    cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
     reasons: dict[str, str] = {}
     for r in failed:
         reasons.setdefault(r.error_kind, r.error)
@@ -165,6 +167,7 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None,
         "duration_s": duration,
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
+        "cached_tokens": sum(cached) if cached else None,
         "token_sources": dict(Counter(r.token_source for r in done)),
         "request_throughput": per_second(len(done)),
         "output_throughput": per_second(output_tokens),

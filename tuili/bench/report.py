@@ -50,6 +50,11 @@ def render_run(run: dict, percentiles: Sequence[float]) -> str:
         ("Duration (s)", fmt(s["duration_s"])),
         ("Input / output tokens", f"{s['input_tokens']} / {s['output_tokens']}"
                                   f"  (counted by {', '.join(s['token_sources']) or '-'})"),
+    ]
+    if s["cached_tokens"] is not None:
+        share = f" ({s['cached_tokens'] / s['input_tokens']:.1%} of input)" if s["input_tokens"] else ""
+        rows.append(("Input tokens from the prefix cache", f"{s['cached_tokens']}{share}"))
+    rows += [
         ("Request throughput (req/s)", fmt(s["request_throughput"])),
         ("Output token throughput (tok/s)", fmt(s["output_throughput"])),
         ("Total token throughput (tok/s)", fmt(s["total_token_throughput"])),
@@ -138,6 +143,7 @@ COMPARED = [
     ("request throughput (req/s)", ("summary", "request_throughput"), True),
     ("output throughput (tok/s)", ("summary", "output_throughput"), True),
     ("total throughput (tok/s)", ("summary", "total_token_throughput"), True),
+    ("input tokens from the prefix cache", ("summary", "cached_tokens"), True),
     ("goodput (req/s)", ("summary", "goodput"), True),
     *((f"{label} {stat} (ms)", ("summary", field, stat), False)
       for field, label in LATENCIES for stat in ("mean", "p50", "p90", "p99")),

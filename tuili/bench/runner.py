@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import math
 import random
 from collections.abc import AsyncIterator
@@ -175,6 +176,14 @@ async def discover_model(http: httpx.AsyncClient, root: str, headers: dict[str, 
         raise TuiliError(f"could not read the model name from {root}/v1/models ({exc}): pass --model NAME") from None
 
 
+def workload_seed(seed: int, part: str) -> int:
+    """The prompts' seed for one part of a run ("warmup", "point 0", ...), different for every part and
+    every --seed, so that no load point replays the prompts of the warmup or of another point (and
+    gets prefix-cache hits for them). Arithmetic on the seed would not do: random.Random(n) ignores
+    n's sign, so the warmup's seed - 1 and the second point's seed + 1 gave the same prompts."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{part}".encode()).digest()[:8], "little")
+
+
 class Prefetch:
     """Sessions built ahead by a background task, so that checking prompts never delays an arrival.
 
@@ -273,11 +282,11 @@ class Benchmark:
                             "runs": [], "stopped_early": None}
             if c.warmup:
                 warm = Load(concurrency=min(c.warmup, c.concurrency or 1))
-                sessions = await self._sessions(self._workload(builder, c.seed - 1), c.warmup)
+                sessions = await self._sessions(self._workload(builder, workload_seed(c.seed, "warmup")), c.warmup)
                 await run_load(sessions, client.send, warm,
                                num_requests=c.warmup, duration=None, seed=c.seed)
             for point, load in enumerate(self._points(result["runs"])):
-                run = await self._run_point(http, client, builder, load, c.seed + point)
+                run = await self._run_point(http, client, builder, load, point)
                 result["runs"].append(run)
                 if run["stopped_early"]:
                     result["stopped_early"] = run["stopped_early"]
@@ -317,16 +326,16 @@ class Benchmark:
         return _from_list(await collect(workload.sessions(), requests))
 
     async def _run_point(self, http: httpx.AsyncClient, client: OpenAIStreamClient, builder: PromptBuilder,
-                         load: Load, seed: int) -> dict:
+                         load: Load, point: int) -> dict:
         c = self.config
-        workload = self._workload(builder, seed)
+        workload = self._workload(builder, workload_seed(c.seed, f"point {point}"))
         requests = c.num_requests
         if requests is None and c.duration is None:
             requests = workload.default_requests or DEFAULT_REQUESTS
         sessions = await self._sessions(workload, requests)
         before = await server_metrics.scrape(http, self.root, c.metrics_prefix, self.headers)
         outcome = await run_load(sessions, client.send, load, num_requests=requests, duration=c.duration,
-                                 seed=seed, progress=c.progress)
+                                 seed=c.seed + point, progress=c.progress)
         after = await server_metrics.scrape(http, self.root, c.metrics_prefix, self.headers)
         counters = server_metrics.compare(before or {}, after) if after is not None else None
         return {
