@@ -170,10 +170,20 @@ def test_models_and_tokenizer_endpoints(server, client, model_name, offline_llm,
     assert back["prompt"] == hf.decode(tokens["tokens"], skip_special_tokens=True)
 
 
-def test_usage_reports_prefix_cache_hits(client, model_name):
+def test_usage_reports_prefix_cache_hits(client, model_name, server, scrape):
     prompt = "A repeated preamble that is long enough to fill a few KV cache blocks. " * 4
+    before = scrape(server.url)
     first = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
     second = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens
     assert cached >= (first.usage.prompt_tokens_details.cached_tokens or 0)
+    after = scrape(server.url)
+
+    def grew(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("tuili:prefix_cache_queries_total") == first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert grew("tuili:prefix_cache_hits_total") == cached + (first.usage.prompt_tokens_details.cached_tokens or 0)
+    assert grew("tuili:prefix_cache_device_hits_total") == grew("tuili:prefix_cache_hits_total")
+    assert grew("tuili:prefix_cache_host_hits_total") == 0

@@ -71,9 +71,20 @@ class ServerSettings:
     max_request_bytes: int = 4 << 20
 
 
+def _cache_samples(engine: LLMEngine) -> dict[str, float]:
+    """Prefix-cache counters, in prompt tokens: looked up, and served per tier."""
+    stats = engine.block_manager.stats
+    return {
+        "tuili:prefix_cache_queries_total": float(stats.queried_tokens),
+        "tuili:prefix_cache_hits_total": float(stats.hit_tokens),
+        "tuili:prefix_cache_device_hits_total": float(stats.device_hit_tokens),
+        "tuili:prefix_cache_host_hits_total": float(stats.host_hit_tokens),
+    }
+
+
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine`; the engine thread starts with the app and stops with it."""
-    metrics = ServerMetrics(settings.model_name, lambda: engine.meter.summary().prometheus())
+    metrics = ServerMetrics(settings.model_name, lambda: {**engine.meter.summary().prometheus(), **_cache_samples(engine)})
     driver = EngineDriver(engine, metrics, settings.max_waiting)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size)
     backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len)
