@@ -64,11 +64,12 @@ def timed(fn, repeat: int = 1) -> float:
     return best
 
 
-def read_bandwidth(size_bytes: int = 1 << 30, repeat: int = 5) -> float:
-    """Bytes/s a full read of a large fp32 tensor achieves (a sum touches every byte once)."""
-    x = torch.ones(size_bytes // 4, dtype=torch.float32)
-    x.sum()
-    return size_bytes / timed(lambda: x.sum(), repeat)
+def read_bandwidth() -> float:
+    """Bytes/s this machine's memory delivers to a reader, as `tuili probe` measures it."""
+    from tuili.perf.probe import probe
+
+    spec, _ = probe("cpu", quick=True)
+    return spec.memory_bandwidth
 
 
 def machine() -> str:

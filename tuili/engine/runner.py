@@ -12,7 +12,7 @@ from tuili.config import ModelConfig
 from tuili.engine.kv_cache import BlockCopies
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
-from tuili.layers.attention import AttentionMetadata
+from tuili.layers.attention import AttentionGroup, AttentionMetadata
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
 
@@ -129,54 +129,57 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        starts: list[int] = []
-        query_lens: list[int] = []
         sample_index: list[int] = []
+        decodes: list[tuple[int, int, list[int]]] = []  # (query start, position, block table)
+        groups: list[AttentionGroup] = []
         for item in batch:
             seq, start, n = item.seq, item.start, item.num_tokens
+            query_start = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
             span = range(start, start + n)
             positions.extend(span)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in span)
-            starts.append(start)
-            query_lens.append(n)
             if item.samples:
                 sample_index.append(len(input_ids) - 1)
-
+            if n == 1:
+                decodes.append((query_start, start, table))
+            else:
+                groups.append(self._group([(query_start, start, n, table)]))
+        if decodes:
+            groups.insert(0, self._group([(q0, pos, 1, table) for q0, pos, table in decodes]))
         dev = self.device
-        max_blocks = max(len(item.seq.block_table) for item in batch)
-        block_tables = torch.tensor(
-            [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in batch],
-            dtype=torch.long,
-        )
-        start_t = torch.tensor(starts, dtype=torch.long)
-        qlen_t = torch.tensor(query_lens, dtype=torch.long)
-        context_lens = start_t + qlen_t
-        max_q, max_ctx = int(qlen_t.max()), int(context_lens.max())
-
-        offsets = torch.arange(max_q)
-        token_valid = offsets[None, :] < qlen_t[:, None]
-        query_start = torch.cumsum(qlen_t, 0) - qlen_t
-        token_index = torch.where(token_valid, query_start[:, None] + offsets[None, :], 0)
-        # Causal over absolute positions: query at position p sees keys 0..p. Padding rows
-        # see key 0 only, so no row is fully masked (which would give NaN).
-        query_pos = start_t[:, None] + offsets[None, :]
-        keys = torch.arange(max_ctx)
-        mask = keys[None, None, :] <= query_pos[:, :, None]
-        mask = torch.where(token_valid[:, :, None], mask, keys[None, None, :] == 0)
-
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            context_lens=context_lens.to(dev, non_blocking=True),
-            token_index=token_index.to(dev, non_blocking=True),
-            token_valid=token_valid.to(dev, non_blocking=True),
-            mask=mask.unsqueeze(1).to(dev, non_blocking=True),
-        )
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True), groups)
         return (
             torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             meta,
             torch.tensor(sample_index, dtype=torch.long).to(dev, non_blocking=True),
+        )
+
+    def _group(self, seqs: list[tuple[int, int, int, list[int]]]) -> AttentionGroup:
+        """One attention call for sequences given as (flat index of the first new token,
+        its position, number of new tokens, block table)."""
+        max_blocks = max(len(table) for *_, table in seqs)
+        block_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for *_, table in seqs], dtype=torch.long)
+        query_start = torch.tensor([s[0] for s in seqs], dtype=torch.long)
+        start = torch.tensor([s[1] for s in seqs], dtype=torch.long)
+        qlen = torch.tensor([s[2] for s in seqs], dtype=torch.long)
+        max_q, max_ctx = int(qlen.max()), int((start + qlen).max())
+
+        offsets = torch.arange(max_q)
+        token_valid = offsets[None, :] < qlen[:, None]
+        token_index = torch.where(token_valid, query_start[:, None] + offsets[None, :], 0)
+        # Causal over absolute positions: query at position p sees keys 0..p. Padding rows
+        # see key 0 only, so no row is fully masked (which would give NaN).
+        query_pos = start[:, None] + offsets[None, :]
+        keys = torch.arange(max_ctx)
+        mask = keys[None, None, :] <= query_pos[:, :, None]
+        mask = torch.where(token_valid[:, :, None], mask, keys[None, None, :] == 0)
+        dev = self.device
+        return AttentionGroup(
+            block_tables=block_tables.to(dev, non_blocking=True),
+            token_index=token_index.to(dev, non_blocking=True),
+            token_valid=token_valid.to(dev, non_blocking=True),
+            mask=mask.unsqueeze(1).to(dev, non_blocking=True),
         )

@@ -21,25 +21,28 @@ import torch.nn.functional as F
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step batch layout, built once by the runner and shared by every layer.
+class AttentionGroup:
+    """Sequences attended in one scaled-dot-product call, queries padded to the longest.
 
     Invariants: tokens of one sequence are contiguous in the flat batch and in position
-    order; `context_lens[b]` counts every cached token of sequence b including this
-    step's; `token_index[b, i]` is the flat index of sequence b's i-th new token, and
-    padding entries (i >= query_lens[b]) point at index 0 and are masked out.
+    order; `token_index[b, i]` is the flat index of sequence b's i-th new token, and padding
+    entries (i >= that sequence's query length) point at index 0 and are masked out.
     """
 
-    slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
-    context_lens: torch.Tensor  # [B] int64
     token_index: torch.Tensor  # [B, max_query_len] int64
     token_valid: torch.Tensor  # [B, max_query_len] bool
     mask: torch.Tensor  # [B, 1, max_query_len, max_context] bool, True = may attend
 
-    @property
-    def max_query_len(self) -> int:
-        return self.token_index.shape[1]
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout, built once by the runner and shared by every layer. Decodes
+    (one query each) share one group; each prefill chunk has its own, so a long chunk never
+    pads a batch of decodes to its length."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    groups: list[AttentionGroup]
 
 
 def write_kv(
@@ -60,32 +63,36 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D] for this step's tokens -> output [T, Hq, D]."""
-    num_tokens, num_heads, head_dim = q.shape
+    if len(meta.groups) == 1:
+        group = meta.groups[0]
+        if group.token_index.shape[0] == q.shape[0]:  # a pure decode step: rows already in order
+            return _attend(q, k_cache, v_cache, group, scale)
+    result = q.new_empty(q.shape)
+    for group in meta.groups:
+        valid = group.token_valid.reshape(-1)
+        result[group.token_index.reshape(-1)[valid]] = _attend(q[group.token_index], k_cache, v_cache, group, scale)[valid]
+    return result
+
+
+def _attend(
+    padded_q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
+    """padded_q: [B, max_q, Hq, D] (or [B, Hq, D] when max_q == 1) -> [B * max_q, Hq, D]."""
+    batch, max_q = group.token_index.shape
+    num_heads, head_dim = padded_q.shape[-2:]
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    batch, max_q = meta.token_index.shape
-    max_ctx = meta.mask.shape[-1]
+    per_kv = num_heads // num_kv_heads
+    max_ctx = group.mask.shape[-1]
 
     # Gather each sequence's context: [B, max_blocks * block_size, Hkv, D] -> [B, Hkv, ctx, D].
-    keys = k_cache[meta.block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
-    values = v_cache[meta.block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+    keys = k_cache[group.block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+    values = v_cache[group.block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
 
-    # Queries padded per sequence, grouped under their KV head so K/V are never repeated:
-    # [B, max_q, Hkv, group, D] -> [B, Hkv, group * max_q, D]. A pure decode step has one
-    # query per sequence, already in order: no gather, no scatter back.
-    decode_only = max_q == 1
-    padded_q = q if decode_only else q[meta.token_index]
-    padded_q = padded_q.view(batch, max_q, num_kv_heads, group, head_dim)
-    padded_q = padded_q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim)
-    mask = meta.mask.expand(batch, group, max_q, max_ctx).reshape(batch, 1, group * max_q, max_ctx)
-    out = F.scaled_dot_product_attention(padded_q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
-
-    # Back to the flat layout, dropping padding.
-    out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(batch * max_q, num_heads, head_dim)
-    if decode_only:
-        return out
-    flat_index = meta.token_index.reshape(-1)[meta.token_valid.reshape(-1)]
-    result = q.new_empty(num_tokens, num_heads, head_dim)
-    result[flat_index] = out[meta.token_valid.reshape(-1)]
-    return result
+    # Queries grouped under their KV head so K/V are never repeated:
+    # [B, max_q, Hkv, per_kv, D] -> [B, Hkv, per_kv * max_q, D].
+    q = padded_q.reshape(batch, max_q, num_kv_heads, per_kv, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, per_kv * max_q, head_dim)
+    mask = group.mask.expand(batch, per_kv, max_q, max_ctx).reshape(batch, 1, per_kv * max_q, max_ctx)
+    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
+    out = out.view(batch, num_kv_heads, per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch * max_q, num_heads, head_dim)
