@@ -79,7 +79,7 @@ def multi_turn(turns: int = 10) -> None:
           f"{ratio:.2f}x (goal <= 1.2) {'PASS' if ratio <= 1.2 else 'MISS'}")
 
 
-def zero_hit_overhead(requests: int = 32, repeats: int = 3) -> None:
+def zero_hit_overhead(requests: int = 32, repeats: int = 5) -> None:
     rng = random.Random(1)
     best = {True: 0.0, False: 0.0}
     llms = {c: LLM(enable_prefix_caching=c, max_model_len=1024) for c in (True, False)}
