@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,3 +88,21 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+_READY = re.compile(r"at (http://\S+)/v1")
+
+
+def start_server(flags: list[str]) -> tuple[subprocess.Popen, str, Path]:
+    """Start `tuili serve --port 0 FLAGS`; wait for its URL in the log (model loading takes
+    seconds to minutes). Returns the process, the base URL and the log file."""
+    log = Path(tempfile.mkstemp(prefix="tuili-bench-serve-", suffix=".log")[1])
+    command = [sys.executable, "-m", "tuili.cli", "serve", "--port", "0", *flags]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while (match := _READY.search(log.read_text())) is None:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            sys.exit(f"tuili serve did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+    return process, match.group(1), log

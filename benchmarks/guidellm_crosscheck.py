@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -57,12 +56,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import CACHE, machine  # noqa: E402
+from common import CACHE, machine, start_server  # noqa: E402
 
 from tuili.bench.runner import BenchConfig, run_benchmark  # noqa: E402
 from tuili.bench.server_metrics import parse_metrics  # noqa: E402
 
-READY = re.compile(r"at (http://\S+)/v1")
 GUIDELLM = CACHE / "guidellm-venv" / "bin" / "guidellm"
 
 
@@ -79,19 +77,9 @@ def smollm2_tokenizer_dir() -> Path:
     return path
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
-    log = Path(tempfile.mkstemp(prefix="tuili-crosscheck-serve-", suffix=".log")[1])
-    command = [sys.executable, "-m", "tuili.cli", "serve", "--port", "0", "--device", args.device,
-               "--max-num-seqs", str(2 * args.concurrency), "--max-model-len", "2048"]
-    command += ["--model", args.model] if args.model else []
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while (match := READY.search(log.read_text())) is None:
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            sys.exit(f"tuili serve did not start:\n{log.read_text()}")
-        time.sleep(0.2)
-    return process, match.group(1), log
+def server_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--device", args.device, "--max-num-seqs", str(2 * args.concurrency), "--max-model-len", "2048"]
+    return flags + (["--model", args.model] if args.model else [])
 
 
 class ServerView:
@@ -283,7 +271,7 @@ def main() -> int:
                                    else smollm2_tokenizer_dir())
 
     print(f"machine: {machine()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    process, url, log = start_server(args)
+    process, url, log = start_server(server_flags(args))
     try:
         model = httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"]
         print(f"workload per tool: {args.num_requests} requests, {args.concurrency} in flight, prompt tokens in "

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
-READY = re.compile(r"at (http://\S+)/v1")
+sys.path.insert(0, str(Path(__file__).parent))
+from common import start_server  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
@@ -39,19 +37,6 @@ def prompts(count: int) -> list[str]:
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--device", args.device, "--max-num-seqs", str(max(args.clients, 1))]
     return flags + (["--model", args.model] if args.model else [])
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
-    log = Path(tempfile.mkstemp(prefix="tuili-bench-serve-", suffix=".log")[1])
-    command = [sys.executable, "-m", "tuili.cli", "serve", "--port", "0", *engine_flags(args)]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while (match := READY.search(log.read_text())) is None:
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            sys.exit(f"tuili serve did not start:\n{log.read_text()}")
-        time.sleep(0.2)
-    return process, match.group(1), log
 
 
 async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> int:
@@ -105,7 +90,7 @@ def report(name: str, tokens: int, seconds: float, steps: float) -> float:
 
 
 def server_throughput(args: argparse.Namespace, texts: list[str]) -> float:
-    process, url, log = start_server(args)
+    process, url, log = start_server(engine_flags(args))
     try:
         tokens, seconds, steps = asyncio.run(run_clients(url, texts, args.max_tokens, args.repeat))
     finally:
