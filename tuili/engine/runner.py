@@ -12,7 +12,7 @@ from tuili.config import ModelConfig
 from tuili.engine.kv_cache import BlockCopies
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
-from tuili.layers.attention import AttentionGroup, AttentionMetadata
+from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
 
@@ -132,6 +132,7 @@ class ModelRunner:
         sample_index: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []  # (query start, position, block table)
         groups: list[AttentionGroup] = []
+        spans: list[CausalSpan] = []
         for item in batch:
             seq, start, n = item.seq, item.start, item.num_tokens
             query_start = len(input_ids)
@@ -144,12 +145,14 @@ class ModelRunner:
                 sample_index.append(len(input_ids) - 1)
             if n == 1:
                 decodes.append((query_start, start, table))
+            elif start == 0:
+                spans.append(CausalSpan(query_start, n))
             else:
                 groups.append(self._group([(query_start, start, n, table)]))
         if decodes:
             groups.insert(0, self._group([(q0, pos, 1, table) for q0, pos, table in decodes]))
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True), groups)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True), groups, spans)
         return (
             torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),

@@ -5,9 +5,11 @@ A token's slot is `block_id * block_size + offset`; `slot_mapping` says where ea
 token's key and value go, and each sequence's block table lists its blocks in order, so
 the sequence's key at absolute position p lives in block `block_table[p // block_size]`.
 
-One call per layer handles the whole batch: the new keys/values are scattered into the
-cache, then every sequence's context is gathered through its block table into a padded
-`[B, max_context, ...]` view and one masked scaled-dot-product attention runs over it.
+The new keys/values are scattered into the cache first. A prompt chunk with no earlier
+context (the first chunk of an uncached prompt) then attends causally to its own keys and
+values, without reading the cache. Every other sequence's context is gathered through its
+block table into a padded `[B, max_context, ...]` view and one masked scaled-dot-product
+attention runs per group: all decodes together, each continuing prefill chunk on its own.
 Portable (CPU, any CUDA GPU incl. compute capability 7.0); faster kernels can replace
 `paged_attention` without touching the model.
 """
@@ -35,14 +37,25 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, max_query_len, max_context] bool, True = may attend
 
 
+@dataclass(frozen=True)
+class CausalSpan:
+    """A prefill chunk that starts at position 0: tokens first .. first + length - 1 of the flat
+    batch are its whole context, so it attends causally to its own new keys and values."""
+
+    first: int
+    length: int
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step batch layout, built once by the runner and shared by every layer. Decodes
-    (one query each) share one group; each prefill chunk has its own, so a long chunk never
-    pads a batch of decodes to its length."""
+    (one query each) share one group; each continuing prefill chunk has its own, so a long
+    chunk never pads a batch of decodes to its length; fresh prefill chunks are spans.
+    Invariant: every token of the step is in exactly one group or span."""
 
     slot_mapping: torch.Tensor  # [T] int64
     groups: list[AttentionGroup]
+    spans: list[CausalSpan]
 
 
 def write_kv(
@@ -57,21 +70,41 @@ def write_kv(
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] for this step's tokens -> output [T, Hq, D]."""
-    if len(meta.groups) == 1:
+    """q: [T, Hq, D], k, v: [T, Hkv, D] for this step's tokens (already written to the cache)
+    -> output [T, Hq, D]."""
+    if len(meta.groups) == 1 and not meta.spans:
         group = meta.groups[0]
         if group.token_index.shape[0] == q.shape[0]:  # a pure decode step: rows already in order
             return _attend(q, k_cache, v_cache, group, scale)
+    if len(meta.spans) == 1 and not meta.groups:  # one fresh prompt chunk
+        return _attend_causal(q, k, v, scale)
     result = q.new_empty(q.shape)
+    for span in meta.spans:
+        rows = slice(span.first, span.first + span.length)
+        result[rows] = _attend_causal(q[rows], k[rows], v[rows], scale)
     for group in meta.groups:
         valid = group.token_valid.reshape(-1)
         result[group.token_index.reshape(-1)[valid]] = _attend(q[group.token_index], k_cache, v_cache, group, scale)[valid]
     return result
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's L tokens over themselves: [L, H, D] -> [L, Hq, D].
+    Keys and values are repeated per query head (a small copy next to the L^2 work) so that
+    SDPA's fused causal kernel runs without a mask tensor."""
+    per_kv = q.shape[1] // k.shape[1]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+    if per_kv > 1:
+        k, v = (t.repeat_interleave(per_kv, dim=0) for t in (k, v))
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale)
+    return out.transpose(0, 1)
 
 
 def _attend(

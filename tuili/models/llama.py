@@ -44,7 +44,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
