@@ -151,6 +151,19 @@ _DTYPES = {
 }
 
 
+def packed_compute_dtype(requested: str | torch.dtype | None, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype quantized ("packed") linears compute in, or None when GGUF files are to be
+    dequantized at load. On a CPU: bf16, where PyTorch's weight-only int4/int8 kernels are fast
+    (their fp32 paths are scalar loops), unless float32 was asked for by name: that is the
+    exact reference path, with GGUF files dequantized to float32. On a GPU the portable kernels
+    only, so GGUF files are dequantized at load and --quantization computes in the working dtype."""
+    if device.type != "cpu":
+        return None
+    if requested in (torch.float32, "float32", "fp32", "float"):
+        return None
+    return torch.bfloat16
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """The working dtype. "auto": fp16 on GPUs without bf16 (V100), bf16 on newer GPUs,
     fp32 on CPUs (see docs/benchmarks.md: a bf16 linear at decode shapes reads weights
@@ -183,6 +196,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_offload_memory: int = 0  # bytes of host memory for evicted prefix-cache blocks; 0 = off
     hardware: str | None = None  # preset name or spec file for MFU/MBU; None = probed or estimated
+    quantization: str | None = None  # "int8" | "int4": quantize the checkpoint's linears at load
     seed: int = 0
 
     def validate(self) -> None:
@@ -194,5 +208,9 @@ class EngineConfig:
             raise TuiliError(f"max_model_len={self.max_model_len!r} is invalid: expected an integer >= 2")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
             raise TuiliError(f"kv_cache_memory={self.kv_cache_memory!r} is invalid: expected a positive number of bytes")
+        if self.quantization is not None:
+            from tuili.layers.quant import check_quantization_method
+
+            check_quantization_method(self.quantization)
         if not isinstance(self.kv_offload_memory, int) or self.kv_offload_memory < 0:
             raise TuiliError(f"kv_offload_memory={self.kv_offload_memory!r} is invalid: expected bytes >= 0")

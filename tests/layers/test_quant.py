@@ -277,16 +277,30 @@ def test_quantized_model_logits(tiny_checkpoint, method):
     exact_logits = prompt_logits(exact, PROMPTS)
     torch.testing.assert_close(exact_logits, prompt_logits(reference, PROMPTS), rtol=1e-4, atol=1e-4)
 
-    # Fast path (bf16 compute, as on CPUs by default): close to the float model.
-    fast = tiny_llm(tiny_checkpoint)
-    report = quantize_model(fast.engine.runner.model, method)
-    assert not any(isinstance(m, nn.Linear) for m in fast.engine.runner.model.modules())
+    # Fast path, as `LLM(quantization=...)` loads it (bf16 compute on CPUs): every linear packed,
+    # the tied embedding given an int8 copy for the logits; close to the float model.
+    fast = LLM(model=str(tiny_checkpoint), device="cpu", block_size=4, kv_cache_memory=1 << 20, quantization=method)
+    model = fast.engine.runner.model
+    assert fast.engine.weights_quantized == method
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert type(model.lm_head) is Int8Linear and model.lm_head.compute_dtype == torch.bfloat16
+    layers = [m for m in model.model.layers.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * TINY["num_hidden_layers"]
+    packed = sum(m.weight_bytes for m in layers)
+    original = sum(4 * m.in_features * m.out_features for m in layers)  # the fp32 checkpoint
     # From fp32: int8 is a quarter plus a bf16 scale per row; int4 at group 32 is 4 bits plus a
     # bf16 scale and zero per 32 values, 5 bits per weight (every row count here is a multiple of 64).
     if method == "int8":
-        assert report.original_bytes / 4 < report.packed_bytes < report.original_bytes / 4 * 1.05
+        assert original / 4 < packed < original / 4 * 1.05
     else:
-        assert report.packed_bytes == report.original_bytes * 5 // 32
+        assert packed == original * 5 // 32
+    # The engine's byte count: every packed buffer, the float norms and embedding; a decode step
+    # reads all but the embedding, whose logits now come from the int8 copy.
+    embedding = model.model.embed_tokens.weight
+    read = fast.engine.runner.decode_weight_bytes()
+    assert read == fast.engine.runner.weight_bytes() - embedding.nbytes
+    kv_per_token = fast.engine.meter.kv_bytes_per_token
+    assert fast.engine.meter.step_decode_bytes([5, 9]) == read + 14 * kv_per_token  # what live MBU counts
     # Loose bounds for random Gaussian weights (int4's step is ~0.3 sigma of a group): measured
     # mean error / logit spread 0.009 (int8) and 0.13 (int4); a wrong layout or scale gives ~1.
     fast_logits = prompt_logits(fast, PROMPTS)
@@ -306,30 +320,42 @@ def test_untied_lm_head_is_kept_at_int8():
 
 
 def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2):
-    """The loader's future GGUF path, assembled by hand: the float model with its decoder linears
-    swapped for the packed modules built from the file's raw blocks."""
+    """On a CPU the loader keeps the GGUF's Q4_1/Q8_0 linears packed (bf16 compute) unless
+    float32 is asked for: the packed model agrees with the dequantized float32 one, and with
+    float32 compute the packed modules give the float model's logits exactly."""
     llm = LLM(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory=16 << 20)
+    assert llm.engine.weights_quantized is None
+    assert not any(isinstance(m, QuantizedLinear) for m in llm.engine.runner.model.modules())
     tokenizer = llm.get_tokenizer()
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(conversation)
     float_logits = prompt_logits(llm, [prompt])
-    model = llm.engine.runner.model
-    for dtype in (torch.float32, torch.bfloat16):
-        for path, module in gguf_packed_linears(smollm2, LlamaForCausalLM.packed_modules, dtype).modules.items():
-            model.set_submodule(path, module)
-        packed_logits = prompt_logits(llm, [prompt])
-        error = (packed_logits - float_logits).abs() / float_logits.std()
-        agree = (packed_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
-        if dtype == torch.float32:  # the same weights: float32 rounding only
-            assert error.max() < 1e-3, error.max()
-        else:
-            assert error.mean() < 0.1 and agree >= 0.9, (error.mean(), agree)
+
+    packed = LLM(device="cpu", max_model_len=256, kv_cache_memory=16 << 20)
+    model = packed.engine.runner.model
+    assert packed.engine.weights_quantized == "gguf"
     assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
-    out = llm.chat([conversation], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert {m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear)} == {torch.bfloat16}
+    packed_logits = prompt_logits(packed, [prompt])
+    error = (packed_logits - float_logits).abs() / float_logits.std()
+    agree = (packed_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
+    assert error.mean() < 0.1 and agree >= 0.9, (error.mean(), agree)
+    out = packed.chat([conversation], SamplingParams(temperature=0.0, max_tokens=24))[0]
     assert "Paris" in out.outputs[0].text
+
+    float_model = llm.engine.runner.model
+    for path, module in gguf_packed_linears(smollm2, LlamaForCausalLM.packed_modules, torch.float32).modules.items():
+        float_model.set_submodule(path, module)
+    exact = (prompt_logits(llm, [prompt]) - float_logits).abs() / float_logits.std()
+    assert exact.max() < 1e-3, exact.max()  # the same weights: float32 rounding only
 
 
 # -- bad input -------------------------------------------------------------------------------------
+
+
+def test_engine_refuses_an_unknown_quantization_by_name():
+    with pytest.raises(TuiliError, match="'fp8' is not supported: expected one of int8, int4"):
+        LLM(model=None, quantization="fp8")
 
 
 def test_unknown_method_lists_the_supported_ones():

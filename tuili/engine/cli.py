@@ -46,6 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hardware", default=None,
                        help="hardware preset or spec file that MFU/MBU are measured against "
                        "(default: this machine's `tuili probe` result, else a quick estimate)")
+    group.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                       help="quantize a float checkpoint's linears at load: int8 per output channel, or int4 "
+                       "in groups of 32 with scale and zero point (GGUF Q4_0/Q4_1/Q8_0 files run as stored "
+                       "without this flag)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
 
 
@@ -55,7 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
-        hardware=args.hardware, seed=args.seed,
+        hardware=args.hardware, quantization=args.quantization, seed=args.seed,
     )
 
 

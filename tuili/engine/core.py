@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tuili.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tuili.config import EngineConfig, ModelConfig, packed_compute_dtype, resolve_device, resolve_dtype
 from tuili.engine.kv_cache import BlockManager
 from tuili.engine.request import (
     CompletionOutput,
@@ -91,7 +91,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len)
+        loaded = load_model(
+            config.model, self.dtype, self.device, config.max_model_len, config.quantization,
+            packed_compute_dtype(config.dtype, self.device, self.dtype),
+        )
+        self.weights_quantized = loaded.quantized
         self.model_config: ModelConfig = loaded.config
         self.model_path = loaded.path
         self.tokenizer: Tokenizer | None = loaded.tokenizer
@@ -134,7 +138,8 @@ class LLMEngine:
         spec = current_hardware(self.device.type, hardware)
         kv_per_token = kv_bytes_per_block(self.model_config, 1, self.dtype)
         return UtilizationMeter(
-            cost, spec, self.runner.weight_bytes(), kv_per_token, compute_dtype=canonical_dtype(str(self.dtype))
+            cost, spec, self.runner.weight_bytes(), kv_per_token, compute_dtype=canonical_dtype(str(self.dtype)),
+            decode_weight_bytes=self.runner.decode_weight_bytes() if self.weights_quantized else None,
         )
 
     # ---- requests -------------------------------------------------------------------

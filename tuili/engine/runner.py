@@ -13,6 +13,7 @@ from tuili.engine.kv_cache import BlockCopies
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan
+from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
 
@@ -93,9 +94,23 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, meta)).float()
 
     def weight_bytes(self) -> int:
-        """Bytes of the model's weights, each storage once (a tied embedding is one tensor)."""
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.model.parameters()}
+        """Bytes of the weights held: parameters and quantized modules' codes and scales, each
+        storage once (a tied embedding is one tensor)."""
+        return sum(self._weight_storages().values())
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: all of them, except an embedding matrix
+        whose logits come from a separate output module (untied, or a packed copy of a tied
+        one): the token lookup reads only a few of its rows."""
+        storages = self._weight_storages()
+        if self.model.lm_head is not None:
+            storages.pop(self.model.model.embed_tokens.weight.untyped_storage().data_ptr(), None)
         return sum(storages.values())
+
+    def _weight_storages(self) -> dict[int, int]:
+        quantized = (b for m in self.model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers())
+        tensors = [*self.model.parameters(), *quantized]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state when a sequence finishes or is aborted."""

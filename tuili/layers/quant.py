@@ -615,13 +615,10 @@ def quantize_model(
     method "int8": per-row symmetric int8. "int4": group-wise int4 with scale and zero; an
     untied `lm_head` gets int8 instead, as llama.cpp keeps its output matrix at 6 or 8 bits
     (the logits are the most sensitive projection, and int8 still halves its bytes in bf16).
-    A tied lm_head is the embedding matrix, which the token lookup reads as floats; it is left
-    as it is. compute_dtype: None = bf16 on CPUs (where the fast kernels are), else the dtype of
+    A tied lm_head is the embedding matrix, not an nn.Linear; the loader gives it an int8 copy.
+    compute_dtype: None = bf16 on CPUs (where the fast kernels are), else the dtype of
     the weights. Every linear is checked before any is replaced, so an error changes nothing."""
-    if method not in QUANTIZATION_METHODS:
-        raise TuiliError(
-            f"quantization {method!r} is not supported: expected one of {', '.join(QUANTIZATION_METHODS)}"
-        )
+    check_quantization_method(method)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if method == "int4":
         _check_group_size(group_size)
@@ -640,6 +637,13 @@ def quantize_model(
         packed += module.weight_bytes
         original += _nbytes(linear.weight)
     return QuantizationReport(method, len(linears), packed, original)
+
+
+def check_quantization_method(method: str) -> None:
+    if method not in QUANTIZATION_METHODS:
+        raise TuiliError(
+            f"quantization {method!r} is not supported: expected one of {', '.join(QUANTIZATION_METHODS)}"
+        )
 
 
 def _is_output(name: str) -> bool:

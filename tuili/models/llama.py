@@ -90,7 +90,10 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward() returns final hidden states for every token; compute_logits() projects the
-    few rows that are sampled, so a long prefill never materialises [T, vocab] logits."""
+    few rows that are sampled, so a long prefill never materialises [T, vocab] logits.
+
+    `lm_head` is None when the embeddings are tied (the logits then read the embedding matrix),
+    unless a loader installs a quantized copy of that matrix for the logits to read instead."""
 
     # Parameters that stack several checkpoint tensors, in order, along dim 0.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -99,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions)
+        self.lm_head: nn.Module | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -106,8 +110,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -8,14 +8,19 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from tuili.config import ModelConfig
 from tuili.errors import CheckpointError
 from tuili.models.llama import LlamaForCausalLM
 from tuili.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tuili.models.gguf import GGUFCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +32,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: Path
     weight_format: str  # "safetensors" or "gguf"
+    quantized: str | None = None  # how linears are held: None (floats), "gguf", "int8" or "int4"
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -47,12 +53,51 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(
-    model: str | None, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    quantization: str | None = None,
+    packed_dtype: torch.dtype | None = None,
 ) -> LoadedModel:
+    """Load `model` with its float weights in `dtype` on `device`.
+
+    Linear weights stay quantized ("packed", tuili/layers/quant.py) in two cases:
+    `quantization` ("int8" | "int4") quantizes the checkpoint's linears at load (a GGUF file is
+    dequantized first); otherwise, when `packed_dtype` is given, a GGUF file's Q4_0, Q4_1 and Q8_0
+    linears are kept as stored. Packed linears compute in `packed_dtype` (default: `dtype`).
+    With no quantization and no packed_dtype every weight is dequantized to `dtype`."""
     path = resolve_model_path(model)
+    if quantization is not None:
+        from tuili.layers.quant import check_quantization_method
+
+        check_quantization_method(quantization)
+    keep_gguf = packed_dtype if quantization is None else None
     if path.is_file():
-        return _load_gguf(path, dtype, device, max_positions)
-    return _load_hf_dir(path, dtype, device, max_positions)
+        loaded = _load_gguf(path, dtype, device, max_positions, keep_gguf)
+    else:
+        loaded = _load_hf_dir(path, dtype, device, max_positions)
+    if quantization is not None:
+        _quantize(loaded, quantization, packed_dtype or dtype)
+    return loaded
+
+
+def _quantize(loaded: LoadedModel, method: str, compute_dtype: torch.dtype) -> None:
+    """Quantize every linear in place; a tied model's logits get an int8 copy of the embedding
+    matrix (the token lookup keeps reading the float one), as llama.cpp keeps its output
+    matrix at 8 bits: the logits are the most sensitive projection."""
+    from tuili.layers.quant import make_linear, quantize_int8, quantize_model
+
+    model = loaded.model
+    report = quantize_model(model, method, compute_dtype=compute_dtype)
+    if model.lm_head is None:
+        embedding = model.model.embed_tokens.weight
+        model.lm_head = make_linear(quantize_int8(embedding, compute_dtype), None, compute_dtype).to(embedding.device)
+    loaded.quantized = method
+    logger.info(
+        "quantized %d linears to %s: %.1f MB packed instead of %.1f MB",
+        report.linears, method, report.packed_bytes / 1e6, report.original_bytes / 1e6,
+    )
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None) -> LoadedModel:
@@ -97,18 +142,31 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None, packed_dtype: torch.dtype | None
+) -> LoadedModel:
     from tuili.models.gguf import open_gguf
 
     ckpt = open_gguf(path)
     cfg = ModelConfig.from_hf_config(ckpt.config)
+    modules = _gguf_packed_modules(ckpt, packed_dtype) if packed_dtype is not None else {}
     tensors = ((name, (lambda n=name: ckpt.load_tensor(n, torch.float32))) for name in ckpt.tensor_names())
-    model = _build(cfg, tensors, dtype, device, max_positions or cfg.max_position_embeddings, str(path))
+    model = _build(cfg, tensors, dtype, device, max_positions or cfg.max_position_embeddings, str(path), modules)
     hf_tokenizer = ckpt.load_tokenizer()
     # Chat models end a turn with an end-of-turn token that llama.cpp records apart from EOS.
     eot = [ckpt.metadata(key, None) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
     tokenizer = Tokenizer(hf_tokenizer, [int(t) for t in eot if t is not None]) if hf_tokenizer else None
-    return LoadedModel(model, cfg, tokenizer, path, "gguf")
+    return LoadedModel(model, cfg, tokenizer, path, "gguf", "gguf" if modules else None)
+
+
+def _gguf_packed_modules(ckpt: GGUFCheckpoint, compute_dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The decoder linears of the file that can run as stored (Q4_0/Q4_1/Q8_0), by module path.
+    The output matrix stays a float matrix in the working dtype: the packed kernels return
+    bf16, whose rounding of the logits (2^-9 relative) turns close calls between the top tokens
+    into ties, and at one row a float32 matrix-vector product reads as fast as the packed one."""
+    from tuili.layers.quant import gguf_packed_linears
+
+    return dict(gguf_packed_linears(ckpt, LlamaForCausalLM.packed_modules, compute_dtype).modules)
 
 
 def _build(
@@ -118,12 +176,17 @@ def _build(
     device: torch.device,
     max_positions: int,
     source: str,
+    modules: dict[str, nn.Module] | None = None,
 ) -> LlamaForCausalLM:
-    """Construct the network without allocating weights, then assign each checkpoint tensor
-    (cast to the working dtype) by name; every parameter must be covered exactly once.
+    """Construct the network without allocating weights, install the prebuilt `modules` (by
+    module path, e.g. quantized linears), then assign each checkpoint tensor (cast to the
+    working dtype) by name; every remaining parameter must be covered exactly once.
     Checkpoint tensors of a packed parameter (q/k/v -> qkv_proj) are stacked in order."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
+    for path, module in (modules or {}).items():
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)
     params = dict(model.named_parameters())
     packed_into = {part: (fused, i) for fused, parts in model.packed_modules.items() for i, part in enumerate(parts)}
     loaded: dict[str, torch.Tensor] = {}

@@ -74,12 +74,15 @@ class UtilizationMeter:
 
     ``weight_bytes``: bytes of all weight tensors the engine holds (per step the meter counts the
     share a decode step reads: all of it for a dense model with tied embeddings). ``devices``:
-    the number of devices the step ran on (the peaks scale with it).
+    the number of devices the step ran on (the peaks scale with it). ``decode_weight_bytes``:
+    when the engine knows exactly what a decode step reads (quantized modules, a packed output
+    matrix beside a float embedding), that figure, used as it is for every batch size.
     """
 
     def __init__(
         self, cost: ModelCost, hardware: HardwareSpec, weight_bytes: int, kv_bytes_per_token: int,
         *, compute_dtype: str = "bf16", state_bytes_per_sequence: int | None = None, devices: int = 1,
+        decode_weight_bytes: int | None = None,
     ) -> None:
         if weight_bytes <= 0 or kv_bytes_per_token < 0:
             raise TuiliError(
@@ -89,6 +92,7 @@ class UtilizationMeter:
         self.cost = cost
         self.hardware = hardware
         self.weight_bytes = weight_bytes
+        self.decode_weight_bytes = decode_weight_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.state_bytes_per_sequence = (
             cost.state_bytes_per_sequence() if state_bytes_per_sequence is None else state_bytes_per_sequence
@@ -110,12 +114,15 @@ class UtilizationMeter:
         """Bytes a decode step over these sequences must read."""
         if not decode_context_lens:
             return 0
-        batch = len(decode_context_lens)
-        fraction = self._read_fraction.get(batch)
-        if fraction is None:
-            fraction = self._read_fraction[batch] = self.cost.weight_read_fraction(batch)
+        weights = self.decode_weight_bytes
+        if weights is None:
+            batch = len(decode_context_lens)
+            fraction = self._read_fraction.get(batch)
+            if fraction is None:
+                fraction = self._read_fraction[batch] = self.cost.weight_read_fraction(batch)
+            weights = round(self.weight_bytes * fraction)
         return self.cost.decode_bytes(
-            round(self.weight_bytes * fraction), self.kv_bytes_per_token, decode_context_lens,
+            weights, self.kv_bytes_per_token, decode_context_lens,
             self.state_bytes_per_sequence,
         )
 
