@@ -181,6 +181,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+# KV cache storage: the working dtype, or float8 e4m3 with per-head scales ("fp8" as in vLLM).
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs; `validate()` runs once when the engine is built."""
@@ -197,6 +201,7 @@ class EngineConfig:
     kv_offload_memory: int = 0  # bytes of host memory for evicted prefix-cache blocks; 0 = off
     hardware: str | None = None  # preset name or spec file for MFU/MBU; None = probed or estimated
     quantization: str | None = None  # "int8" | "int4": quantize the checkpoint's linears at load
+    kv_cache_dtype: str = "auto"  # "auto" (the working dtype) or "fp8" (e4m3, per-head scales)
     seed: int = 0
 
     def validate(self) -> None:
@@ -208,6 +213,10 @@ class EngineConfig:
             raise TuiliError(f"max_model_len={self.max_model_len!r} is invalid: expected an integer >= 2")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
             raise TuiliError(f"kv_cache_memory={self.kv_cache_memory!r} is invalid: expected a positive number of bytes")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise TuiliError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: expected one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.quantization is not None:
             from tuili.layers.quant import check_quantization_method
 

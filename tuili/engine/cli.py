@@ -50,6 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="quantize a float checkpoint's linears at load: int8 per output channel, or int4 "
                        "in groups of 32 with scale and zero point (GGUF Q4_0/Q4_1/Q8_0 files run as stored "
                        "without this flag)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                       help="KV cache storage: auto = the working dtype; fp8 = float8 e4m3 with a scale per KV "
+                       "head, set from the first keys/values written (half of bf16's bytes, a quarter of fp32's)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
 
 
@@ -59,7 +62,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
-        hardware=args.hardware, quantization=args.quantization, seed=args.seed,
+        hardware=args.hardware, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
     )
 
 

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tuili.config import EngineConfig, ModelConfig, packed_compute_dtype, resolve_device, resolve_dtype
+from tuili.config import (
+    KV_CACHE_DTYPES,
+    EngineConfig,
+    ModelConfig,
+    packed_compute_dtype,
+    resolve_device,
+    resolve_dtype,
+)
 from tuili.engine.kv_cache import BlockManager
 from tuili.engine.request import (
     CompletionOutput,
@@ -101,7 +108,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         cfg = self.model_config
 
-        block_bytes = kv_bytes_per_block(cfg, config.block_size, self.dtype)
+        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
+        block_bytes = kv_bytes_per_block(cfg, config.block_size, self.kv_dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
         num_blocks = budget // block_bytes
         pool_tokens = num_blocks * config.block_size
@@ -122,7 +130,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
-            loaded.model, num_blocks, config.block_size, self.dtype, self.device, self.eos_token_ids, num_host_blocks
+            loaded.model, num_blocks, config.block_size, self.dtype, self.device, self.eos_token_ids, num_host_blocks,
+            self.kv_dtype,
         )
         self.stats = EngineStats()
         self.meter = self._build_meter(config.hardware)
@@ -136,7 +145,7 @@ class LLMEngine:
         last `tuili probe` of this machine, else a quick estimate (marked as such)."""
         cost = ModelCost.from_config(self.model_config.raw)
         spec = current_hardware(self.device.type, hardware)
-        kv_per_token = kv_bytes_per_block(self.model_config, 1, self.dtype)
+        kv_per_token = kv_bytes_per_block(self.model_config, 1, self.kv_dtype)
         return UtilizationMeter(
             cost, spec, self.runner.weight_bytes(), kv_per_token, compute_dtype=canonical_dtype(str(self.dtype)),
             decode_weight_bytes=self.runner.decode_weight_bytes() if self.weights_quantized else None,

@@ -23,7 +23,7 @@ class LLM:
         """`model`: a Hugging Face directory or .gguf file (None: the embedded SmolLM2).
         `options`: any EngineConfig field — dtype, device, block_size, max_num_batched_tokens,
         max_num_seqs, max_model_len, kv_cache_memory, enable_prefix_caching,
-        kv_offload_memory, seed."""
+        kv_offload_memory, quantization, kv_cache_dtype, hardware, seed."""
         known = {f.name for f in fields(EngineConfig)} - {"model"}
         unknown = sorted(set(options) - known)
         if unknown:

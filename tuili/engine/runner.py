@@ -12,14 +12,15 @@ from tuili.config import ModelConfig
 from tuili.engine.kv_cache import BlockCopies
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
-from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan
+from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of every layer for `block_size` tokens."""
+    """Keys and values of every layer for `block_size` tokens, stored in `dtype` (an fp8 cache's
+    per-head scales are a few bytes per layer, not per block)."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
 
@@ -34,6 +35,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: set[int],
         num_host_blocks: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -42,16 +44,21 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
         cfg = model.config
+        kv_dtype = kv_dtype or dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.kv_cache = KVCache.allocate(shape, kv_dtype, device)
         # The prefix cache's second tier: the same layout in host memory (pinned on a GPU so
-        # host-to-device copies run asynchronously). On a CPU it is simply a separate pool.
-        host_shape = (num_host_blocks, *shape[1:])
+        # host-to-device copies run asynchronously), as raw bytes (index_put has no float8
+        # kernel; copies of bytes are exact). On a CPU it is simply a separate pool.
+        element = torch.empty((), dtype=kv_dtype).element_size()
+        host_shape = (num_host_blocks, *shape[1:], element)
         pin = device.type == "cuda"
         self._host_pools = [
-            (torch.zeros(host_shape, dtype=dtype, pin_memory=pin), torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+            (
+                torch.zeros(host_shape, dtype=torch.uint8, pin_memory=pin),
+                torch.zeros(host_shape, dtype=torch.uint8, pin_memory=pin),
+            )
             for _ in model.attention_layers()
         ] if num_host_blocks else []
 
@@ -63,17 +70,18 @@ class ModelRunner:
         forward that reads them."""
         if not (copies.to_host or copies.to_device):
             return
-        for (host_k, host_v), attn in zip(self._host_pools, self.model.attention_layers(), strict=True):
-            if copies.to_host:
-                src = torch.tensor([d for d, _ in copies.to_host], device=self.device)
-                dst = torch.tensor([h for _, h in copies.to_host])
-                host_k[dst] = attn.k_cache[src].cpu()
-                host_v[dst] = attn.v_cache[src].cpu()
-            if copies.to_device:
-                src = torch.tensor([h for h, _ in copies.to_device])
-                dst = torch.tensor([d for _, d in copies.to_device], device=self.device)
-                attn.k_cache[dst] = host_k[src].to(self.device, non_blocking=True)
-                attn.v_cache[dst] = host_v[src].to(self.device, non_blocking=True)
+        for host_pools, attn in zip(self._host_pools, self.model.attention_layers(), strict=True):
+            assert attn.kv_cache is not None
+            for host, device_pool in zip(host_pools, (attn.kv_cache.key, attn.kv_cache.value), strict=True):
+                device_bytes = device_pool.unsqueeze(-1).view(torch.uint8)
+                if copies.to_host:
+                    src = torch.tensor([d for d, _ in copies.to_host], device=self.device)
+                    dst = torch.tensor([h for _, h in copies.to_host])
+                    host[dst] = device_bytes[src].cpu()
+                if copies.to_device:
+                    src = torch.tensor([h for h, _ in copies.to_device])
+                    dst = torch.tensor([d for _, d in copies.to_device], device=self.device)
+                    device_bytes[dst] = host[src].to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:

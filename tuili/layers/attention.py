@@ -16,10 +16,77 @@ Portable (CPU, any CUDA GPU incl. compute capability 7.0); faster kernels can re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+FP8_HEADROOM = 4.0  # calibrated fp8 scales leave room for values 4x the first ones seen
+
+
+@dataclass
+class KVCache:
+    """One layer's paged keys and values, `[num_blocks, block_size, Hkv, D]` each.
+
+    fp8 (float8_e4m3fn) caches store value / scale with one float32 scale per KV head. The
+    scales are set from the first keys and values the layer writes (their largest magnitude per
+    head, with FP8_HEADROOM to spare; larger values later saturate at +-448 * scale) and never
+    change afterwards, so every block — shared, cached, or spilled to host memory and back — is
+    read with the scale it was written with. e4m3 keeps 3 mantissa bits: about 6% relative
+    error per element, spread evenly over the head's range."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_scale: torch.Tensor | None = None  # [Hkv] float32, fp8 caches only
+    value_scale: torch.Tensor | None = None
+    calibrated: bool = field(default=False)
+
+    @classmethod
+    def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> KVCache:
+        cache = cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        if dtype == torch.float8_e4m3fn:
+            cache.key_scale = torch.ones(shape[2], dtype=torch.float32, device=device)
+            cache.value_scale = torch.ones(shape[2], dtype=torch.float32, device=device)
+        return cache
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write this step's keys/values ([T, Hkv, D]) at their slots."""
+        if self.key_scale is not None and self.value_scale is not None:
+            if not self.calibrated:
+                self.key_scale.copy_(_fp8_scale(k))
+                self.value_scale.copy_(_fp8_scale(v))
+                self.calibrated = True
+            k, v = _to_fp8(k, self.key_scale), _to_fp8(v, self.value_scale)
+        for cache, new in ((self.key, k), (self.value, v)):
+            # Byte views: index_copy_ has no float8 kernel, and a copy of bytes is exact.
+            flat = _bytes(cache).view(-1, *cache.shape[2:], cache.element_size())
+            flat.index_copy_(0, slot_mapping, _bytes(new.to(cache.dtype).contiguous()))
+
+    def gather(self, block_tables: torch.Tensor, max_ctx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of each row's blocks in order, [B, Hkv, max_ctx, D] in `dtype`."""
+        out = []
+        for cache, scale in ((self.key, self.key_scale), (self.value, self.value_scale)):
+            gathered = cache[block_tables].flatten(1, 2)[:, :max_ctx].to(dtype)
+            if scale is not None:
+                gathered = gathered * scale.to(dtype)[:, None]
+            out.append(gathered.transpose(1, 2))
+        return out[0], out[1]
+
+
+def _fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-head scale, [Hkv], for values x: [T, Hkv, D]."""
+    return (x.detach().float().abs().amax(dim=(0, 2)) * FP8_HEADROOM / FP8_MAX).clamp_min(1e-12)
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # Clamp first: where a cast of an out-of-range value does not saturate, it gives NaN.
+    return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, with a trailing dimension of element_size() bytes."""
+    return t.unsqueeze(-1).view(torch.uint8)
 
 
 @dataclass
@@ -58,31 +125,20 @@ class AttentionMetadata:
     spans: list[CausalSpan]
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store this step's keys/values ([T, Hkv, D]) at their slots."""
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D], k, v: [T, Hkv, D] for this step's tokens (already written to the cache)
-    -> output [T, Hq, D]."""
+    """q: [T, Hq, D], k, v: [T, Hkv, D] for this step's tokens (already stored in `cache`)
+    -> output [T, Hq, D]. Fresh prompt chunks attend to k, v as computed (not as stored)."""
     if len(meta.groups) == 1 and not meta.spans:
         group = meta.groups[0]
         if group.token_index.shape[0] == q.shape[0]:  # a pure decode step: rows already in order
-            return _attend(q, k_cache, v_cache, group, scale)
+            return _attend(q, cache, group, scale)
     if len(meta.spans) == 1 and not meta.groups:  # one fresh prompt chunk
         return _attend_causal(q, k, v, scale)
     result = q.new_empty(q.shape)
@@ -91,7 +147,7 @@ def paged_attention(
         result[rows] = _attend_causal(q[rows], k[rows], v[rows], scale)
     for group in meta.groups:
         valid = group.token_valid.reshape(-1)
-        result[group.token_index.reshape(-1)[valid]] = _attend(q[group.token_index], k_cache, v_cache, group, scale)[valid]
+        result[group.token_index.reshape(-1)[valid]] = _attend(q[group.token_index], cache, group, scale)[valid]
     return result
 
 
@@ -107,25 +163,21 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out.transpose(0, 1)
 
 
-def _attend(
-    padded_q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, scale: float
-) -> torch.Tensor:
+def _attend(padded_q: torch.Tensor, cache: KVCache, group: AttentionGroup, scale: float) -> torch.Tensor:
     """padded_q: [B, max_q, Hq, D] (or [B, Hq, D] when max_q == 1) -> [B * max_q, Hq, D]."""
     batch, max_q = group.token_index.shape
     num_heads, head_dim = padded_q.shape[-2:]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = cache.key.shape[2]
     per_kv = num_heads // num_kv_heads
     max_ctx = group.mask.shape[-1]
 
-    # Gather each sequence's context: [B, max_blocks * block_size, Hkv, D] -> [B, Hkv, ctx, D].
-    keys = k_cache[group.block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
-    values = v_cache[group.block_tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+    keys, values = cache.gather(group.block_tables, max_ctx, padded_q.dtype)  # [B, Hkv, ctx, D]
 
     # Queries grouped under their KV head so K/V are never repeated:
     # [B, max_q, Hkv, per_kv, D] -> [B, Hkv, per_kv * max_q, D].
     q = padded_q.reshape(batch, max_q, num_kv_heads, per_kv, head_dim)
     q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, per_kv * max_q, head_dim)
     mask = group.mask.expand(batch, per_kv, max_q, max_ctx).reshape(batch, 1, per_kv * max_q, max_ctx)
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(batch, num_kv_heads, per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch * max_q, num_heads, head_dim)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuili.config import ModelConfig
-from tuili.layers.attention import AttentionMetadata, paged_attention, write_kv
+from tuili.layers.attention import AttentionMetadata, KVCache, paged_attention
 from tuili.layers.norm import RMSNorm
 from tuili.layers.rotary import RotaryEmbedding
 
@@ -31,9 +31,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
-        # Bound by the runner once the KV pool exists: [num_blocks, block_size, Hkv, D] each.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        # Bound by the runner once the KV pool exists.
+        self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -43,8 +42,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        assert self.kv_cache is not None, "the runner binds the KV cache before the first forward"
+        self.kv_cache.store(k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
