@@ -18,8 +18,6 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from tuili import LLM, SamplingParams
-from tuili.engine.request import Sequence
-from tuili.engine.scheduler import ScheduledSeq
 from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
 from tuili.layers.quant import (
     Int4Linear,
@@ -67,9 +65,17 @@ def run_both_kernels(module: QuantizedLinear, k: int, bias, w: torch.Tensor, bou
 # -- GGUF blocks against the gguf package's own dequantization --------------------------------
 
 
+@pytest.fixture(params=["native", "torch"])
+def dequantizer(request, monkeypatch):
+    """Both tiled dequantizers: tuili's C kernels (where they build, as here) and the torch ops."""
+    if request.param == "torch":
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
-def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, compute_dtype):
+def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, compute_dtype, dequantizer):
     # 96 rows: not a multiple of the 64-row packing tile, so padding is exercised too.
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((96, 128)) * rng.uniform(0.01, 2, (96, 1))).astype(np.float32)
@@ -186,7 +192,7 @@ def test_int4_round_trip_is_within_half_a_step(group_size, scale_dtype):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_modules_compute_what_their_stored_values_mean(kind):
+def test_modules_compute_what_their_stored_values_mean(kind, dequantizer):
     torch.manual_seed(0)
     w, bias = torch.randn(200, 256), torch.randn(200)
     for dtype, bound in [(torch.float32, FP32_BOUND), (torch.bfloat16, BF16_BOUND)]:
@@ -244,22 +250,8 @@ def tiny_llm(path) -> LLM:
     return LLM(model=str(path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20)
 
 
-def prompt_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    """Logits of every prompt token, all prompts in one batch (a prefill)."""
-    batch = []
-    for i, ids in enumerate(prompts):
-        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids),
-                       params=SamplingParams())
-        llm.engine.block_manager.grow(seq, len(ids))
-        batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
-    logits = llm.engine.runner.logits(batch)
-    for seq in (item.seq for item in batch):
-        llm.engine.block_manager.free(seq)
-    return logits
-
-
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_model_logits(tiny_checkpoint, method):
+def test_quantized_model_logits(tiny_checkpoint, method, prompt_logits):
     baseline = tiny_llm(tiny_checkpoint)
     float_logits = prompt_logits(baseline, PROMPTS)
 
@@ -319,7 +311,7 @@ def test_untied_lm_head_is_kept_at_int8():
     assert type(model["proj"]) is Int4Linear and type(model["lm_head"]) is Int8Linear
 
 
-def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2):
+def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2, prompt_logits):
     """On a CPU the loader keeps the GGUF's Q4_1/Q8_0 linears packed (bf16 compute) unless
     float32 is asked for: the packed model agrees with the dequantized float32 one, and with
     float32 compute the packed modules give the float model's logits exactly."""

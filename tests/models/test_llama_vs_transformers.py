@@ -99,13 +99,21 @@ def _hf_greedy(model, ids, steps):
     return ids[-steps:]
 
 
-def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint):
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, attention, monkeypatch):
+    """Both attention paths: the native kernel reading blocks in place (where it builds, as on
+    our machines) and the portable torch path (TUILI_NATIVE_KERNELS=0)."""
+    from tuili import kernels
+
+    if attention == "torch":
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
     path, hf = checkpoint
     steps = 32
     llm = LLM(
         model=str(path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
         kv_cache_memory=1 << 20,
     )
+    assert llm.engine.runner.native_attention == (attention == "native" and kernels.available())
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
     for ids, out in zip(PROMPTS, outs, strict=True):

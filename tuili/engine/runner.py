@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from tuili import kernels
 from tuili.config import ModelConfig
 from tuili.engine.kv_cache import BlockCopies
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
-from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache
+from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
@@ -45,6 +46,9 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         cfg = model.config
         kv_dtype = kv_dtype or dtype
+        # Decodes go to the native kernel where it builds (CPU; the torch path everywhere else,
+        # and under TUILI_NATIVE_KERNELS=0).
+        self.native_attention = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernels.available()
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers():
             attn.kv_cache = KVCache.allocate(shape, kv_dtype, device)
@@ -153,8 +157,10 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_index: list[int] = []
-        decodes: list[tuple[int, int, list[int]]] = []  # (query start, position, block table)
-        groups: list[AttentionGroup] = []
+        # Sequences that read the cache, as (first row, query rows, first position, block table):
+        # decodes, and prefill chunks that continue earlier ones.
+        decodes: list[tuple[int, int, int, list[int]]] = []
+        chunks: list[tuple[int, int, int, list[int]]] = []
         spans: list[CausalSpan] = []
         for item in batch:
             seq, start, n = item.seq, item.start, item.num_tokens
@@ -167,15 +173,18 @@ class ModelRunner:
             if item.samples:
                 sample_index.append(len(input_ids) - 1)
             if n == 1:
-                decodes.append((query_start, start, table))
+                decodes.append((query_start, 1, start, table))
             elif start == 0:
                 spans.append(CausalSpan(query_start, n))
             else:
-                groups.append(self._group([(query_start, start, n, table)]))
-        if decodes:
-            groups.insert(0, self._group([(q0, pos, 1, table) for q0, pos, table in decodes]))
+                chunks.append((query_start, n, start, table))
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True), groups, spans)
+        slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        groups = [self._group([chunk]) for chunk in chunks]
+        if decodes and self.native_attention:
+            meta = AttentionMetadata(slot_mapping, groups, spans, self._paged_batch(decodes))
+        else:
+            meta = AttentionMetadata(slot_mapping, ([self._group(decodes)] if decodes else []) + groups, spans)
         return (
             torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
@@ -183,14 +192,24 @@ class ModelRunner:
             torch.tensor(sample_index, dtype=torch.long).to(dev, non_blocking=True),
         )
 
+    @staticmethod
+    def _paged_batch(seqs: list[tuple[int, int, int, list[int]]]) -> PagedBatch:
+        """Sequences given as (first row, query rows, first position, block table)."""
+        max_blocks = max((len(table) for *_, table in seqs), default=0)
+        tables = [table + [0] * (max_blocks - len(table)) for *_, table in seqs]
+        return PagedBatch(
+            block_tables=torch.tensor(tables, dtype=torch.int32).view(len(seqs), max_blocks),
+            seq_info=torch.tensor([s[:3] for s in seqs], dtype=torch.int32).view(len(seqs), 3),
+        )
+
     def _group(self, seqs: list[tuple[int, int, int, list[int]]]) -> AttentionGroup:
-        """One attention call for sequences given as (flat index of the first new token,
-        its position, number of new tokens, block table)."""
+        """One attention call for sequences given as (first row, query rows, first position,
+        block table)."""
         max_blocks = max(len(table) for *_, table in seqs)
         block_tables = torch.tensor([table + [0] * (max_blocks - len(table)) for *_, table in seqs], dtype=torch.long)
         query_start = torch.tensor([s[0] for s in seqs], dtype=torch.long)
-        start = torch.tensor([s[1] for s in seqs], dtype=torch.long)
-        qlen = torch.tensor([s[2] for s in seqs], dtype=torch.long)
+        qlen = torch.tensor([s[1] for s in seqs], dtype=torch.long)
+        start = torch.tensor([s[2] for s in seqs], dtype=torch.long)
         max_q, max_ctx = int(qlen.max()), int((start + qlen).max())
 
         offsets = torch.arange(max_q)

@@ -10,6 +10,9 @@ context (the first chunk of an uncached prompt) then attends causally to its own
 values, without reading the cache. Every other sequence's context is gathered through its
 block table into a padded `[B, max_context, ...]` view and one masked scaled-dot-product
 attention runs per group: all decodes together, each continuing prefill chunk on its own.
+On a CPU where tuili's native kernels build (tuili/kernels), the decodes are instead one
+kernel call that reads the blocks in place (`PagedBatch`); continuing chunks stay with SDPA,
+whose AMX matmuls beat the kernel's vector loops once there are many queries per sequence.
 Portable (CPU, any CUDA GPU incl. compute capability 7.0); faster kernels can replace
 `paged_attention` without touching the model.
 """
@@ -114,6 +117,16 @@ class CausalSpan:
 
 
 @dataclass
+class PagedBatch:
+    """The decodes of a step, for the native kernel (tuili/kernels/__init__.py): block tables
+    [B, max_blocks] and, per sequence, (first row in the flat batch, its number of query rows,
+    the absolute position of its first query) [B, 3]."""
+
+    block_tables: torch.Tensor  # int32
+    seq_info: torch.Tensor  # int32
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step batch layout, built once by the runner and shared by every layer. Decodes
     (one query each) share one group; each continuing prefill chunk has its own, so a long
@@ -123,6 +136,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     groups: list[AttentionGroup]
     spans: list[CausalSpan]
+    paged: PagedBatch | None = None  # the decodes, when the native kernel runs them
 
 
 def paged_attention(
@@ -135,13 +149,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D], k, v: [T, Hkv, D] for this step's tokens (already stored in `cache`)
     -> output [T, Hq, D]. Fresh prompt chunks attend to k, v as computed (not as stored)."""
-    if len(meta.groups) == 1 and not meta.spans:
+    if meta.paged is not None and not meta.groups and not meta.spans:  # a pure decode step
+        return _attend_native(q, cache, meta.paged, scale, q.new_empty(q.shape))
+    if len(meta.groups) == 1 and not meta.spans and meta.paged is None:
         group = meta.groups[0]
         if group.token_index.shape[0] == q.shape[0]:  # a pure decode step: rows already in order
             return _attend(q, cache, group, scale)
-    if len(meta.spans) == 1 and not meta.groups:  # one fresh prompt chunk
+    if len(meta.spans) == 1 and not meta.groups and meta.paged is None:  # one fresh prompt chunk
         return _attend_causal(q, k, v, scale)
     result = q.new_empty(q.shape)
+    if meta.paged is not None:
+        _attend_native(q, cache, meta.paged, scale, result)
     for span in meta.spans:
         rows = slice(span.first, span.first + span.length)
         result[rows] = _attend_causal(q[rows], k[rows], v[rows], scale)
@@ -151,16 +169,27 @@ def paged_attention(
     return result
 
 
+def _attend_native(q: torch.Tensor, cache: KVCache, paged: PagedBatch, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """The native kernel over the decodes' rows of `out` (other rows untouched)."""
+    from tuili import kernels
+
+    return kernels.paged_attention(
+        q.contiguous(), cache.key, cache.value, paged.block_tables, paged.seq_info, scale, out,
+        cache.key_scale, cache.value_scale,
+    )
+
+
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's L tokens over themselves: [L, H, D] -> [L, Hq, D].
     Keys and values are repeated per query head (a small copy next to the L^2 work) so that
-    SDPA's fused causal kernel runs without a mask tensor."""
+    SDPA's fused causal kernel runs without a mask tensor; it takes 4-D input only (3-D falls
+    back to the unfused math path, several times slower)."""
     per_kv = q.shape[1] // k.shape[1]
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]
     if per_kv > 1:
-        k, v = (t.repeat_interleave(per_kv, dim=0) for t in (k, v))
+        k, v = (t.repeat_interleave(per_kv, dim=1) for t in (k, v))
     out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _attend(padded_q: torch.Tensor, cache: KVCache, group: AttentionGroup, scale: float) -> torch.Tensor:

@@ -1,0 +1,250 @@
+"""Microbenchmark of the native CPU kernels (tuili/kernels) against the torch code they replace.
+
+* Decode attention over the paged cache, one layer: tuili.layers.attention.paged_attention
+  (gathers each sequence's context through its block table, then one masked SDPA) against
+  tuili.kernels.paged_attention (reads the cache in place), for batches of decodes on
+  SmolLM2-135M's shape (Hq 9, Hkv 3, D 64) and Qwen3-0.6B's (Hq 16, Hkv 8, D 128), block size 16,
+  blocks scattered at random; bf16, fp32 and fp8 caches.
+* Prompt chunks, one sequence: a fresh 512-token prompt (torch: the causal SDPA on the new keys
+  and values) and chunks of 256 and 32 tokens continuing at positions 768 and 992 (torch:
+  gather + masked SDPA).
+* Dequantizing int4 tiles (the inner step of Int4Linear._tiled / Int8GroupLinear._tiled, about
+  1 MiB of bf16 weights) against the same torch ops: ns per weight per core.
+* Whether the kernels' OpenMP threads slow the torch matmul that follows them: the matmul is
+  timed right after the kernel and right after a torch op reading the same bytes (the control:
+  same cache state, torch's own threads).
+
+Times are the best of repeated calls (the least disturbed by other processes).
+
+    python benchmarks/kernels.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from tuili import kernels
+from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache
+from tuili.layers.attention import paged_attention as torch_paged_attention
+from tuili.layers.quant import Int8GroupWeight, make_linear, quantize_int4
+
+MODELS = {"SmolLM2-135M": (9, 3, 64), "Qwen3-0.6B": (16, 8, 128)}  # Hq, Hkv, D
+BLOCK_SIZE = 16
+CACHE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+def best_time(fn: Callable[[], object], budget_s: float) -> float:
+    """Microseconds of the fastest of repeated calls within the budget."""
+    fn()
+    best = float("inf")
+    end = time.perf_counter() + budget_s
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+class Case:
+    """One attention call for both paths: sequences given as (new tokens n, first position p0),
+    contexts p0 + n in blocks scattered at random through the pool; q in the working dtype
+    (fp32 for an fp8 cache, as tuili runs on CPUs)."""
+
+    def __init__(self, seqs: list[tuple[int, int]], heads: tuple[int, int, int], cache: str) -> None:
+        num_heads, kv_heads, head_dim = heads
+        dtype = CACHE_DTYPES[cache]
+        work_dtype = torch.float32 if cache == "fp8" else dtype
+        counts = [math.ceil((n + p0) / BLOCK_SIZE) for n, p0 in seqs]
+        num_blocks = sum(counts) + 1
+        shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+        self.cache = KVCache.allocate(shape, dtype, torch.device("cpu"))
+        slots = torch.arange(num_blocks * BLOCK_SIZE)  # fp8: the scales are calibrated on these values
+        self.cache.store(torch.randn(len(slots), *shape[2:]), torch.randn(len(slots), *shape[2:]), slots)
+        order = torch.randperm(num_blocks)
+        tables, used = [], 0
+        for count in counts:
+            tables.append(order[used : used + count].tolist())
+            used += count
+        width = max(counts)
+        self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        tokens = sum(n for n, _ in seqs)
+        self.q = torch.randn(tokens, num_heads, head_dim).to(work_dtype)
+        self.k = torch.randn(tokens, kv_heads, head_dim).to(work_dtype)
+        self.v = torch.randn(tokens, kv_heads, head_dim).to(work_dtype)
+        firsts = [sum(n for n, _ in seqs[:b]) for b in range(len(seqs))]
+        self.seq_info = torch.tensor(
+            [[f, n, p0] for f, (n, p0) in zip(firsts, seqs, strict=True)], dtype=torch.int32
+        )
+        self.meta = self._torch_metadata(seqs, firsts)
+        self.scale = head_dim**-0.5
+        self.out = torch.empty_like(self.q)
+
+    def _torch_metadata(self, seqs: list[tuple[int, int]], firsts: list[int]) -> AttentionMetadata:
+        """As tuili/engine/runner.py builds it: decodes in one group, a fresh prompt as a span,
+        a continuing chunk in a group of its own."""
+        slots = torch.zeros(self.q.shape[0], dtype=torch.long)
+        if len(seqs) == 1 and seqs[0][1] == 0:
+            return AttentionMetadata(slots, [], [CausalSpan(0, seqs[0][0])])
+        max_q = max(n for n, _ in seqs)
+        max_ctx = max(n + p0 for n, p0 in seqs)
+        offsets = torch.arange(max_q)
+        qlen = torch.tensor([n for n, _ in seqs])
+        start = torch.tensor([p0 for _, p0 in seqs])
+        valid = offsets[None, :] < qlen[:, None]
+        index = torch.where(valid, torch.tensor(firsts)[:, None] + offsets[None, :], 0)
+        keys = torch.arange(max_ctx)
+        mask = keys[None, None, :] <= (start[:, None] + offsets[None, :])[:, :, None]
+        mask = torch.where(valid[:, :, None], mask, keys[None, None, :] == 0)
+        group = AttentionGroup(self.tables.long(), index, valid, mask.unsqueeze(1))
+        return AttentionMetadata(slots, [group], [])
+
+    def torch_path(self) -> torch.Tensor:
+        return torch_paged_attention(self.q, self.k, self.v, self.cache, self.meta, self.scale)
+
+    def kernel(self) -> torch.Tensor:
+        c = self.cache
+        return kernels.paged_attention(
+            self.q,
+            c.key,
+            c.value,
+            self.tables,
+            self.seq_info,
+            self.scale,
+            self.out,
+            c.key_scale,
+            c.value_scale,
+        )
+
+
+def compare(label: str, case: Case, budget: float) -> None:
+    t_torch, t_kernel = best_time(case.torch_path, budget), best_time(case.kernel, budget)
+    print(f"{label} {t_torch:>9.0f} {t_kernel:>9.0f} {t_torch / t_kernel:>7.1f}x", flush=True)
+
+
+def bench_decode(args: argparse.Namespace) -> None:
+    print("\ndecode attention, one layer (µs)")
+    print(f"{'model':>13} {'cache':>5} {'batch':>5} {'ctx':>5} {'torch':>9} {'kernel':>9} {'speedup':>8}")
+    for model, heads in MODELS.items():
+        for cache in args.caches:
+            for batch in args.batches:
+                for context in args.contexts:
+                    case = Case([(1, context - 1)] * batch, heads, cache)
+                    compare(f"{model:>13} {cache:>5} {batch:>5} {context:>5}", case, args.budget)
+
+
+def bench_prefill(args: argparse.Namespace) -> None:
+    print("\nprompt chunks, one sequence, one layer (µs)")
+    print(f"{'model':>13} {'cache':>5} {'chunk':>16} {'torch':>9} {'kernel':>9} {'speedup':>8}")
+    for model, heads in MODELS.items():
+        for cache in ("bf16", "fp32"):
+            for n, p0 in ((512, 0), (256, 768), (32, 992)):
+                compare(
+                    f"{model:>13} {cache:>5} {f'{n} at {p0}':>16}", Case([(n, p0)], heads, cache), args.budget
+                )
+
+
+def bench_dequant(args: argparse.Namespace) -> None:
+    print("\ndequantizing one tile of W^T (the _tiled kernels' inner step), bf16 out")
+    print(
+        f"{'format':>6} {'K':>5} {'columns':>7} {'torch µs':>9} {'kernel µs':>9} {'ns/weight/core':>15} {'speedup':>8}"
+    )
+    threads = torch.get_num_threads()
+    for k in (1024, 3072):
+        w = torch.randn(3072, k) * 0.02
+        q8_0 = Int8GroupWeight(
+            torch.randint(-128, 128, (3072, k), dtype=torch.int8), torch.rand(3072, k // 32) / 1e3, 32
+        )
+        for name, module, function in (
+            ("int4", make_linear(quantize_int4(w, 32)), kernels.dequantize_int4_tiles),
+            ("q8_0", make_linear(q8_0), kernels.dequantize_int8_group_tiles),
+        ):
+            tiles = max(1, (1 << 19) // k // 64)  # as Int4Linear._tiled: ~1 MiB of bf16
+            out = torch.empty(k, tiles * 64, dtype=torch.bfloat16)
+            t_kernel = best_time(partial(function, module.packed, module.scale_zero, 0, out), args.budget)
+            t_torch = best_time(partial(torch_tile, module, tiles, name == "q8_0"), args.budget)
+            per_weight = t_kernel * 1e3 * threads / out.numel()
+            print(
+                f"{name:>6} {k:>5} {tiles * 64:>7} {t_torch:>9.0f} {t_kernel:>9.0f} {per_weight:>15.3f} "
+                f"{t_torch / t_kernel:>7.1f}x",
+                flush=True,
+            )
+
+
+def torch_tile(module: torch.nn.Module, tiles: int, q8_0: bool) -> torch.Tensor:
+    """The torch ops of Int4Linear._tiled / Int8GroupLinear._tiled for their first tiles, without
+    the matmul (copied from tuili/layers/quant.py so that both sides do the same work)."""
+    group_size, cols = module.group_size, slice(0, tiles * 64)
+    packed = module.packed[:tiles].transpose(0, 1)
+    if q8_0:
+        k = module.in_features
+        groups = k // group_size
+        high, low = packed[:k], packed[k:]
+        u = torch.stack([((high & 0x0F) << 4) | (low & 0x0F), (high & 0xF0) | (low >> 4)], dim=2)
+        q = (u ^ 0x80).view(torch.int8)
+        scale = module.scale_zero[groups:, cols, 0].contiguous()[:, None]
+        return (q.view(groups, group_size, -1).to(torch.bfloat16) * scale).view(k, -1)
+    k = module.packed.shape[1]
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).view(torch.int8).sub_(8)
+    codes = codes.view(k // group_size, group_size, -1).to(torch.bfloat16)
+    scale, zero = (t.contiguous()[:, None] for t in module.scale_zero[:, cols].unbind(-1))
+    return torch.addcmul(zero, codes, scale).view(k, -1)
+
+
+def bench_interference(args: argparse.Namespace) -> None:
+    print("\nthe torch op right after the attention kernel vs right after torch read the same cache (µs)")
+    case = Case([(1, 511)] * 16, MODELS["Qwen3-0.6B"], "bf16")
+    touch = partial(torch.sum, torch.cat([case.cache.key.flatten(), case.cache.value.flatten()]))
+    x, w = torch.randn(64, 1024).bfloat16(), torch.randn(1024, 3072).bfloat16()
+    x1, w1 = torch.randn(1, 1024), torch.randn(3072, 1024)
+    for name, op in (
+        ("bf16 matmul [64x1024]@[1024x3072]", partial(torch.matmul, x, w)),
+        ("fp32 linear [1x1024]->3072", partial(torch.nn.functional.linear, x1, w1)),
+    ):
+        times: dict[str, list[float]] = {"after torch": [], "after kernel": []}
+        end = time.perf_counter() + 4 * args.budget
+        while time.perf_counter() < end:
+            for label, before in (("after torch", touch), ("after kernel", case.kernel)):
+                before()
+                start = time.perf_counter()
+                op()
+                times[label].append(time.perf_counter() - start)
+        summary = ", ".join(f"{label} {min(t) * 1e6:.0f}" for label, t in times.items())
+        print(f"{name}: {summary} (best of {len(times['after torch'])})", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--caches", nargs="+", default=["bf16", "fp32"], choices=list(CACHE_DTYPES))
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--only", choices=["decode", "prefill", "dequant", "interference"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if not kernels.available():
+        raise SystemExit(f"the native kernels are unavailable: {kernels.unavailable_reason()}")
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), load average {load} (on {os.cpu_count()} CPUs)"
+    )
+    for name, bench in (
+        ("decode", bench_decode),
+        ("prefill", bench_prefill),
+        ("dequant", bench_dequant),
+        ("interference", bench_interference),
+    ):
+        if args.only in (None, name):
+            bench(args)
+
+
+if __name__ == "__main__":
+    main()

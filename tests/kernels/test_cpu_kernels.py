@@ -1,0 +1,419 @@
+"""The native CPU kernels (tuili/kernels) against references computed by torch.
+
+Paged attention is checked against torch's scaled_dot_product_attention, in float64, on each
+sequence's keys and values gathered through its block table and dequantized, with the causal
+mask. Tolerances: float32 inputs agree to float32 rounding (1e-5 on outputs of order 1); bfloat16
+outputs to their own rounding (2^-8 relative), float8 caches like float32 (their values are
+exact in float32). The dequantizers must reproduce the torch dequantization bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tuili import kernels
+from tuili.kernels import build
+from tuili.layers.quant import Int8GroupWeight, make_linear, quantize_int4
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True)
+def native_kernels_enabled(monkeypatch):
+    """These tests are about the kernels themselves, whatever the caller's environment says."""
+    monkeypatch.delenv("TUILI_NATIVE_KERNELS", raising=False)
+    assert kernels.available(), kernels.unavailable_reason()
+
+
+# -- paged attention -------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """Inputs of one paged_attention call, built from (query rows, first position) per sequence."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_info: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    q_dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype = torch.float32,
+    index_dtype: torch.dtype = torch.int32,
+    seed: int = 0,
+) -> Batch:
+    """Sequences (n query rows, first position p0) one after the other in q, after one row that
+    belongs to no sequence; blocks drawn at random from a pool twice the size needed, table rows
+    padded with -1 (never read)."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = [math.ceil((n + p0) / block_size) if n else 0 for n, p0 in seqs]
+    pool = 2 * sum(needed) + 1
+    shape = (pool, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    k_scale = v_scale = None
+    if cache_dtype == FP8:
+        # Codes over all of e4m3's range, subnormals included; dequantized values of order 1.
+        k_scale, v_scale = ((torch.rand(kv_heads, generator=generator) + 0.5) / 100 for _ in range(2))
+        k_cache, v_cache = ((c * 100).clamp(-448, 448).to(FP8) for c in (k_cache, v_cache))
+    else:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    order = torch.randperm(pool, generator=generator)
+    tables = torch.full((len(seqs), max(needed + [1])), -1, dtype=index_dtype)
+    info, row, used = [], 1, 0
+    for b, ((n, p0), count) in enumerate(zip(seqs, needed, strict=True)):
+        tables[b, :count] = order[used : used + count]
+        used += count
+        info.append((row, n, p0))
+        row += n
+    q = torch.randn(row, heads, head_dim, generator=generator).to(q_dtype)
+    return Batch(q, k_cache, v_cache, tables, torch.tensor(info, dtype=index_dtype), k_scale, v_scale)
+
+
+def reference(batch: Batch) -> torch.Tensor:
+    """SDPA in float64 per sequence on its gathered, dequantized keys and values."""
+    block_size, kv_heads = batch.k_cache.shape[1:3]
+    per_kv = batch.q.shape[1] // kv_heads
+    out = torch.zeros(batch.q.shape, dtype=torch.float64)
+    for b, (first, n, p0) in enumerate(batch.seq_info.tolist()):
+        if n == 0:
+            continue
+        context = p0 + n
+        blocks = batch.block_tables[b, : math.ceil(context / block_size)].long()
+        k, v = (cache[blocks].flatten(0, 1)[:context].double() for cache in (batch.k_cache, batch.v_cache))
+        if batch.k_scale is not None:
+            k, v = k * batch.k_scale.double()[:, None], v * batch.v_scale.double()[:, None]
+        k, v = (t.transpose(0, 1).repeat_interleave(per_kv, dim=0) for t in (k, v))  # [Hq, context, D]
+        q = batch.q[first : first + n].double().transpose(0, 1)
+        mask = torch.arange(context)[None, :] <= p0 + torch.arange(n)[:, None]
+        out[first : first + n] = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=batch.scale
+        ).transpose(0, 1)
+    return out
+
+
+def run_kernel(batch: Batch) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    result = kernels.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_info, batch.scale, out,
+        batch.k_scale, batch.v_scale,
+    )  # fmt: skip
+    assert result is out
+    return out
+
+
+def assert_matches_reference(batch: Batch, out: torch.Tensor) -> None:
+    expected = reference(batch)
+    covered = torch.zeros(batch.q.shape[0], dtype=torch.bool)
+    for first, n, _ in batch.seq_info.tolist():
+        covered[first : first + n] = True
+    assert out[~covered].isnan().all(), "rows of no sequence must be left untouched"
+    got, expected = out[covered].double(), expected[covered]
+    if out.dtype == torch.bfloat16:
+        limit = 2**-8 * expected.abs() + 1e-5  # one rounding to bfloat16 of an fp32 result
+    else:
+        limit = 1e-5 * expected.abs() + 1e-5
+    error = (got - expected).abs()
+    assert (error <= limit).all(), (
+        f"worst error {error.max().item():.3g}, worst error/limit {(error / limit).max().item():.3g}"
+    )
+
+
+# (n query rows, first position): a decode at context 1, a decode whose context is not a multiple
+# of any block size, a prompt chunk continuing at position 11, an empty sequence, a fresh prompt
+# chunk, a longer decode.
+MIXED = [(1, 0), (1, 16 * 3), (5, 11), (0, 3), (7, 0), (1, 69)]
+
+PRECISIONS = {  # q dtype, cache dtype
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp8-cache": (torch.float32, FP8),
+    "fp8-cache-bf16-q": (torch.bfloat16, FP8),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("per_kv", [1, 2, 4, 8])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_paged_attention_matches_sdpa(precision, per_kv, block_size, head_dim):
+    q_dtype, cache_dtype = PRECISIONS[precision]
+    batch = make_batch(MIXED, 2 * per_kv, 2, head_dim, block_size, q_dtype, cache_dtype)
+    assert_matches_reference(batch, run_kernel(batch))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_context_split_across_threads_matches_sdpa(threads):
+    # Few sequences, long contexts: each unit's keys are split among threads and merged. A long
+    # prompt chunk continuing at position 300 has more rows than a tile (several tiles).
+    # Large logits (q scaled by 4) make the running maximum move, which the merge must respect.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seqs, cache_dtype in [([(1, 999)], torch.float32), ([(1, 520), (40, 300)], torch.bfloat16)]:
+            batch = make_batch(seqs, 8, 2, 64, 16, cache_dtype, cache_dtype, seed=threads)
+            batch.q *= 4
+            assert_matches_reference(batch, run_kernel(batch))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_int64_indices_and_a_head_size_without_a_vector_path():
+    # head_dim 40 is not a multiple of 16: the portable C path runs even on AVX-512 machines.
+    for head_dim in (40, 64):
+        batch = make_batch(MIXED, 6, 3, head_dim, 4, index_dtype=torch.int64, seed=head_dim)
+        assert_matches_reference(batch, run_kernel(batch))
+
+
+def call_with(batch: Batch, **changes) -> None:
+    args = {
+        "q": batch.q, "k_cache": batch.k_cache, "v_cache": batch.v_cache, "block_tables": batch.block_tables,
+        "seq_info": batch.seq_info, "scale": batch.scale, "out": torch.empty_like(batch.q),
+        "k_scale": batch.k_scale, "v_scale": batch.v_scale,
+    }  # fmt: skip
+    args.update(changes)
+    kernels.paged_attention(**args)
+
+
+def test_paged_attention_rejects_bad_input_naming_the_argument():
+    batch = make_batch([(1, 5), (2, 3)], 4, 2, 64, 4)
+    stray_block = batch.block_tables.clone()
+    stray_block[1, 0] = 9999
+    wide = torch.randn(*batch.k_cache.shape[:3], 128)
+    fp8 = make_batch([(1, 5)], 4, 2, 64, 4, cache_dtype=FP8)
+    bad = {
+        r"q has dtype torch\.int32": {"q": batch.q.int()},
+        r"k_cache must be contiguous": {"k_cache": wide[..., :64]},
+        r"k_cache has shape .*KV heads dividing q's 4 heads": {
+            "k_cache": batch.k_cache[:, :, :1].repeat(1, 1, 3, 1)
+        },
+        r"v_cache has dtype torch\.bfloat16": {"v_cache": batch.v_cache.bfloat16()},
+        r"seq_info has shape \[2, 2\]; expected \[2, 3\]": {"seq_info": batch.seq_info[:, :2].contiguous()},
+        r"out has dtype torch\.bfloat16": {"out": batch.q.bfloat16()},
+        r"block_tables has dtype torch\.float32": {"block_tables": batch.block_tables.float()},
+        r"block_tables: sequence 1 refers to block 9999, outside the cache's \[0, 9\)": {
+            "block_tables": stray_block
+        },
+        r"block_tables: sequence 0's context needs 2 blocks, but the table has 1 columns": {
+            "block_tables": batch.block_tables[:, :1].contiguous()
+        },
+        r"seq_info: sequence 1's query rows end at row 5, but q has 4 rows": {
+            "seq_info": torch.tensor([[1, 1, 5], [2, 3, 3]], dtype=torch.int32)
+        },
+        r"seq_info: sequence 0 has the negative entry -2": {
+            "seq_info": torch.tensor([[1, 1, -2], [2, 2, 3]], dtype=torch.int32)
+        },
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            call_with(batch, **change)
+    with pytest.raises(ValueError, match=r"k_scale and v_scale .* are required with a float8_e4m3fn cache"):
+        call_with(fp8, k_scale=None)
+    with pytest.raises(ValueError, match=r"k_scale has shape \[3\]; expected \[2\]"):
+        call_with(fp8, k_scale=torch.ones(3))
+
+
+# -- dequantizing packed int4 tiles ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_int4_tiles_equal_the_torch_dequantization(group_size, compute_dtype):
+    # 100 rows: two tiles of 64, the second one padded with zero weights.
+    generator = torch.Generator().manual_seed(group_size)
+    weight = torch.randn(100, 256, generator=generator) * torch.rand(100, 1, generator=generator)
+    module = make_linear(quantize_int4(weight, group_size, compute_dtype), None, compute_dtype)
+    expected = module.dequantize()  # [100, 256] float32
+    for out_dtype in (torch.float32, torch.bfloat16):
+        w_t = kernels.dequantize_int4_tiles(
+            module.packed, module.scale_zero, 0, torch.empty(256, 128, dtype=out_dtype)
+        )
+        assert torch.equal(w_t.t()[:100], expected.to(out_dtype))
+        assert not w_t[:, 100:].any(), "padding rows must dequantize to 0"
+        second = kernels.dequantize_int4_tiles(
+            module.packed, module.scale_zero, 1, torch.empty(256, 64, dtype=out_dtype)
+        )
+        assert torch.equal(second, w_t[:, 64:])
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_int8_group_tiles_rebuild_q8_0_exactly(compute_dtype):
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (130, 96), dtype=torch.int8, generator=generator)
+    scale = torch.rand(130, 3, generator=generator) * 1e-2
+    weight = Int8GroupWeight(q, scale.to(compute_dtype).float(), 32)
+    module = make_linear(weight, None, compute_dtype)
+    expected = weight.dequantize()  # s * q, one float32 rounding
+    if compute_dtype == torch.bfloat16:  # the module's own dequantization is then exact as well
+        assert torch.equal(module.dequantize(), expected)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        w_t = kernels.dequantize_int8_group_tiles(
+            module.packed, module.scale_zero, 0, torch.empty(96, 192, dtype=out_dtype)
+        )
+        assert torch.equal(w_t.t()[:130], expected.to(out_dtype))
+        assert not w_t[:, 130:].any()
+
+
+def test_dequantizers_reject_bad_input_naming_the_argument():
+    module = make_linear(quantize_int4(torch.randn(128, 64), 32))
+    packed, scale_zero = module.packed, module.scale_zero
+    out = torch.empty(64, 128, dtype=torch.bfloat16)
+    bad = [
+        (r"packed has dtype torch\.int8", (packed.view(torch.int8), scale_zero, 0, out)),
+        (
+            r"scale_zero has shape \[2, 64, 2\]; expected \[groups, 128, 2\]",
+            (packed, scale_zero[:, :64].contiguous(), 0, out),
+        ),
+        (
+            r"scale_zero must be contiguous",
+            (packed, scale_zero.transpose(0, 1).contiguous().transpose(0, 1), 0, out),
+        ),
+        (
+            r"out has shape \[64, 100\]; expected \[64, a multiple of 64\]",
+            (packed, scale_zero, 0, out[:, :100].contiguous()),
+        ),
+        (r"tiles 1 \.\. 2 are outside the weight's 2 tiles", (packed, scale_zero, 1, out)),
+        (r"out has dtype torch\.float16", (packed, scale_zero, 0, out.half())),
+    ]
+    for message, args in bad:
+        with pytest.raises(ValueError, match=message):
+            kernels.dequantize_int4_tiles(*args)
+
+
+# -- the fallback: disabled, or no working compiler ----------------------------------------------
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    assert not kernels.available()
+    assert "TUILI_NATIVE_KERNELS=0" in kernels.unavailable_reason()
+    batch = make_batch([(1, 3)], 2, 1, 64, 4)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        run_kernel(batch)
+
+
+# A process importing tuili (and torch: seconds), and one that loads only tuili/kernels/build.py,
+# which needs no torch, for the tests of the build and its cache.
+FULL_PROBE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
+from tuili import kernels
+from tuili.kernels import build
+print("available:", kernels.available())
+"""
+BUILD_PROBE = """
+import importlib.util, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
+spec = importlib.util.spec_from_file_location("tuili_kernels_build", sys.argv[1])
+build = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(build)
+print("available:", build.load().library is not None)
+"""
+
+
+def start(command: list[str], cache: Path, **env: str) -> subprocess.Popen:
+    """A fresh Python process on its own kernel cache, its output captured."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("TUILI_NATIVE_KERNELS", "TUILI_CC")}
+    environment.update(TUILI_KERNEL_CACHE=str(cache), OMP_NUM_THREADS="1", **env)
+    return subprocess.Popen(
+        [sys.executable, *command],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
+    """A process that reports whether the kernels are available, with its log."""
+    return start(["-c", script, str(Path(build.__file__))], cache, **env)
+
+
+# Correctness tests of this file rerun on libraries built for CPUs with AVX-512 but not its BF16
+# instructions (the dequantizers then round to bfloat16 in integer arithmetic), and with AVX2 only
+# (the portable C code everywhere): flags -> pytest -k selection.
+X86_VARIANTS = {
+    "-mno-avx512bf16": "tiles",
+    "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles",
+}
+
+
+@pytest.fixture(scope="module")
+def fresh_processes(tmp_path_factory) -> dict[str, str]:
+    """Outputs of fresh processes, started together as each spends seconds importing torch: one
+    with a missing compiler, one with a compiler that fails, two building into the same empty
+    cache at once (then one more on that cache), and the x86 variants."""
+    root = tmp_path_factory.mktemp("kernel-builds")
+    broken = root / "broken-cc"
+    broken.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo "broken-cc 1.0"; exit 0; }\n'
+        'echo "error: deliberately broken" >&2; exit 1\n'
+    )
+    broken.chmod(0o755)
+    runs = {
+        "missing": probe(FULL_PROBE, root / "missing", TUILI_CC="/nonexistent/cc"),
+        "failing": probe(BUILD_PROBE, root / "failing", TUILI_CC=str(broken)),
+        "first": probe(BUILD_PROBE, root / "shared"),
+        "second": probe(BUILD_PROBE, root / "shared"),
+    }
+    if platform.machine() == "x86_64":
+        for flags, selection in X86_VARIANTS.items():
+            pytest_run = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection]
+            runs[flags] = start(pytest_run, root / flags, TUILI_KERNEL_CFLAGS=flags)
+    outputs = {name: run.communicate(timeout=600)[0] for name, run in runs.items()}
+    outputs |= {f"{name} status": str(run.returncode) for name, run in runs.items()}
+    outputs["later"] = probe(BUILD_PROBE, root / "shared").communicate(timeout=300)[0]
+    outputs["root"] = str(root)
+    return outputs
+
+
+def test_missing_compiler_leaves_the_kernels_unavailable_and_says_why(fresh_processes):
+    output = fresh_processes["missing"]
+    assert "available: False" in output
+    assert "tuili.kernels.build INFO native CPU kernels unavailable" in output and "/nonexistent/cc" in output
+
+
+def test_failing_compiler_leaves_no_file_behind(fresh_processes):
+    output = fresh_processes["failing"]
+    assert "available: False" in output and "deliberately broken" in output
+    assert list((Path(fresh_processes["root"]) / "failing").iterdir()) == []
+
+
+def test_concurrent_builds_share_one_cached_library(fresh_processes):
+    for name in ("first", "second", "later"):
+        assert "available: True" in fresh_processes[name], fresh_processes[name]
+    files = sorted(p.name for p in (Path(fresh_processes["root"]) / "shared").iterdir())
+    assert len(files) == 1 and files[0].startswith("tuili_cpu_") and files[0].endswith(".so"), files
+    assert "compiled" not in fresh_processes["later"], "a later process loads the cached library"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
+@pytest.mark.parametrize("flags", list(X86_VARIANTS))
+def test_code_paths_of_other_x86_cpus(fresh_processes, flags):
+    output = fresh_processes[flags]
+    assert fresh_processes[f"{flags} status"] == "0" and " passed" in output, output[-3000:]
+    assert len(list((Path(fresh_processes["root"]) / flags).glob("tuili_cpu_*.so"))) == 1

@@ -1,0 +1,61 @@
+"""Native CPU kernels (C11 + OpenMP), compiled on first use; the torch code is the fallback.
+
+Check `available()` before calling a kernel: it is False when no C compiler works, when the
+build fails, or when `TUILI_NATIVE_KERNELS=0` is set, and `unavailable_reason()` says why.
+Every kernel checks its tensors' dtype, shape, contiguity and device and raises ValueError
+naming the bad argument; each runs on `torch.get_num_threads()` threads. docs/kernels.md has
+the build, the cache and the measurements.
+
+paged_attention(q, k_cache, v_cache, block_tables, seq_info, scale, out, k_scale=None, v_scale=None)
+    Causal attention of a flat batch of query rows over the paged KV cache, read in place
+    through the block table (no gather, no K/V copy for grouped-query attention).
+
+    q, out        [T, Hq, D] float32 or bfloat16 (out has q's dtype). Rows that belong to no
+                  sequence are left untouched; out must not overlap q.
+    k_cache,      [num_blocks, block_size, Hkv, D], float32, bfloat16 or float8_e4m3fn;
+    v_cache       Hq must be a multiple of Hkv (query head h reads KV head h // (Hq // Hkv)).
+    block_tables  [B, max_blocks] int32 or int64: sequence b's key at position p is in block
+                  block_tables[b, p // block_size], offset p % block_size. Only the first
+                  ceil(context / block_size) entries of a row are read.
+    seq_info      [B, 3] int32 or int64: per sequence (first row in q, number of query rows n,
+                  absolute position p0 of its first query). Its query i is row first + i at
+                  position p0 + i and sees keys 0 .. p0 + i (a decode: n = 1, p0 = context - 1;
+                  a prompt chunk continuing at position p0: n = chunk length).
+    scale         the softmax scale (usually D ** -0.5).
+    k_scale,      float32 [Hkv], required with a float8 cache and only then: stored values
+    v_scale       are multiplied by their KV head's scale.
+
+    Softmax and accumulation in float32 (online softmax); the keys of a (sequence, KV head)
+    are split across threads when there are too few sequences to occupy them (decode at
+    batch 1). Agrees with torch's scaled_dot_product_attention on the gathered, dequantized
+    cache to float32 rounding.
+
+dequantize_int4_tiles(packed, scale_zero, first_tile, out)
+    W^T of tiles first_tile .. first_tile + out.shape[1] // 64 - 1 of an Int4Linear
+    (tuili/layers/quant.py): packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2]
+    float32 or bfloat16, out [K, 64 * tiles] float32 or bfloat16, written as
+    w = scale * (q - 8) + zero (float32 multiply, then add, then rounded to out's dtype), which
+    is bit for bit `Int4Linear.dequantize()` (rounded to out's dtype) so that
+    `torch.matmul(x, out)` is the tile's part of the layer's output.
+
+dequantize_int8_group_tiles(packed, scale_zero, first_tile, out)
+    The same for an Int8GroupLinear (GGUF Q8_0 stored as two int4 halves, packed
+    [N / 64, 2K, 32], scale_zero [2K / group, N, 2]): q = 16h + l - 128 rebuilt from the
+    halves' nibbles, w = s * q with s the low half's scale.
+"""
+
+from tuili.kernels.cpu import (
+    available,
+    dequantize_int4_tiles,
+    dequantize_int8_group_tiles,
+    paged_attention,
+    unavailable_reason,
+)
+
+__all__ = [
+    "available",
+    "dequantize_int4_tiles",
+    "dequantize_int8_group_tiles",
+    "paged_attention",
+    "unavailable_reason",
+]

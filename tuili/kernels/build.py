@@ -1,0 +1,126 @@
+"""Compile the C kernels in csrc/ once per machine and source version, cache and load them.
+
+Standard library only (no torch), so that it can be loaded and tested on its own.
+
+The compiler is `$TUILI_CC`, else `cc`, else `gcc`, run with FLAGS and then
+`$TUILI_KERNEL_CFLAGS` (e.g. `-march=x86-64-v3`, to build and test the code paths of CPUs without
+AVX-512). The library goes to `$TUILI_KERNEL_CACHE` (default `~/.cache/tuili/kernels/`) under a
+name that carries a hash of the sources, the flags, the compiler's version and the CPU's feature
+flags (the code is built with -march=native), so an edit, other flags, another compiler or
+another CPU builds a new file instead of loading a stale one. Two
+processes may build at once: each writes a private temporary file and renames it into place,
+which is atomic, so a reader never sees a half-written library (both files are identical).
+
+Failures (no compiler, a compile error, an unwritable cache, a library the loader refuses) are
+not errors: `load()` returns the reason, logged once at INFO, and callers keep their torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c11",
+    "-ffp-contract=off",  # a*b + c rounds like torch's separate ops; the C code asks for fusion explicitly
+    "-fno-math-errno",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+)
+COMPILE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Build:
+    """The outcome of one attempt to build and load the library."""
+
+    library: ctypes.CDLL | None
+    reason: str | None  # why library is None
+
+
+def load() -> Build:
+    """The compiled library, compiled first unless the cache holds it."""
+    try:
+        path = _compile()
+    except _BuildError as error:
+        log.info("native CPU kernels unavailable, using the torch code: %s", error)
+        return Build(None, str(error))
+    try:
+        return Build(ctypes.CDLL(str(path)), None)
+    except OSError as error:  # the dynamic loader refused the file
+        log.info("native CPU kernels unavailable, using the torch code: cannot load %s: %s", path, error)
+        return Build(None, f"cannot load the compiled kernels {path}: {error}")
+
+
+class _BuildError(Exception):
+    pass
+
+
+def _compile() -> Path:
+    """The path of the compiled library, compiling it unless the cache already holds it."""
+    compiler = os.environ.get("TUILI_CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise _BuildError("no C compiler found (looked for $TUILI_CC, cc and gcc)")
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise _BuildError(f"C compiler {compiler!r} does not run: {error}") from error
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    flags = [*FLAGS, *shlex.split(os.environ.get("TUILI_KERNEL_CFLAGS", ""))]
+    digest = hashlib.sha256()
+    for part in [
+        *(p.name + p.read_text() for p in sorted(SOURCE_DIR.glob("*.[ch]"))),
+        *flags,
+        version,
+        _cpu_id(),
+    ]:
+        digest.update(part.encode())
+    cache = Path(os.environ.get("TUILI_KERNEL_CACHE") or Path.home() / ".cache" / "tuili" / "kernels")
+    target = cache / f"tuili_cpu_{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=cache)
+        os.close(handle)
+    except OSError as error:
+        raise _BuildError(f"cannot write to the kernel cache {cache}: {error}") from error
+    command = [compiler, *flags, "-o", temporary, *map(str, sources)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if result.returncode != 0:
+            raise _BuildError(f"compiling failed ({' '.join(command)}):\n{result.stderr.strip()[-2000:]}")
+        os.replace(temporary, target)  # atomic: a concurrent builder's file is identical
+    except (OSError, subprocess.SubprocessError) as error:
+        raise _BuildError(f"compiling with {compiler!r} failed: {error}") from error
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+    log.info("compiled the native CPU kernels into %s", target)
+    return target
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the machine and, on Linux, the CPU's feature flags."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"

@@ -1,0 +1,259 @@
+"""The torch-facing side of the C kernels in csrc/: availability, argument checks, calls.
+
+tuili/kernels/__init__.py documents what each kernel computes; build.py how the library is
+compiled and cached. If it cannot be built, or `TUILI_NATIVE_KERNELS=0` is set, `available()` is
+False and `unavailable_reason()` says why (also logged once at INFO), so that callers keep their
+torch code. Tensors are passed by address after their dtype, shape, contiguity and device are
+checked here; the C code checks the values inside the index tensors. Each call runs on
+`torch.get_num_threads()` OpenMP threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from tuili.kernels import build
+
+log = logging.getLogger(__name__)
+
+# Element types as csrc/common.h numbers them.
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+_CACHE_DTYPES = tuple(_DTYPE_CODES)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_TILE_ROWS = 64  # output rows per packed int4 tile (tuili/layers/quant.py)
+
+# Error codes of csrc/common.h.
+_BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY = 1, 2, 3, 4, 5
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def available() -> bool:
+    """Whether the native kernels can run in this process (builds them on first call)."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot run, or None when they can."""
+    if os.environ.get("TUILI_NATIVE_KERNELS", "1").strip() == "0":
+        _log_disabled()
+        return "disabled by TUILI_NATIVE_KERNELS=0"
+    return _loaded().reason
+
+
+@functools.cache
+def _log_disabled() -> None:
+    log.info("native CPU kernels disabled by TUILI_NATIVE_KERNELS=0; using the torch code")
+
+
+@functools.cache
+def _loaded() -> build.Build:
+    """This process's one attempt to build and load the library. torch is imported by now (by
+    this module), so the library's libgomp is torch's: one OpenMP thread pool for both."""
+    loaded = build.load()
+    if loaded.library is not None:
+        _declare(loaded.library)
+    return loaded
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    library.tuili_paged_attention.argtypes = [
+        p, i32, i64, i64, i64,  # q, dtype, tokens, heads, head dim
+        p, p, i32, i64, i64, i64,  # k/v cache, dtype, blocks, block size, kv heads
+        p, p,  # k/v scales
+        p, i32, i64, i64,  # block tables, is int64, sequences, max blocks
+        p, i32,  # seq info, is int64
+        f32, p, i32, p,  # scale, out, threads, error
+    ]  # fmt: skip
+    library.tuili_paged_attention.restype = i32
+    for name in ("tuili_dequant_int4", "tuili_dequant_int8_group"):
+        function = getattr(library, name)
+        function.argtypes = [p, i64, p, i32, i64, i64, i64, i64, p, i32, i32]
+        function.restype = i32
+
+
+def _library() -> ctypes.CDLL:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the native CPU kernels are unavailable ({reason}); check available() first")
+    library = _loaded().library
+    assert library is not None
+    return library
+
+
+# -- argument checks -----------------------------------------------------------------------------
+
+
+def _check(
+    name: str, value: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | int
+) -> torch.Tensor:
+    """`value` as a contiguous CPU tensor of one of `dtypes` whose shape is `shape` (an int: any
+    shape with that many dimensions); otherwise a ValueError naming the argument. Runs several
+    times per layer and step, so the common case is one short-circuited test."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dtype in dtypes
+        and value.is_cpu
+        and value.is_contiguous()
+        and (value.dim() == shape if isinstance(shape, int) else value.shape == shape)
+    ):
+        return value
+    raise ValueError(_problem(name, value, dtypes, shape))
+
+
+def _problem(name: str, value: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | int) -> str:
+    """What is wrong with an argument that failed _check."""
+    if not isinstance(value, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(value).__name__}"
+    if value.dtype not in dtypes:
+        return f"{name} has dtype {value.dtype}; expected {' or '.join(map(str, dtypes))}"
+    if not value.is_cpu:
+        return f"{name} is on {value.device}; the native kernels take CPU tensors only"
+    if not value.is_contiguous():
+        return f"{name} must be contiguous (its strides are {value.stride()})"
+    expected = f"{shape} dimensions" if isinstance(shape, int) else list(shape)
+    return f"{name} has shape {list(value.shape)}; expected {expected}"
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_info: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its keys in the paged cache; writes
+    and returns `out`. See tuili/kernels/__init__.py for the shapes and meaning."""
+    q = _check("q", q, _FLOAT_DTYPES, 3)
+    tokens, heads, head_dim = q.shape
+    k_cache = _check("k_cache", k_cache, _CACHE_DTYPES, 4)
+    num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"k_cache has shape {list(k_cache.shape)}; expected [blocks, block size, KV heads, {head_dim}] "
+            f"with KV heads dividing q's {heads} heads"
+        )
+    v_cache = _check("v_cache", v_cache, (k_cache.dtype,), k_cache.shape)
+    block_tables = _check("block_tables", block_tables, _INDEX_DTYPES, 2)
+    seqs, max_blocks = block_tables.shape
+    seq_info = _check("seq_info", seq_info, _INDEX_DTYPES, (seqs, 3))
+    out = _check("out", out, (q.dtype,), q.shape)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+        raise ValueError(
+            "k_scale and v_scale (float32 [kv_heads]) are required with a float8_e4m3fn cache and "
+            f"only then; the cache is {k_cache.dtype}, k_scale is {'given' if k_scale is not None else 'None'}, "
+            f"v_scale is {'given' if v_scale is not None else 'None'}"
+        )
+    if fp8:
+        k_scale = _check("k_scale", k_scale, (torch.float32,), (kv_heads,))
+        v_scale = _check("v_scale", v_scale, (torch.float32,), (kv_heads,))
+    error = (ctypes.c_int64 * 3)()
+    status = _library().tuili_paged_attention(
+        q.data_ptr(), _DTYPE_CODES[q.dtype], tokens, heads, head_dim,
+        k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype], num_blocks, block_size, kv_heads,
+        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
+        block_tables.data_ptr(), block_tables.dtype == torch.int64, seqs, max_blocks,
+        seq_info.data_ptr(), seq_info.dtype == torch.int64,
+        scale, out.data_ptr(), torch.get_num_threads(), error,
+    )  # fmt: skip
+    if status != 0:
+        _raise_attention_error(status, error[1], error[2], tokens, num_blocks, max_blocks)
+    return out
+
+
+def _raise_attention_error(
+    status: int, seq: int, value: int, tokens: int, num_blocks: int, max_blocks: int
+) -> None:
+    if status == _BAD_SEQ_ROWS:
+        raise ValueError(f"seq_info: sequence {seq}'s query rows end at row {value}, but q has {tokens} rows")
+    if status == _BAD_SEQ_POS:
+        raise ValueError(
+            f"seq_info: sequence {seq} has the negative entry {value}; expected [first row, rows, first position] >= 0"
+        )
+    if status == _TOO_FEW_BLOCKS:
+        raise ValueError(
+            f"block_tables: sequence {seq}'s context needs {value} blocks, but the table has {max_blocks} columns"
+        )
+    if status == _BAD_BLOCK_ID:
+        raise ValueError(
+            f"block_tables: sequence {seq} refers to block {value}, outside the cache's [0, {num_blocks})"
+        )
+    if status == _NO_MEMORY:
+        raise MemoryError("the paged attention kernel could not allocate its scratch memory")
+    raise RuntimeError(f"the paged attention kernel failed with status {status}")
+
+
+def dequantize_int4_tiles(
+    packed: torch.Tensor, scale_zero: torch.Tensor, first_tile: int, out: torch.Tensor
+) -> torch.Tensor:
+    """W^T of Int4Linear's tiles first_tile .. first_tile + out.shape[1] // 64 - 1 into `out`
+    ([K, 64 * tiles], float32 or bfloat16); returns `out`."""
+    return _dequantize("tuili_dequant_int4", packed, scale_zero, first_tile, out, halves=1)
+
+
+def dequantize_int8_group_tiles(
+    packed: torch.Tensor, scale_zero: torch.Tensor, first_tile: int, out: torch.Tensor
+) -> torch.Tensor:
+    """W^T of Int8GroupLinear's tiles (its [N, 2K] int4 split of a Q8_0 weight, rebuilt into
+    w = s * q) first_tile .. first_tile + out.shape[1] // 64 - 1 into `out` ([K, 64 * tiles],
+    float32 or bfloat16); returns `out`."""
+    return _dequantize("tuili_dequant_int8_group", packed, scale_zero, first_tile, out, halves=2)
+
+
+def _dequantize(
+    function: str,
+    packed: torch.Tensor,
+    scale_zero: torch.Tensor,
+    first_tile: int,
+    out: torch.Tensor,
+    halves: int,
+) -> torch.Tensor:
+    """halves: 1 for Int4Linear, 2 for Int8GroupLinear (whose packed K holds two halves)."""
+    packed = _check("packed", packed, (torch.uint8,), 3)
+    tiles, packed_k, half_tile = packed.shape
+    if half_tile != _TILE_ROWS // 2:
+        raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {_TILE_ROWS // 2}]")
+    scale_zero = _check("scale_zero", scale_zero, _FLOAT_DTYPES, 3)
+    if scale_zero.shape[1:] != (tiles * _TILE_ROWS, 2):
+        raise ValueError(
+            f"scale_zero has shape {list(scale_zero.shape)}; expected [groups, {tiles * _TILE_ROWS}, 2] "
+            f"for packed's {tiles} tiles"
+        )
+    groups = scale_zero.shape[0]  # the group size is implied: packed_k / groups
+    if groups == 0 or packed_k % groups or groups % halves:
+        raise ValueError(
+            f"scale_zero has {groups} groups, which does not divide the packed weight's {packed_k} inputs"
+            + (" into two halves" if halves == 2 else "")
+        )
+    group_size, k = packed_k // groups, packed_k // halves
+    out = _check("out", out, _FLOAT_DTYPES, 2)
+    if out.shape[0] != k or out.shape[1] % _TILE_ROWS:
+        raise ValueError(
+            f"out has shape {list(out.shape)}; expected [{k}, a multiple of {_TILE_ROWS}] (whole tiles)"
+        )
+    count = out.shape[1] // _TILE_ROWS
+    if not 0 <= first_tile <= tiles - count:
+        raise ValueError(
+            f"tiles {first_tile} .. {first_tile + count - 1} are outside the weight's {tiles} tiles"
+        )
+    getattr(_library(), function)(
+        packed.data_ptr(), k, scale_zero.data_ptr(), _DTYPE_CODES[scale_zero.dtype], scale_zero.shape[1],
+        group_size, first_tile, count, out.data_ptr(), _DTYPE_CODES[out.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return out

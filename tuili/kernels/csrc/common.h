@@ -1,0 +1,85 @@
+/* Shared by the tuili CPU kernels: element types, error codes, conversions to and from float32,
+ * a vectorizable exp, and the multiply-add used in inner loops.
+ *
+ * Plain C11 that GCC and Clang auto-vectorize at -O3; no torch headers. The library is compiled
+ * with -ffp-contract=off, so `a * b + c` rounds twice exactly as PyTorch's separate multiply and
+ * add do (the dequantizers rely on that to match torch bit for bit); loops that want a fused
+ * multiply-add say so with MADD. */
+#ifndef TUILI_KERNELS_COMMON_H
+#define TUILI_KERNELS_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Element types, numbered as tuili/kernels/cpu.py passes them. */
+enum tuili_dtype { TUILI_F32 = 0, TUILI_BF16 = 1, TUILI_F8E4M3 = 2 };
+
+/* Error codes returned by the kernels; cpu.py turns them into ValueErrors naming the argument.
+ * The kernels check only what Python cannot check cheaply: the values inside index tensors. */
+enum tuili_error {
+    TUILI_OK = 0,
+    TUILI_BAD_SEQ_ROWS = 1,   /* a sequence's query rows fall outside q */
+    TUILI_BAD_SEQ_POS = 2,    /* a negative first row, row count or position */
+    TUILI_TOO_FEW_BLOCKS = 3, /* the context needs more blocks than the table has columns */
+    TUILI_BAD_BLOCK_ID = 4,   /* a block id outside [0, num_blocks) */
+    TUILI_NO_MEMORY = 5,
+};
+
+/* Fused where the hardware fuses (one rounding, faster); elsewhere a plain multiply and add. */
+#ifdef __FMA__
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_to_bits(f);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (f != f) ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
+}
+
+/* float8 e4m3fn (bias 7, no infinities, S.1111.111 = NaN). Exponent and mantissa are placed
+ * in float32's low exponent bits and the result is multiplied by 2^(127 - 7): this maps normal
+ * codes exactly and, because float32 subnormals scale the same way, subnormal codes too. */
+static inline float f8e4m3_to_f32(uint8_t x) {
+    float magnitude = bits_to_f32((uint32_t)(x & 0x7Fu) << 20) * 0x1p120f;
+    float value = (x & 0x80u) ? -magnitude : magnitude;
+    return ((x & 0x7Fu) == 0x7Fu) ? NAN : value;
+}
+
+/* exp(x) for x <= 0 to about 2 ulp (Cephes' expf polynomial), written so loops over it
+ * vectorize: no floorf/fmaxf calls, which GCC vectorizes only with -ffast-math. Inputs below
+ * -87 return ~0 (at most 2^-126), all softmax needs. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    /* n = round(x / ln 2): adding and subtracting 1.5 * 2^23 rounds to an integer. */
+    float n = (x * 1.44269504088896341f + 0x1.8p23f) - 0x1.8p23f;
+    float r = MADD(n, -0.693359375f, x); /* x - n ln 2, ln 2 in two parts for accuracy */
+    r = MADD(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = MADD(p, r, 1.3981999507e-3f);
+    p = MADD(p, r, 8.3334519073e-3f);
+    p = MADD(p, r, 4.1665795894e-2f);
+    p = MADD(p, r, 1.6666665459e-1f);
+    p = MADD(p, r, 5.0000001201e-1f);
+    p = MADD(p * r, r, r) + 1.0f;
+    return p * bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+}
+
+#endif

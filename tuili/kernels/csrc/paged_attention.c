@@ -1,0 +1,502 @@
+/* Attention of a flat batch of query rows over a paged KV cache, read in place.
+ *
+ * Shapes (row-major, contiguous): q and out [T, Hq, D]; k_cache and v_cache
+ * [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_info [B, 3] holding, per
+ * sequence, its first row in q, its number of query rows n, and the absolute position p0 of
+ * its first query. Query i of a sequence (row first + i) is at position p0 + i and attends
+ * causally to keys 0 .. p0 + i, the key at position p living in block
+ * block_tables[b, p / block_size] at offset p % block_size. Hq is a multiple of Hkv: query head
+ * hq reads KV head hq / (Hq / Hkv) (grouped-query attention, K/V never copied). With a float8
+ * cache, stored values are multiplied by the per-KV-head k_scale / v_scale.
+ *
+ * Work is split into units of one sequence, some of its KV heads, some of its query rows (for
+ * each of those heads; rows are query token x query head of the group, token-major) and a range
+ * of keys. A decode's unit takes as many KV heads as fit in ROW_TILE rows (usually all), so it
+ * reads whole cache rows [Hkv, D] front to back, a pattern the hardware prefetchers follow; a
+ * prompt chunk's unit takes one KV head and a tile of ROW_TILE rows. A unit streams its keys
+ * KEY_CHUNK at a time, converting them to float32 once for all its rows, with an online softmax
+ * in float32. When units are too few to keep every thread busy (decode at small batch), each
+ * one's keys are split among several units whose partial results (max, sum, weighted values)
+ * are merged afterwards (flash-decoding). */
+#include <omp.h>
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+#define KEY_CHUNK 16      /* keys converted and scored at a time */
+#define ROW_TILE 32       /* query rows per unit, over all its KV heads */
+#define MIN_SPLIT_KEYS 64 /* fewer keys per unit than this is not worth a merge */
+#define UNITS_PER_THREAD 4
+/* float32 keys and values are read in place when a head has at most this many rows (decodes:
+ * measured ~20% faster than copying at batch 1); more rows (prompt chunks) reuse each key often
+ * enough that a compact copy in L1 pays (a 512-token prompt ~25% faster). */
+#define IN_PLACE_MAX_ROWS 4
+
+typedef struct {
+    const void *q;
+    int q_dtype;
+    int64_t num_heads, head_dim;
+    const void *k_cache, *v_cache;
+    int cache_dtype;
+    int64_t block_size, num_kv_heads;
+    const float *k_scale, *v_scale; /* NULL unless the cache is float8 */
+    const void *tables;
+    int tables_int64;
+    int64_t max_blocks;
+    const void *seq_info;
+    int seq_info_int64;
+    float scale;
+    void *out;
+} attn_args;
+
+/* One unit of work. Its r-th row is row first_row + r % head_rows (of the n * per_kv rows of
+ * each KV head) of KV head first_head + r / head_rows. Keys split among several units give
+ * consecutive units, the first of which records how many. */
+typedef struct {
+    int64_t seq;
+    int64_t first_head, heads;     /* KV heads */
+    int64_t first_row, head_rows;  /* rows per KV head */
+    int64_t key_begin, key_end;    /* key positions [begin, end) */
+    int64_t partial;               /* offset in the partials buffer, or -1: write to out */
+    int64_t splits;                /* for the first unit of a split: how many (else 0) */
+} unit_t;
+
+static inline int64_t load_index(const void *base, int is_int64, int64_t i) {
+    return is_int64 ? ((const int64_t *)base)[i] : (int64_t)((const int32_t *)base)[i];
+}
+
+static inline void to_f32(float *dst, const void *src, int dtype, int64_t n) {
+    if (dtype == TUILI_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == TUILI_BF16) {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const uint8_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = f8e4m3_to_f32(s[i]);
+    }
+}
+
+static void from_f32(void *dst, const float *src, float factor, int dtype, int64_t n) {
+    if (dtype == TUILI_F32) {
+        float *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = src[i] * factor;
+    } else {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i] * factor);
+    }
+}
+
+static inline size_t element_size(int dtype) {
+    return dtype == TUILI_F32 ? 4 : dtype == TUILI_BF16 ? 2 : 1;
+}
+
+/* The running state of a unit's query rows (online softmax). */
+typedef struct {
+    int64_t rows, head_dim;
+    float *q;                /* [rows, D]: queries, already multiplied by the softmax scale */
+    float *acc;              /* [rows, D]: sum of exp(score - m) * value */
+    float m[ROW_TILE];       /* largest score so far (-inf before the first key) */
+    float l[ROW_TILE];       /* sum of exp(score - m) */
+    int64_t limit[ROW_TILE]; /* the last key position the row may see (causal) */
+} rows_t;
+
+static inline void scale_row(float *y, float a, int64_t n) {
+    for (int64_t d = 0; d < n; d++) y[d] *= a;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    for (int64_t d = 0; d < n; d++) y[d] = MADD(a, x[d], y[d]);
+}
+
+/* Folds a new maximum into a row's state: what was summed so far is rescaled to it. */
+static inline void raise_max(rows_t *st, int64_t r, float top) {
+    if (top > st->m[r]) {
+        float alpha = (st->m[r] == -INFINITY) ? 0.0f : exp_nonpositive(st->m[r] - top);
+        scale_row(st->acc + r * st->head_dim, alpha, st->head_dim);
+        st->l[r] *= alpha;
+        st->m[r] = top;
+    }
+}
+
+/* How many of the chunk's n keys (positions c ..) row r may see; 0 when all are in its future. */
+static inline int64_t visible_keys(const rows_t *st, int64_t r, int64_t c, int64_t n) {
+    const int64_t visible = st->limit[r] - c + 1;
+    return visible < 0 ? 0 : visible < n ? visible : n;
+}
+
+#ifdef __AVX512F__
+/* Lane t of the result is the sum of the 16 lanes of v[t] (a transpose-and-add tree). */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i] and v[2i+1] folded to 2 values each */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the sums of v[4i .. 4i+3], in order */
+        __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes (0+1), (2+3) of quads[2i] then of quads[2i+1] */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* exp_nonpositive (common.h) on 16 lanes, the same operations in the same order. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* acc[d ..] += sum over t < keys of p[t] * vrow[t][d ..], `blocks` x 16 floats at a time so
+ * that that many multiply-add chains run side by side. */
+#define ACCUMULATE(blocks)                                                                        \
+    for (; d + 16 * (blocks) <= D; d += 16 * (blocks)) {                                          \
+        __m512 sum[blocks];                                                                       \
+        for (int b = 0; b < (blocks); b++) sum[b] = _mm512_loadu_ps(acc + d + 16 * b);            \
+        for (int64_t t = 0; t < keys; t++) {                                                      \
+            __m512 weight = _mm512_set1_ps(p[t]);                                                 \
+            for (int b = 0; b < (blocks); b++)                                                    \
+                sum[b] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vrow[t] + d + 16 * b), sum[b]);   \
+        }                                                                                         \
+        for (int b = 0; b < (blocks); b++) _mm512_storeu_ps(acc + d + 16 * b, sum[b]);            \
+    }
+
+/* One chunk of n <= 16 keys (positions c ..) of one KV head for rows [first, end) of the unit
+ * (rows of that head); krow[t], vrow[t] for t >= n point at zeros. Needs D % 16 == 0. */
+static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
+                                const float *const *krow, const float *const *vrow) {
+    const int64_t D = st->head_dim;
+    for (int64_t r = first; r < end; r++) {
+        const int64_t keys = visible_keys(st, r, c, n);
+        if (keys == 0) continue;
+        const float *q = st->q + r * D;
+        __m512 dots[16];
+        for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 qd = _mm512_loadu_ps(q + d);
+            for (int t = 0; t < 16; t++) dots[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(krow[t] + d), dots[t]);
+        }
+        const __mmask16 valid = (__mmask16)((1u << keys) - 1u);
+        __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sum_lanes16(dots));
+        raise_max(st, r, _mm512_reduce_max_ps(scores));
+        __m512 weights = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(st->m[r]))));
+        st->l[r] += _mm512_reduce_add_ps(weights);
+        float p[16];
+        _mm512_storeu_ps(p, weights);
+        float *acc = st->acc + r * D;
+        int64_t d = 0;
+        ACCUMULATE(4)
+        ACCUMULATE(1)
+    }
+}
+#endif
+
+/* Sixteen partial sums, added in a fixed order. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float lanes[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16)
+        for (int l = 0; l < 16; l++) lanes[l] = MADD(a[d + l], b[d + l], lanes[l]);
+    float total = 0.0f;
+    for (; d < n; d++) total = MADD(a[d], b[d], total);
+    for (int l = 0; l < 16; l++) total += lanes[l];
+    return total;
+}
+
+/* attend_chunk_avx512 in plain C, for any head size. */
+static void attend_chunk_portable(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
+                                  const float *const *krow, const float *const *vrow) {
+    const int64_t D = st->head_dim;
+    float s[KEY_CHUNK];
+    for (int64_t r = first; r < end; r++) {
+        const int64_t keys = visible_keys(st, r, c, n);
+        if (keys == 0) continue;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < keys; t++) {
+            s[t] = dot(st->q + r * D, krow[t], D);
+            top = s[t] > top ? s[t] : top;
+        }
+        raise_max(st, r, top);
+        for (int64_t t = 0; t < keys; t++) s[t] = exp_nonpositive(s[t] - st->m[r]);
+        for (int64_t t = 0; t < keys; t++) st->l[r] += s[t];
+        for (int64_t t = 0; t < keys; t++) axpy(st->acc + r * D, s[t], vrow[t], D);
+    }
+}
+
+static inline void attend_chunk(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
+                                const float *const *krow, const float *const *vrow) {
+#ifdef __AVX512F__
+    if (st->head_dim % 16 == 0) {
+        attend_chunk_avx512(st, first, end, c, n, krow, vrow);
+        return;
+    }
+#endif
+    attend_chunk_portable(st, first, end, c, n, krow, vrow);
+}
+
+/* Byte offsets in the cache of positions c .. c + n - 1 of sequence seq, KV head h: one
+ * division per chunk, then a walk along the block table. */
+static void chunk_offsets(const attn_args *a, int64_t seq, int64_t h, int64_t c, int64_t n, int64_t *offsets) {
+    const int64_t row_bytes = a->head_dim * (int64_t)element_size(a->cache_dtype);
+    int64_t entry = seq * a->max_blocks + c / a->block_size, within = c % a->block_size;
+    int64_t block = load_index(a->tables, a->tables_int64, entry);
+    for (int64_t t = 0; t < n; t++, within++) {
+        if (within == a->block_size) {
+            block = load_index(a->tables, a->tables_int64, ++entry);
+            within = 0;
+        }
+        offsets[t] = ((block * a->block_size + within) * a->num_kv_heads + h) * row_bytes;
+    }
+}
+
+/* Floats of scratch memory one thread needs: queries, accumulators, one head's converted keys
+ * and values, a row of zeros. */
+static inline size_t scratch_floats(int64_t head_dim) {
+    return (size_t)(2 * ROW_TILE + 2 * KEY_CHUNK + 1) * (size_t)head_dim;
+}
+
+/* Where the unit's r-th row lives in q and out (token * Hq + query head); *query receives the
+ * row's query index within its sequence. */
+static inline int64_t unit_row(const attn_args *a, const unit_t *u, int64_t r, int64_t first_token, int64_t *query) {
+    const int64_t per_kv = a->num_heads / a->num_kv_heads;
+    const int64_t row = u->first_row + r % u->head_rows, kv_head = u->first_head + r / u->head_rows;
+    *query = row / per_kv;
+    return (first_token + *query) * a->num_heads + kv_head * per_kv + row % per_kv;
+}
+
+/* Runs one unit. Writes the normalized rows to out, or (split keys) max, sum and unnormalized
+ * values per row to partials + u->partial. */
+static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, float *partials) {
+    const int64_t D = a->head_dim, head_rows = u->head_rows;
+    rows_t st = {.rows = u->heads * head_rows, .head_dim = D, .q = scratch, .acc = scratch + ROW_TILE * D};
+    float *kbuf = st.acc + ROW_TILE * D, *vbuf = kbuf + KEY_CHUNK * D, *zeros = vbuf + KEY_CHUNK * D;
+    const float *krow[KEY_CHUNK], *vrow[KEY_CHUNK];
+    int64_t out_row[ROW_TILE], offsets[KEY_CHUNK];
+    const int64_t first_token = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq);
+    const int64_t first_pos = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq + 2);
+    const size_t q_size = element_size(a->q_dtype), row_bytes = (size_t)D * element_size(a->cache_dtype);
+    const char *k_cache = a->k_cache, *v_cache = a->v_cache;
+
+    for (int64_t r = 0; r < st.rows; r++) {
+        int64_t query;
+        out_row[r] = unit_row(a, u, r, first_token, &query);
+        to_f32(st.q + r * D, (const char *)a->q + out_row[r] * D * q_size, a->q_dtype, D);
+        scale_row(st.q + r * D, a->scale * (a->k_scale ? a->k_scale[u->first_head + r / head_rows] : 1.0f), D);
+        st.limit[r] = first_pos + query;
+        st.m[r] = -INFINITY;
+        st.l[r] = 0.0f;
+        memset(st.acc + r * D, 0, (size_t)D * sizeof(float));
+    }
+    memset(zeros, 0, (size_t)D * sizeof(float));
+
+    for (int64_t c = u->key_begin; c < u->key_end; c += KEY_CHUNK) {
+        const int64_t n = (u->key_end - c < KEY_CHUNK) ? u->key_end - c : KEY_CHUNK;
+        chunk_offsets(a, u->seq, u->first_head, c, n, offsets);
+        /* Head by head: a chunk of one head's keys and values (float32, in L1) serves its rows.
+         * With all heads in the unit, every byte of the chunk's cache rows is read within a short
+         * time, so the hardware prefetchers follow. Rows past n read as zeros with weight 0. */
+        for (int64_t h = 0; h < u->heads; h++) {
+            for (int64_t t = 0; t < KEY_CHUNK; t++) {
+                const char *k = k_cache + offsets[t] + h * row_bytes, *v = v_cache + offsets[t] + h * row_bytes;
+                if (t >= n) {
+                    krow[t] = vrow[t] = zeros;
+                } else if (a->cache_dtype == TUILI_F32 && head_rows <= IN_PLACE_MAX_ROWS) { /* read in place */
+                    krow[t] = (const float *)k;
+                    vrow[t] = (const float *)v;
+                } else {
+                    to_f32(kbuf + t * D, k, a->cache_dtype, D);
+                    to_f32(vbuf + t * D, v, a->cache_dtype, D);
+                    krow[t] = kbuf + t * D;
+                    vrow[t] = vbuf + t * D;
+                }
+            }
+            attend_chunk(&st, h * head_rows, (h + 1) * head_rows, c, n, krow, vrow);
+        }
+    }
+
+    for (int64_t r = 0; r < st.rows; r++) {
+        if (u->partial < 0) {
+            float v_factor = a->v_scale ? a->v_scale[u->first_head + r / head_rows] : 1.0f;
+            from_f32((char *)a->out + out_row[r] * D * q_size, st.acc + r * D, v_factor / st.l[r], a->q_dtype, D);
+        } else {
+            float *p = partials + u->partial + r * (D + 2);
+            p[0] = st.m[r];
+            p[1] = st.l[r];
+            memcpy(p + 2, st.acc + r * D, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+/* Merges the `first->splits` partial results of one unit's rows into out. */
+static void merge_splits(const attn_args *a, const unit_t *first, const float *partials, float *row_buf) {
+    const int64_t D = a->head_dim, rows = first->heads * first->head_rows, stride = rows * (D + 2);
+    const int64_t first_token = load_index(a->seq_info, a->seq_info_int64, 3 * first->seq);
+    const float *base = partials + first->partial;
+    for (int64_t r = 0; r < rows; r++) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < first->splits; j++) top = fmaxf(top, base[j * stride + r * (D + 2)]);
+        memset(row_buf, 0, (size_t)D * sizeof(float));
+        for (int64_t j = 0; j < first->splits; j++) {
+            const float *p = base + j * stride + r * (D + 2);
+            if (p[0] == -INFINITY) continue; /* this part held only future keys for the row */
+            float w = exp_nonpositive(p[0] - top);
+            total = MADD(p[1], w, total);
+            axpy(row_buf, w, p + 2, D);
+        }
+        int64_t query, out_row = unit_row(a, first, r, first_token, &query);
+        float v_factor = a->v_scale ? a->v_scale[first->first_head + r / first->head_rows] : 1.0f;
+        char *dst = (char *)a->out + out_row * D * element_size(a->q_dtype);
+        from_f32(dst, row_buf, v_factor / total, a->q_dtype, D);
+    }
+}
+
+/* Checks the index tensors' values; on error fills error[1..2] (sequence, offending value). */
+static int check_indices(const attn_args *a, int64_t num_tokens, int64_t num_blocks, int64_t num_seqs, int64_t *error) {
+    for (int64_t b = 0; b < num_seqs; b++) {
+        int64_t first = load_index(a->seq_info, a->seq_info_int64, 3 * b);
+        int64_t rows = load_index(a->seq_info, a->seq_info_int64, 3 * b + 1);
+        int64_t pos = load_index(a->seq_info, a->seq_info_int64, 3 * b + 2);
+        error[1] = b;
+        if (rows < 0 || pos < 0 || first < 0) {
+            error[2] = rows < 0 ? rows : pos < 0 ? pos : first;
+            return TUILI_BAD_SEQ_POS;
+        }
+        if (rows == 0) continue;
+        if (first + rows > num_tokens) {
+            error[2] = first + rows;
+            return TUILI_BAD_SEQ_ROWS;
+        }
+        int64_t blocks = (pos + rows + a->block_size - 1) / a->block_size;
+        if (blocks > a->max_blocks) {
+            error[2] = blocks;
+            return TUILI_TOO_FEW_BLOCKS;
+        }
+        for (int64_t j = 0; j < blocks; j++) {
+            int64_t id = load_index(a->tables, a->tables_int64, b * a->max_blocks + j);
+            if (id < 0 || id >= num_blocks) {
+                error[2] = id;
+                return TUILI_BAD_BLOCK_ID;
+            }
+        }
+    }
+    return TUILI_OK;
+}
+
+/* Lays out the units (and, when units != NULL, fills them). Returns the number of units;
+ * *partial_floats receives the size of the partials buffer. Keys are split in up to
+ * max_splits parts of at least MIN_SPLIT_KEYS keys. */
+static int64_t plan_units(const attn_args *a, int64_t num_seqs, int64_t max_splits, unit_t *units,
+                          int64_t *partial_floats) {
+    const int64_t per_kv = a->num_heads / a->num_kv_heads, D = a->head_dim;
+    int64_t count = 0, floats = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t n = load_index(a->seq_info, a->seq_info_int64, 3 * b + 1);
+        const int64_t pos = load_index(a->seq_info, a->seq_info_int64, 3 * b + 2);
+        const int64_t head_rows = n * per_kv;
+        if (head_rows == 0) continue;
+        /* Few rows per head (decodes): several heads per unit. Many (prompt chunks): row tiles. */
+        const int64_t heads = head_rows <= ROW_TILE ? (ROW_TILE / head_rows < a->num_kv_heads ? ROW_TILE / head_rows
+                                                                                                : a->num_kv_heads)
+                                                    : 1;
+        const int64_t tile = head_rows <= ROW_TILE ? head_rows : ROW_TILE;
+        for (int64_t h = 0; h < a->num_kv_heads; h += heads) {
+            const int64_t unit_heads = a->num_kv_heads - h < heads ? a->num_kv_heads - h : heads;
+            for (int64_t row = 0; row < head_rows; row += tile) {
+                const int64_t rows = head_rows - row < tile ? head_rows - row : tile;
+                const int64_t keys = pos + (row + rows - 1) / per_kv + 1; /* up to the tile's last query */
+                int64_t splits = keys / MIN_SPLIT_KEYS;
+                splits = splits < 1 ? 1 : splits > max_splits ? max_splits : splits;
+                /* Parts are whole key chunks; rounding up may leave fewer parts than asked. */
+                const int64_t part = ((keys + splits - 1) / splits + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK;
+                splits = (keys + part - 1) / part;
+                for (int64_t j = 0; j < splits; j++, count++) {
+                    if (!units) continue;
+                    units[count] = (unit_t){
+                        .seq = b,
+                        .first_head = h,
+                        .heads = unit_heads,
+                        .first_row = row,
+                        .head_rows = rows,
+                        .key_begin = j * part,
+                        .key_end = (j + 1) * part < keys ? (j + 1) * part : keys,
+                        .partial = splits > 1 ? floats + j * unit_heads * rows * (D + 2) : -1,
+                        .splits = j == 0 && splits > 1 ? splits : 0,
+                    };
+                }
+                if (splits > 1) floats += splits * unit_heads * rows * (D + 2);
+            }
+        }
+    }
+    *partial_floats = floats;
+    return count;
+}
+
+int tuili_paged_attention(const void *q, int q_dtype, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                          const void *k_cache, const void *v_cache, int cache_dtype, int64_t num_blocks,
+                          int64_t block_size, int64_t num_kv_heads, const float *k_scale, const float *v_scale,
+                          const void *block_tables, int tables_int64, int64_t num_seqs, int64_t max_blocks,
+                          const void *seq_info, int seq_info_int64, float scale, void *out, int num_threads,
+                          int64_t *error) {
+    const attn_args a = {
+        .q = q, .q_dtype = q_dtype, .num_heads = num_heads, .head_dim = head_dim,
+        .k_cache = k_cache, .v_cache = v_cache, .cache_dtype = cache_dtype,
+        .block_size = block_size, .num_kv_heads = num_kv_heads, .k_scale = k_scale, .v_scale = v_scale,
+        .tables = block_tables, .tables_int64 = tables_int64, .max_blocks = max_blocks,
+        .seq_info = seq_info, .seq_info_int64 = seq_info_int64, .scale = scale, .out = out,
+    };
+    int status = check_indices(&a, num_tokens, num_blocks, num_seqs, error);
+    if (status != TUILI_OK) return (int)(error[0] = status);
+    if (num_threads < 1) num_threads = 1;
+
+    /* Split keys only as far as needed to give every thread several units. */
+    int64_t partial_floats;
+    const int64_t whole = plan_units(&a, num_seqs, 1, NULL, &partial_floats);
+    const int64_t wanted = num_threads > 1 ? (int64_t)UNITS_PER_THREAD * num_threads : 1;
+    const int64_t max_splits = whole > 0 && whole < wanted ? (wanted + whole - 1) / whole : 1;
+    const int64_t count = plan_units(&a, num_seqs, max_splits, NULL, &partial_floats);
+    unit_t *units = malloc((size_t)(count > 0 ? count : 1) * sizeof(unit_t));
+    float *partials = malloc((size_t)(partial_floats > 0 ? partial_floats : 1) * sizeof(float));
+    if (!units || !partials) {
+        free(units);
+        free(partials);
+        return (int)(error[0] = TUILI_NO_MEMORY);
+    }
+    plan_units(&a, num_seqs, max_splits, units, &partial_floats);
+
+    int failed = 0;
+    const size_t scratch_bytes = (scratch_floats(head_dim) * sizeof(float) + 63) / 64 * 64;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = aligned_alloc(64, scratch_bytes);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < count; i++)
+            if (scratch) attend_unit(&a, &units[i], scratch, partials);
+        /* The loop's implicit barrier: every part is written before any merge reads it. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < count; i++)
+            if (scratch && units[i].splits > 0) merge_splits(&a, &units[i], partials, scratch);
+        free(scratch);
+    }
+    free(units);
+    free(partials);
+    return (int)(error[0] = failed ? TUILI_NO_MEMORY : TUILI_OK);
+}
