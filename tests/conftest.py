@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+    from tuili import LLM
 
 # Real tokenizers fetched by scripts/fetch_test_tokenizers.sh: two byte-level BPE ones
 # (Qwen3, Llama 3) and a sentencepiece-style one with byte fallback (Gemma 3).
@@ -38,3 +44,29 @@ def transformers_smollm2():
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+def _prompt_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits of every prompt token, all prompts in one batch (a prefill)."""
+    from tuili import SamplingParams
+    from tuili.engine.request import Sequence
+    from tuili.engine.scheduler import ScheduledSeq
+
+    batch = []
+    for i, ids in enumerate(prompts):
+        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids),
+                       params=SamplingParams())
+        llm.engine.block_manager.grow(seq, len(ids))
+        batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
+    logits = llm.engine.runner.logits(batch)
+    for seq in (item.seq for item in batch):
+        llm.engine.block_manager.free(seq)
+    return logits
+
+
+@pytest.fixture(scope="session")
+def prompt_logits():
+    """`prompt_logits(llm, prompts)`: float32 logits [total tokens, vocab] of every token of
+    every prompt (lists of token ids), scored in one batched prefill through the engine's runner,
+    outside the scheduler; the prompts' KV blocks are freed afterwards."""
+    return _prompt_logits
