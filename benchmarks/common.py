@@ -9,8 +9,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tuili.perf.hardware import HardwareSpec
 
 CACHE = Path(os.environ.get("TUILI_BENCH_CACHE", Path.home() / ".cache" / "tuili-bench"))
 
@@ -106,3 +110,76 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str, Path]:
             sys.exit(f"tuili serve did not start:\n{log.read_text()}")
         time.sleep(0.2)
     return process, match.group(1), log
+
+
+def hardware_spec(name_or_path: str | None = None, quick: bool = False) -> HardwareSpec:
+    """The HardwareSpec to judge MFU and MBU against: a spec file or preset when named, else a
+    fresh `tuili probe` of this machine (--quick: a few seconds, and a bf16 peak measured at a
+    small matmul, so an underestimate)."""
+    from tuili.perf.hardware import current_hardware
+    from tuili.perf.probe import probe
+
+    if name_or_path:
+        return current_hardware("cpu", name_or_path)
+    spec, _ = probe("cpu", quick=quick)
+    return spec
+
+
+LLAMA_CPP = CACHE / "llama.cpp"  # built by benchmarks/build_peers.sh llama
+
+
+def qwen3_06b_gguf(ftype: str) -> Path:
+    """The Qwen3-0.6B-shape checkpoint as GGUF, written once: "bf16" and "f16" by llama.cpp's
+    convert_hf_to_gguf.py, "Q8_0" and "Q4_0" by its llama-quantize from the bf16 file (with
+    llama-quantize's usual choice for the tied embedding / output matrix).
+
+    The converter wants a tokenizer and the random checkpoint has none: it is given SmolLM2's
+    (from the embedded GGUF), which it pads to the 151,936-entry vocabulary with unused tokens.
+    The benchmarks feed token ids, so the tokenizer only has to exist."""
+    out = CACHE / "gguf" / f"qwen3-0.6b-shape-{ftype}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    if ftype in ("bf16", "f16"):
+        from tuili.models.default_model import default_model_path
+        from tuili.models.gguf import open_gguf
+
+        source = qwen3_06b_checkpoint()
+        stage = CACHE / "qwen3-0.6b-shape-convert"
+        stage.mkdir(exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            if not (stage / name).exists():
+                (stage / name).symlink_to(source / name)
+        if not (stage / "tokenizer.json").exists():
+            open_gguf(default_model_path()).load_tokenizer().save_pretrained(stage)
+        command = [sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(stage),
+                   "--outtype", ftype, "--outfile", str(partial)]
+    else:
+        command = [str(LLAMA_CPP / "build" / "bin" / "llama-quantize"), str(qwen3_06b_gguf("bf16")),
+                   str(partial), ftype, str(os.cpu_count() or 1)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"making {out.name} failed ({' '.join(command)}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    partial.replace(out)
+    return out
+
+
+def busy_cores(seconds: float = 1.0) -> float:
+    """Cores kept busy by other processes over the next `seconds` (call it while this process
+    is idle), from /proc/stat; 0.0 where that file is missing. On these 2-core machines a
+    benchmark sharing its cores with anything is not comparable (llama.cpp's 2-thread decode
+    slows down several-fold when one other process runs)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(seconds)
+        busy1, total1 = sample()
+    except OSError:
+        return 0.0
+    return (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
