@@ -13,10 +13,16 @@
 * Whether the kernels' OpenMP threads slow the torch matmul that follows them: the matmul is
   timed right after the kernel and right after a torch op reading the same bytes (the control:
   same cache state, torch's own threads).
+* The small-row linear (decode's projections at batch 1..8): tuili.kernels.linear_small against
+  F.linear, bf16 and fp32, at 1 and 2 threads, on Qwen3-0.6B's and SmolLM2-135M's projections and
+  lm_heads; µs per call and GB/s of weight bytes. Each call reads the next of several copies of
+  the weight, together larger than the last-level cache, so the weight comes from memory as in
+  a decode step.
 
 Times are the best of repeated calls (the least disturbed by other processes).
 
     python benchmarks/kernels.py --threads 2
+    python benchmarks/kernels.py --only gemv --gemv-threads 1 2
 """
 
 from __future__ import annotations
@@ -219,6 +225,89 @@ def bench_interference(args: argparse.Namespace) -> None:
         print(f"{name}: {summary} (best of {len(times['after torch'])})", flush=True)
 
 
+# N x K of the projections decode multiplies by (nn.Linear's weight layout).
+GEMV_SHAPES = {
+    "Qwen3-0.6B": {
+        "qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+        "lm_head": (151936, 1024),
+    },
+    "SmolLM2-135M": {
+        "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576),
+    },
+}  # fmt: skip
+GEMV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def weight_pool(n: int, k: int, dtype: torch.dtype, pool_bytes: int) -> list[torch.Tensor]:
+    """Copies of one random weight, together at least pool_bytes."""
+    weight = (torch.randn(n, k) * k**-0.5).to(dtype)
+    copies = max(1, math.ceil(pool_bytes / (weight.numel() * weight.element_size())))
+    return [weight] + [weight.clone() for _ in range(copies - 1)]
+
+
+def per_call_time(fn: Callable[[torch.Tensor], object], pool: list[torch.Tensor], budget_s: float) -> float:
+    """Microseconds per call of the best round of calls over the whole pool (one warm-up round)."""
+    best = float("inf")
+    end = time.perf_counter() + budget_s
+    for round_number in range(1000):
+        start = time.perf_counter()
+        for weight in pool:
+            fn(weight)
+        if round_number > 0:
+            best = min(best, (time.perf_counter() - start) / len(pool))
+        if round_number > 2 and time.perf_counter() > end:
+            break
+    return best * 1e6
+
+
+def read_bandwidth(pool_bytes: int, budget_s: float) -> float:
+    """GB/s of the faster of torch.sum and an fp32 matrix-vector product over pool_bytes (as
+    tuili.perf.probe measures the memory): the rate the memory demonstrably delivers."""
+    data = torch.ones(pool_bytes // 4 // 1024, 1024)
+    vector = torch.ones(1024)
+    best = min(best_time(data.sum, budget_s), best_time(partial(torch.mv, data, vector), budget_s))
+    return data.numel() * 4 / best / 1e3
+
+
+def bench_gemv(args: argparse.Namespace) -> None:
+    pool_bytes = args.pool_mib << 20
+    print(
+        f"\nsmall-row linear: F.linear vs kernels.linear_small, weights cycled through {args.pool_mib} MiB of copies"
+    )
+    for threads in args.gemv_threads:
+        torch.set_num_threads(threads)
+        print(
+            f"memory read, {threads} thread(s): {read_bandwidth(pool_bytes, args.budget):.1f} GB/s",
+            flush=True,
+        )
+    print(
+        f"{'model':>13} {'layer':>8} {'N x K':>12} {'dtype':>5} {'thr':>3} {'M':>2} {'torch µs':>9} "
+        f"{'GB/s':>5} {'kernel µs':>9} {'GB/s':>5} {'speedup':>7}"
+    )
+    for model, layers in GEMV_SHAPES.items():
+        for layer, (n, k) in layers.items():
+            for name, dtype in GEMV_DTYPES.items():
+                pool = weight_pool(n, k, dtype, pool_bytes)
+                weight_bytes = n * k * pool[0].element_size()
+                for threads in args.gemv_threads:
+                    torch.set_num_threads(threads)
+                    for m in args.rows:
+                        x = torch.randn(m, k).to(dtype)
+                        out = torch.empty(m, n, dtype=dtype)
+                        t_torch = per_call_time(partial(torch.nn.functional.linear, x), pool, args.budget)
+                        t_kernel = per_call_time(
+                            lambda w, x=x, out=out: kernels.linear_small(x, w, None, out), pool, args.budget
+                        )
+                        print(
+                            f"{model:>13} {layer:>8} {f'{n}x{k}':>12} {name:>5} {threads:>3} {m:>2} "
+                            f"{t_torch:>9.1f} {weight_bytes / t_torch / 1e3:>5.1f} {t_kernel:>9.1f} "
+                            f"{weight_bytes / t_kernel / 1e3:>5.1f} {t_torch / t_kernel:>6.2f}x",
+                            flush=True,
+                        )
+                del pool
+    torch.set_num_threads(args.threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -226,7 +315,12 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--caches", nargs="+", default=["bf16", "fp32"], choices=list(CACHE_DTYPES))
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
-    parser.add_argument("--only", choices=["decode", "prefill", "dequant", "interference"])
+    parser.add_argument("--only", choices=["decode", "prefill", "dequant", "interference", "gemv"])
+    parser.add_argument("--gemv-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M of the small-row linear")
+    parser.add_argument(
+        "--pool-mib", type=int, default=640, help="weight copies cycled through (>= 2x the last-level cache)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -241,6 +335,7 @@ def main() -> None:
         ("prefill", bench_prefill),
         ("dequant", bench_dequant),
         ("interference", bench_interference),
+        ("gemv", bench_gemv),
     ):
         if args.only in (None, name):
             bench(args)

@@ -352,13 +352,15 @@ def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
     return start(["-c", script, str(Path(build.__file__))], cache, **env)
 
 
-# Correctness tests of this file rerun on libraries built for CPUs with AVX-512 but not its BF16
-# instructions (the dequantizers then round to bfloat16 in integer arithmetic), and with AVX2 only
-# (the portable C code everywhere): flags -> pytest -k selection.
+# Correctness tests of this file and of test_linear_small.py rerun on libraries built for CPUs
+# with AVX-512 but not its BF16 instructions (the dequantizers then round to bfloat16 in integer
+# arithmetic, linear_small widens bf16 to float32 for FMAs), and with AVX2 only (the portable C
+# code everywhere): flags -> pytest -k selection.
 X86_VARIANTS = {
-    "-mno-avx512bf16": "tiles",
-    "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles",
+    "-mno-avx512bf16": "tiles or linear_small",
+    "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small",
 }
+VARIANT_FILES = [__file__, str(Path(__file__).with_name("test_linear_small.py"))]
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +384,7 @@ def fresh_processes(tmp_path_factory) -> dict[str, str]:
     }
     if platform.machine() == "x86_64":
         for flags, selection in X86_VARIANTS.items():
-            pytest_run = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection]
+            pytest_run = ["-m", "pytest", "-q", "-p", "no:cacheprovider", *VARIANT_FILES, "-k", selection]
             runs[flags] = start(pytest_run, root / flags, TUILI_KERNEL_CFLAGS=flags)
     outputs = {name: run.communicate(timeout=600)[0] for name, run in runs.items()}
     outputs |= {f"{name} status": str(run.returncode) for name, run in runs.items()}

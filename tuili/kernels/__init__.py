@@ -42,12 +42,26 @@ dequantize_int8_group_tiles(packed, scale_zero, first_tile, out)
     The same for an Int8GroupLinear (GGUF Q8_0 stored as two int4 halves, packed
     [N / 64, 2K, 32], scale_zero [2K / group, N, 2]): q = 16h + l - 128 rebuilt from the
     halves' nibbles, w = s * q with s the low half's scale.
+
+linear_small(x, weight, bias, out)
+    out = x @ weight.T + bias for a few rows of x (decode at batch 1..8), streaming the weight
+    from memory once at close to the memory bandwidth (torch's bf16 F.linear at one row does not).
+
+    x       [M, K] with 1 <= M <= 8, float32 or bfloat16.
+    weight  [N, K] of x's dtype (row-major, as nn.Linear stores it).
+    bias    [N] of x's dtype, or None.
+    out     [M, N] of x's dtype; must not overlap x, weight or bias.
+
+    Products and sums in float32 (bf16: AVX512-BF16's dot-product instruction where the CPU has
+    it, which treats subnormal bf16 inputs as zero), the bias added in float32, then one rounding
+    to out's dtype. Each thread reads its own static chunk of weight rows.
 """
 
 from tuili.kernels.cpu import (
     available,
     dequantize_int4_tiles,
     dequantize_int8_group_tiles,
+    linear_small,
     paged_attention,
     unavailable_reason,
 )
@@ -56,6 +70,7 @@ __all__ = [
     "available",
     "dequantize_int4_tiles",
     "dequantize_int8_group_tiles",
+    "linear_small",
     "paged_attention",
     "unavailable_reason",
 ]

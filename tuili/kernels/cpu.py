@@ -27,6 +27,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 _CACHE_DTYPES = tuple(_DTYPE_CODES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _TILE_ROWS = 64  # output rows per packed int4 tile (tuili/layers/quant.py)
+_LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
 
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY = 1, 2, 3, 4, 5
@@ -78,6 +79,11 @@ def _declare(library: ctypes.CDLL) -> None:
         function = getattr(library, name)
         function.argtypes = [p, i64, p, i32, i64, i64, i64, i64, p, i32, i32]
         function.restype = i32
+    library.tuili_linear_small.argtypes = [
+        p, p, p, p, i32,  # x, weight, bias, out, dtype
+        i64, i64, i64, i32,  # M, N, K, threads
+    ]  # fmt: skip
+    library.tuili_linear_small.restype = i32
 
 
 def _library() -> ctypes.CDLL:
@@ -256,4 +262,31 @@ def _dequantize(
         packed.data_ptr(), k, scale_zero.data_ptr(), _DTYPE_CODES[scale_zero.dtype], scale_zero.shape[1],
         group_size, first_tile, count, out.data_ptr(), _DTYPE_CODES[out.dtype], torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def linear_small(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """out = x @ weight.T + bias for x [M, K] with 1 <= M <= 8, weight [N, K], bias [N] or None,
+    out [M, N], all float32 or all bfloat16 (float32 accumulation); writes and returns `out`."""
+    x = _check("x", x, _FLOAT_DTYPES, 2)
+    rows, k = x.shape
+    if not 1 <= rows <= _LINEAR_SMALL_MAX_ROWS:
+        raise ValueError(
+            f"x has {rows} rows; linear_small takes 1 to {_LINEAR_SMALL_MAX_ROWS} (use torch's matmul for more)"
+        )
+    weight = _check("weight", weight, (x.dtype,), 2)
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has shape {list(weight.shape)}; expected [N, {k}] (x has {k} columns)")
+    if bias is not None:
+        bias = _check("bias", bias, (x.dtype,), (n,))
+    out = _check("out", out, (x.dtype,), (rows, n))
+    status = _library().tuili_linear_small(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        _DTYPE_CODES[x.dtype], rows, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if status == _NO_MEMORY:  # only without AVX512-BF16: x widened to float32 first
+        raise MemoryError("linear_small could not allocate a float32 copy of x")
     return out

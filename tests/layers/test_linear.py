@@ -1,0 +1,49 @@
+"""`linear`: the native GEMV for decode-sized inputs, F.linear otherwise, the same product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuili import kernels
+from tuili.layers.linear import NATIVE_MAX_ROWS, Linear, linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 11])
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_linear_is_the_float64_product(dtype, rows, native, monkeypatch):
+    if native == "off":
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 100, generator=generator).to(dtype)  # K not a multiple of 32
+    bias = torch.randn(200, generator=generator).to(dtype)
+    x = torch.randn(1, rows, 100, generator=generator).to(dtype)  # any leading shape
+    got = linear(x, weight, bias)
+    assert got.shape == (1, rows, 200) and got.dtype == dtype
+    exact = x.double() @ weight.double().T + bias.double()
+    # One rounding of the output to the dtype (float32 accumulation in both paths).
+    eps = torch.finfo(dtype).eps
+    bound = eps * exact.abs() + 1e-5 * (x.double().abs() @ weight.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_linear_module_keeps_nn_linear_parameters():
+    layer = Linear(16, 8, bias=True)
+    assert isinstance(layer, torch.nn.Linear) and set(dict(layer.named_parameters())) == {"weight", "bias"}
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_native_path_is_taken_where_the_kernels_build(monkeypatch):
+    """Shows the dispatch: with the kernels available, a decode-sized bf16 product goes through
+    linear_small (counted), a prefill-sized one does not."""
+    if not kernels.available():
+        pytest.skip(f"native kernels unavailable here: {kernels.unavailable_reason()}")
+    calls = []
+    original = kernels.linear_small
+    monkeypatch.setattr(kernels, "linear_small", lambda *a: calls.append(a[0].shape) or original(*a))
+    weight = torch.randn(64, 32).bfloat16()
+    linear(torch.randn(1, 32).bfloat16(), weight)
+    linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight)
+    assert calls == [(1, 32)]
