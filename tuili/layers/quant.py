@@ -52,10 +52,11 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu a
 DEFAULT_INT4_GROUP_SIZE = 32  # 16 code bytes + bf16 scale and zero = 20 bytes per 32 values, Q4_1's size
 PACKED_GGUF_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 
-# Most rows for which the "op" kernel beats "tiled" (measured in docs/quantization.md).
-INT8_OP_MAX_ROWS = 12
-INT4_OP_MAX_ROWS = 48
-Q8_0_OP_MAX_ROWS = 24
+# Most rows for which the "op" kernel beats "tiled" (measured in docs/quantization.md, with the
+# native tile dequantizers of tuili/kernels at 2 threads).
+INT8_OP_MAX_ROWS = 16
+INT4_OP_MAX_ROWS = 24
+Q8_0_OP_MAX_ROWS = 12
 TILE_VALUES = 1 << 19  # weights dequantized at a time: 1 MiB in bf16, resident in L2
 _INT4_TILE_ROWS = 64  # rows per tile of the packed int4 layout
 
