@@ -73,19 +73,21 @@ def test_plan_measure_runs_the_engine_and_compares(tmp_path, capsys, monkeypatch
     monkeypatch.setenv("TUILI_CACHE_DIR", str(tmp_path / "cache"))
     path = checkpoint(tmp_path / "model", tied=True)
     spec = tmp_path / "cpu.json"
-    spec.write_text(json.dumps({
-        "name": "cpu", "peak_flops": {"fp32": 5e10}, "memory_bandwidth": 5e9, "memory_bytes": 2**33,
-        # one-row matmuls: 1 MiB in 210 µs, 16 MiB in 2.61 ms -> 50 µs + bytes at 6.55 GB/s
-        "measurements": {"matmul fp32 skinny 1x512x512 seconds per matmul": 210e-6,
-                         "matmul fp32 skinny 1x2048x2048 seconds per matmul": 2.61e-3},
-    }))
+    host = {"decode_step": 3e-4, "decode_layer": 2e-4, "prefill_step": 5e-4, "prefill_layer": 4e-4}
+    spec.write_text(json.dumps({"name": "cpu", "peak_flops": {"fp32": 5e10}, "memory_bandwidth": 5e9,
+                                "memory_bytes": 2**33, "host_overhead_seconds": host}))
     assert main(["plan", "--model", str(path), "--hardware", str(spec), "--device", "cpu", "--measure",
                  "--prompt", "24", "--output", "6", "--batch", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     rows = {row["name"]: row for row in report["comparisons"]}
-    assert {"TTFT", "prefill MFU", "decode step", "decode MBU", "decode step, probe's matmul overhead"} <= set(rows)
+    assert {"TTFT", "TTFT, roofline alone", "prefill MFU", "decode step", "decode step, roofline alone",
+            "decode MBU"} <= set(rows)
     assert report["decode_steps"] == 5  # output tokens after the first, both sequences in each step
     for row in rows.values():
         assert row["predicted"] > 0 and row["measured"] > 0
-    # 50 µs per matmul and a slower rate than the memory bandwidth: a slower prediction
-    assert rows["decode step, probe's matmul overhead"]["predicted"] > rows["decode step"]["predicted"]
+        assert row["error"] == pytest.approx((row["measured"] - row["predicted"]) / row["predicted"])
+    # the prediction is the roofline plus the host cost of a step and of each of the 2 layers
+    assert rows["decode step"]["predicted"] == pytest.approx(rows["decode step, roofline alone"]["predicted"]
+                                                             + 3e-4 + 2 * 2e-4)
+    assert rows["TTFT"]["predicted"] == pytest.approx(rows["TTFT, roofline alone"]["predicted"] + 5e-4 + 2 * 4e-4)
+    assert any("host overhead" in note for note in report["notes"])

@@ -132,6 +132,12 @@ def test_probe_quick_measures_saves_and_is_used(capsys):
     assert spec.memory_bandwidth > 1e8  # any machine reads more than 100 MB/s
     assert spec.flops("fp32") > 1e8
     assert any("skinny" in name for name in spec.measurements)
+    # --quick: the engine's host cost per step and per float layer, measured on toy models
+    assert {"decode_step", "decode_layer", "prefill_step", "prefill_layer"} <= set(spec.host_overhead_seconds)
+    assert all(0 <= s < 1 for s in spec.host_overhead_seconds.values()) and spec.host_overhead_seconds["decode_layer"]
+    assert "host overhead decode_layer" in out
+    # this CPU runs packed int4 linears
+    assert spec.int4_kernel_seconds_per_value > 0 and spec.int4_dequant_seconds_per_value > 0
 
 
 def test_probe_of_a_missing_gpu_is_a_clear_error(capsys):

@@ -126,6 +126,7 @@ def test_unknown_model_type_and_bad_values_are_clear_errors(capsys, tmp_path):
         (["--hardware", "h100-sxm", "--kv", "fp6"], "fp6"),
         (["--hardware", "h100-sxm", "--link", "carrier-pigeon"], "carrier-pigeon"),
         (["--hardware", "h100-sxm", "--batch", "0"], "--batch"),
+        (["--hardware", "h100-sxm", "--dtype", "bfloat16"], "--measure"),  # sets the engine's dtype
     ],
 )
 def test_plans_that_cannot_be_made_say_why(capsys, config_file, argv, message):

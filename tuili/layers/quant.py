@@ -58,7 +58,7 @@ INT8_OP_MAX_ROWS = 16
 INT4_OP_MAX_ROWS = 24
 Q8_0_OP_MAX_ROWS = 12
 TILE_VALUES = 1 << 19  # weights dequantized at a time: 1 MiB in bf16, resident in L2
-_INT4_TILE_ROWS = 64  # rows per tile of the packed int4 layout
+INT4_TILE_ROWS = 64  # rows per tile of the packed int4 layout
 
 
 # -- what the stored numbers mean ------------------------------------------------------------
@@ -449,7 +449,7 @@ class Int4Linear(QuantizedLinear):
         """The stored weight unpacked (padding rows included)."""
         tiles, k, _ = self.packed.shape
         codes = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=1)  # [tile, half, K, 32]
-        q = codes.permute(0, 1, 3, 2).reshape(tiles * _INT4_TILE_ROWS, k)
+        q = codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
         scale, zero = self.scale_zero.transpose(0, 1).unbind(-1)
         return Int4Weight(q, scale, zero, self.group_size)
 
@@ -458,7 +458,7 @@ class Int4Linear(QuantizedLinear):
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:
         tiles, k, _ = self.packed.shape
-        packed = self.packed.view(tiles * _INT4_TILE_ROWS, k // 2)  # the op's [N, K/2] view
+        packed = self.packed.view(tiles * INT4_TILE_ROWS, k // 2)  # the op's [N, K/2] view
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._repeat(x), packed, self.group_size, self.scale_zero)
         return y[:, : self.out_features]
 
@@ -470,11 +470,11 @@ class Int4Linear(QuantizedLinear):
         x = self._repeat(x)
         tiles, k, _ = self.packed.shape
         groups = k // self.group_size
-        out = x.new_empty(x.shape[0], tiles * _INT4_TILE_ROWS)
-        step = _tile_rows(k, _INT4_TILE_ROWS) // _INT4_TILE_ROWS  # packed tiles per matmul
+        out = x.new_empty(x.shape[0], tiles * INT4_TILE_ROWS)
+        step = _tile_rows(k, INT4_TILE_ROWS) // INT4_TILE_ROWS  # packed tiles per matmul
         for first in range(0, tiles, step):
             packed = self.packed[first : first + step].transpose(0, 1)  # [K, tiles, 32]
-            cols = slice(first * _INT4_TILE_ROWS, (first + packed.shape[1]) * _INT4_TILE_ROWS)
+            cols = slice(first * INT4_TILE_ROWS, (first + packed.shape[1]) * INT4_TILE_ROWS)
             # W^T for these columns, [K, tiles, half, 32] viewed as [groups, group, columns].
             # Integer work before the cast: int8 ops run ~10x faster than bf16 ones here.
             codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).view(torch.int8).sub_(8)
@@ -491,13 +491,13 @@ class Int4Linear(QuantizedLinear):
         """The tiled kernel with tuili's C dequantizer (tuili/kernels) writing each tile's W^T
         into one reused buffer: about 0.1 ns per weight against ~1 ns for the torch ops."""
         tiles, k = self.packed.shape[0], x.shape[1]
-        out = x.new_empty(x.shape[0], tiles * _INT4_TILE_ROWS)
-        step = _tile_rows(k, _INT4_TILE_ROWS) // _INT4_TILE_ROWS
-        buffer = x.new_empty(k * min(step, tiles) * _INT4_TILE_ROWS)
+        out = x.new_empty(x.shape[0], tiles * INT4_TILE_ROWS)
+        step = _tile_rows(k, INT4_TILE_ROWS) // INT4_TILE_ROWS
+        buffer = x.new_empty(k * min(step, tiles) * INT4_TILE_ROWS)
         for first in range(0, tiles, step):
-            columns = min(step, tiles - first) * _INT4_TILE_ROWS
+            columns = min(step, tiles - first) * INT4_TILE_ROWS
             w_t = dequantize(self.packed, self.scale_zero, first, buffer[: k * columns].view(k, columns))
-            torch.matmul(x, w_t, out=out[:, first * _INT4_TILE_ROWS : first * _INT4_TILE_ROWS + columns])
+            torch.matmul(x, w_t, out=out[:, first * INT4_TILE_ROWS : first * INT4_TILE_ROWS + columns])
         return out[:, : self.out_features]
 
 
@@ -540,11 +540,11 @@ class Int8GroupLinear(Int4Linear):
         k = self.in_features
         tiles = self.packed.shape[0]
         groups = k // self.group_size
-        out = x.new_empty(x.shape[0], tiles * _INT4_TILE_ROWS)
-        step = _tile_rows(k, _INT4_TILE_ROWS) // _INT4_TILE_ROWS
+        out = x.new_empty(x.shape[0], tiles * INT4_TILE_ROWS)
+        step = _tile_rows(k, INT4_TILE_ROWS) // INT4_TILE_ROWS
         for first in range(0, tiles, step):
             packed = self.packed[first : first + step].transpose(0, 1)  # [2K, tiles, 32]
-            cols = slice(first * _INT4_TILE_ROWS, (first + packed.shape[1]) * _INT4_TILE_ROWS)
+            cols = slice(first * INT4_TILE_ROWS, (first + packed.shape[1]) * INT4_TILE_ROWS)
             high, low = packed[:k], packed[k:]
             u = torch.stack([((high & 0x0F) << 4) | (low & 0x0F), (high & 0xF0) | (low >> 4)], dim=2)
             q = (u ^ 0x80).view(torch.int8)  # u - 128
@@ -568,10 +568,10 @@ def make_linear(
 def _int4_operands(weight: Int4Weight, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Int4Linear's buffers: codes packed [N / 64, K, 32] and scale_zero [K / group, N, 2],
     rows padded to a multiple of 64 with zero weights (code 0, scale 0, zero 0)."""
-    padding = (0, 0, 0, -weight.q.shape[0] % _INT4_TILE_ROWS)
+    padding = (0, 0, 0, -weight.q.shape[0] % INT4_TILE_ROWS)
     q, scale, zero = (F.pad(t, padding) for t in (weight.q, weight.scale, weight.zero))
     n, k = q.shape
-    tiles = q.to(torch.uint8).view(n // _INT4_TILE_ROWS, 2, _INT4_TILE_ROWS // 2, k)
+    tiles = q.to(torch.uint8).view(n // INT4_TILE_ROWS, 2, INT4_TILE_ROWS // 2, k)
     packed = (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).contiguous()
     scale_zero = torch.stack([scale.to(compute_dtype), zero.to(compute_dtype)], dim=-1)
     return packed, scale_zero.transpose(0, 1).contiguous()

@@ -44,6 +44,9 @@ def register(subparsers) -> None:
     plan.add_argument("--json", action="store_true", help="one flat JSON object in SI units")
     plan.add_argument("--measure", action="store_true",
                       help="also run the engine here for this shape and compare (a small model on a CPU)")
+    plan.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                      help="the engine's working dtype for --measure (default auto: float32 on a CPU, where "
+                      "GGUF Q4_0/Q4_1/Q8_0 linears stay packed; float32 dequantizes them)")
     plan.add_argument("--list-hardware", action="store_true", help="list hardware presets and links with sources")
     plan.set_defaults(func=run_plan)
 
@@ -101,12 +104,16 @@ def run_plan(args: argparse.Namespace) -> int:
             reserve_fraction=DEFAULT_RESERVE_FRACTION if args.reserve is None else args.reserve,
             mfu=args.mfu, mbu=args.mbu,
         )
+        if args.dtype != "auto" and not args.measure:
+            raise TuiliError(
+                f"--dtype {args.dtype} sets the engine's dtype for --measure: add --measure, or drop it"
+            )
         if args.measure:
             from tuili.perf.measure import format_measurement, measure
 
             if args.config:
                 raise TuiliError("--measure runs the model, so it needs --model (a checkpoint), not --config")
-            report = measure(source, cost, spec, inputs, device)
+            report = measure(source, cost, spec, inputs, device, args.dtype)
             print(json.dumps(report.as_dict(), indent=2) if args.json else format_measurement(report))
             return 0
         plan = make_plan(cost, spec, inputs)
@@ -136,6 +143,8 @@ def run_probe(args: argparse.Namespace) -> int:
         for m in results:
             if m.unit == "B/s":
                 value = f"{m.value / 1e9:10.2f} GB/s   "
+            elif m.unit == "s" and m.value < 1e-6:
+                value = f"{m.value * 1e9:10.2f} ns     "
             elif m.unit == "s":
                 value = f"{m.value * 1e6:10.1f} µs     "
             else:
@@ -187,10 +196,15 @@ def format_plan(p: dict) -> str:
         ("capacity", f"{p['gpus']} device(s), TP {tp}: {p['max_concurrent_requests']} concurrent requests of "
                      f"{p['context_tokens']} tokens ({p['reserve_fraction']:.0%} = {_gib(p['reserve_bytes_per_device'])} "
                      f"per device reserved for activations and runtime)"),
-        ("prefill", f"{p['prompt_tokens']} tokens: {_si(p['prefill_flops'], 'FLOP')} -> TTFT {_seconds(p['ttft_seconds'])}"),
+        ("prefill", f"{p['prompt_tokens']} tokens: {_si(p['prefill_flops'], 'FLOP')} -> TTFT {_seconds(p['ttft_seconds'])}"
+                    + _split(p["prefill_roofline_seconds"], p["prefill_dequant_seconds"],
+                             p["prefill_overhead_seconds"])),
         ("decode", f"batch {p['batch']} at {p['context_tokens']} tokens: {_si(p['decode_step_bytes'], 'B')}"
-                   f"{' per device' if tp > 1 else ''} per step -> {_seconds(p['decode_step_seconds'])}/step, "
-                   f"{p['decode_tokens_per_second']:.1f} tokens/s"),
+                   f"{' per device' if tp > 1 else ''} per step -> {_seconds(p['decode_step_seconds'])}/step"
+                   + _split(p["decode_step_roofline_seconds"], p["decode_step_dequant_seconds"],
+                            p["decode_step_overhead_seconds"])
+                   + f", {p['decode_tokens_per_second']:.1f} tokens/s"),
+        ("overhead", _overhead_line(p)),
         ("compute-bound", "never (KV reads grow as fast as compute)" if p["compute_bound_batch"] is None
                           else f"from batch {p['compute_bound_batch']:.1f}"),
         ("end to end", f"{p['prompt_tokens']} + {p['output_tokens']} tokens: {_seconds(p['e2e_seconds'])}"),
@@ -207,6 +221,27 @@ def format_plan(p: dict) -> str:
         lines.append(("note", "the hardware figures are a quick estimate: run `tuili probe` for measured ones"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+
+
+def _split(roofline: float, dequant: float, overhead: float) -> str:
+    if not (dequant or overhead):
+        return ""
+    return (f" (roofline {_seconds(roofline)}" + (f" + dequantization {_seconds(dequant)}" if dequant else "")
+            + f" + host overhead {_seconds(overhead)})")
+
+
+def _overhead_line(p: dict) -> str:
+    from tuili.perf.overhead import HOST_KEYS
+
+    if not any(p[f"host_overhead_seconds_{k}"] for k in HOST_KEYS):
+        return (f"none counted: {p['hardware']} has no measured host overhead (a datasheet preset or a probe "
+                f"from before it was measured), so times are the roofline floor, which an eager engine does "
+                f"not reach; `tuili probe` on the machine measures it")
+    measured = ", ".join(f"{k} {_seconds(p[f'host_overhead_seconds_{k}'])}" for k in HOST_KEYS
+                         if p[f"host_overhead_seconds_{k}"])
+    return (f"{_seconds(p['decode_step_overhead_seconds'])} per decode step, "
+            f"{_seconds(p['prefill_overhead_seconds'])} in the prefill, {_seconds(p['e2e_overhead_seconds'])} "
+            f"end to end (per step and per layer, measured: {measured})")
 
 
 def _format_presets(presets: dict, links: dict) -> str:

@@ -107,15 +107,6 @@ class ModelCost:
             return w.numel * self.shape.moe.top_k / w.experts
         return w.numel
 
-    def matmuls_per_decode_step(self) -> int:
-        """Weight matrices one decode step multiplies (each a kernel launch): every projection,
-        the lm_head, and per MoE layer the top-k experts' two matrices and the router."""
-        total = 1  # the lm_head (the embedding matrix when tied)
-        for w in self.weights:
-            if w.op == "matmul" and w.kind != "lm_head":
-                total += w.count * self.shape.moe.top_k // w.experts if w.experts else w.count
-        return total
-
     # ---- FLOPs ------------------------------------------------------------------------------
 
     def prefill_flops(self, start: int, length: int, *, logits: bool = True) -> int:

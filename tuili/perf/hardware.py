@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tuili.errors import TuiliError
+from tuili.perf.overhead import HOST_KEYS
 
 GiB = 2**30
 T = 1e12
@@ -48,6 +49,14 @@ class HardwareSpec:
     ``origin`` is "preset" (a datasheet), "file" (a user's spec), "probe" (measured on this
     machine by `tuili probe`) or "estimate" (a quick built-in guess, made when nothing better is
     known; every report that uses one says so).
+
+    ``host_overhead_seconds``: the fixed host cost of tuili's engine per step and per decoder
+    layer (tuili/perf/overhead.py HOST_KEYS), as `tuili probe` measured it here. Presets have
+    none: a datasheet states no such figure, so their step times are the roofline floor, which an
+    engine replaying CUDA graphs approaches and an eager one does not.
+    ``int4_kernel_seconds_per_value`` and ``int4_dequant_seconds_per_value``: the time tuili's
+    packed int4 linears (a CPU's) take per weight value in their weight-only kernel (per row) and
+    to dequantize it for a many-row matmul; 0 where not measured.
     """
 
     name: str
@@ -58,6 +67,9 @@ class HardwareSpec:
     source: str = ""
     origin: str = "preset"
     measurements: dict[str, float] = field(default_factory=dict)
+    host_overhead_seconds: dict[str, float] = field(default_factory=dict)
+    int4_kernel_seconds_per_value: float = 0.0
+    int4_dequant_seconds_per_value: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -70,6 +82,23 @@ class HardwareSpec:
             _positive(f"peak_flops[{dtype!r}] of {self.name!r}", value)
         _positive(f"memory_bandwidth of {self.name!r}", self.memory_bandwidth)
         _positive(f"memory_bytes of {self.name!r}", self.memory_bytes)
+        for key, seconds in self.host_overhead_seconds.items():
+            if key not in HOST_KEYS:
+                raise TuiliError(
+                    f"hardware {self.name!r} lists host_overhead_seconds for {key!r}: expected keys among "
+                    f"{', '.join(HOST_KEYS)}"
+                )
+            if not 0 <= seconds < 1:
+                raise TuiliError(
+                    f"host_overhead_seconds[{key!r}] of {self.name!r}={seconds!r} is invalid: expected "
+                    f"seconds, >= 0 and well under 1"
+                )
+        for name in ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value"):
+            if not 0 <= getattr(self, name) < 1e-3:
+                raise TuiliError(
+                    f"{name} of {self.name!r}={getattr(self, name)!r} is invalid: expected seconds per weight "
+                    f"value, >= 0 and well under a millisecond"
+                )
         if self.interconnect is not None and self.interconnect not in LINKS:
             raise TuiliError(
                 f"hardware {self.name!r} names interconnect {self.interconnect!r}: expected one of {', '.join(LINKS)}"
@@ -123,7 +152,22 @@ class HardwareSpec:
             source=str(data.get("source", where)),
             origin=str(data.get("origin", "file")),
             measurements={str(k): float(v) for k, v in (data.get("measurements") or {}).items()},
+            # absent from specs saved before overheads were measured: those predict the roofline
+            host_overhead_seconds={
+                str(k): _number(f"{where} host_overhead_seconds[{k!r}]", v)
+                for k, v in _mapping(where, "host_overhead_seconds", data.get("host_overhead_seconds")).items()
+            },
+            **{name: _number(f"{where} {name}", data.get(name, 0.0))
+               for name in ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value")},
         )
+
+
+def _mapping(where: str, name: str, value: object) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TuiliError(f"{where}: {name} must map names to seconds, got {value!r}")
+    return value
 
 
 def _number(where: str, value: object) -> float:

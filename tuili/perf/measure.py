@@ -7,8 +7,10 @@ Two runs, both with random prompt tokens (so the prefix cache never hits):
   2. ``batch`` requests together, ``prompt`` + ``output`` tokens each: every step is timed and
      fed to a UtilizationMeter; each pure decode step is set against the roofline's prediction for
      the same context lengths, and the decode MBU against the predicted one.
-The plan is made for what the engine really holds: its working dtype for weights and KV (it
-dequantizes GGUF files when loading), whatever --weights says.
+The plan is made for what the engine really holds, whatever --weights says: the bytes of its
+weight tensors by kind (float, or quantized codes and scales), its KV cache in its working dtype,
+and the compute dtype of its matmuls. Each time is predicted with the host overhead
+(tuili/perf/overhead.py) and, beside it, from the roofline alone.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from tuili.errors import TuiliError
 from tuili.perf.checkpoint import ModelSource
-from tuili.perf.cost import ModelCost
-from tuili.perf.formats import canonical_dtype, weight_format
+from tuili.perf.cost import CheckpointBytes, ModelCost
+from tuili.perf.formats import canonical_dtype
 from tuili.perf.hardware import HardwareSpec
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline
-from tuili.perf.probe import fit_gemv
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,10 @@ class MeasureReport:
         return out
 
 
-def measure(source: ModelSource, cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs, device: str) -> MeasureReport:
+def measure(
+    source: ModelSource, cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs, device: str,
+    dtype: str = "auto",
+) -> MeasureReport:
     from tuili import LLM
     from tuili.engine.runner import kv_bytes_per_block
     from tuili.sampling import SamplingParams
@@ -69,19 +77,26 @@ def measure(source: ModelSource, cost: ModelCost, hardware: HardwareSpec, inputs
         raise TuiliError("--measure runs on one device here: drop --tp and --gpus")
     total = inputs.prompt + inputs.output
     llm = LLM(
-        model=str(source.path), device=device, max_num_batched_tokens=max(512, inputs.prompt * inputs.batch),
-        max_num_seqs=inputs.batch, max_model_len=total + 1,
+        model=str(source.path), device=device, dtype=dtype,
+        max_num_batched_tokens=max(512, inputs.prompt * inputs.batch), max_num_seqs=inputs.batch,
+        max_model_len=total + 1,
     )
     engine = llm.engine
-    dtype = canonical_dtype(str(engine.dtype))
-    inputs = replace(inputs, weights=weight_format(dtype), kv_dtype=dtype, compute_dtype=dtype)
+    working = canonical_dtype(str(engine.dtype))
+    packed = _packed_compute_dtype(engine.runner.model)
+    inputs = replace(inputs, weights=engine_storage(engine.runner.model), kv_dtype=working,
+                     compute_dtype=packed or working, packed_linears=packed is not None)
     roof = Roofline(cost, hardware, inputs)
     weight_bytes = engine.runner.weight_bytes()
+    decode_weight_bytes = engine.runner.decode_weight_bytes()
     kv_per_token = kv_bytes_per_block(engine.model_config, 1, engine.dtype)
     notes = []
-    if weight_bytes != cost.weight_bytes(inputs.weights):
-        notes.append(f"the engine holds {weight_bytes} bytes of weights, the cost model expected "
-                     f"{cost.weight_bytes(inputs.weights)}")
+    if packed:
+        notes.append(f"the engine holds its linears quantized ({engine.weights_quantized}) and multiplies them in "
+                     f"{packed}: the compute peak is {packed}'s")
+    if decode_weight_bytes != cost.decode_weight_bytes(inputs.weights):
+        notes.append(f"a decode step of the engine reads {decode_weight_bytes} bytes of weights, the cost model "
+                     f"counts {cost.decode_weight_bytes(inputs.weights)}")
     if hardware.estimated:
         notes.append("the hardware figures are a quick estimate: run `tuili probe` first for measured ones")
 
@@ -111,7 +126,8 @@ def measure(source: ModelSource, cost: ModelCost, hardware: HardwareSpec, inputs
         return first_token or 0.0
 
     def new_meter() -> UtilizationMeter:
-        return UtilizationMeter(cost, hardware, weight_bytes, kv_per_token, compute_dtype=dtype)
+        return UtilizationMeter(cost, hardware, weight_bytes, kv_per_token, compute_dtype=inputs.compute_dtype,
+                                decode_weight_bytes=decode_weight_bytes)
 
     run(1, 2, new_meter(), [])  # warm-up: first calls allocate and pick kernels
     prefill_meter = new_meter()
@@ -124,35 +140,85 @@ def measure(source: ModelSource, cost: ModelCost, hardware: HardwareSpec, inputs
     predicted_steps = [roof.decode(contexts) for contexts, _ in decode_log]
     measured_step = sum(s for _, s in decode_log) / len(decode_log)
     predicted_step = sum(p.seconds for p in predicted_steps) / len(predicted_steps)
+    roofline_step = sum(p.roofline for p in predicted_steps) / len(predicted_steps)
     step_bytes = sum(p.bytes for p in predicted_steps)
     bandwidth = hardware.memory_bandwidth
     predicted_mbu = step_bytes / sum(p.seconds for p in predicted_steps) / bandwidth
     measured_mbu = step_bytes / sum(s for _, s in decode_log) / bandwidth
     prefill = roof.prefill(0, inputs.prompt)
-    gemv = fit_gemv(hardware.measurements, dtype)
-    if gemv is not None:
-        # The probe timed one-row matmuls at two sizes: each costs a fixed overhead (dispatch,
-        # thread wake-up, kernel launch) plus its bytes at a streaming rate. A decode step is then
-        # one such matmul per weight matrix, and its bytes at that rate.
-        overhead, rate = gemv
-        kernels = cost.matmuls_per_decode_step()
-        predicted_at_gemv = sum(overhead * kernels + p.bytes / rate for p in predicted_steps) / len(predicted_steps)
     comparisons = [
         Comparison("TTFT", "s", prefill.seconds, ttft),
-        Comparison("prefill MFU", "fraction", prefill.flops / prefill.seconds / hardware.flops(dtype),
+        Comparison("TTFT, roofline alone", "s", prefill.roofline, ttft),
+        Comparison("prefill MFU", "fraction",
+                   prefill.flops / prefill.seconds / hardware.flops(inputs.compute_dtype),
                    prefill_meter.prefill_mfu or 0.0),
         Comparison("decode step", "s", predicted_step, measured_step),
+        Comparison("decode step, roofline alone", "s", roofline_step, measured_step),
         Comparison("decode MBU", "fraction", predicted_mbu, measured_mbu),
     ]
-    if gemv is not None:
-        comparisons.insert(3, Comparison("decode step, probe's matmul overhead", "s", predicted_at_gemv, measured_step))
-        notes.append(f"probe's one-row matmuls: {overhead * 1e6:.0f} µs each + bytes at {rate / 1e9:.1f} GB/s; "
-                     f"{kernels} matmuls per decode step")
+    if hardware.host_overhead_seconds:
+        notes.append(f"host overhead {predicted_steps[0].overhead * 1e3:.2f} ms per decode step, "
+                     f"{prefill.overhead * 1e3:.2f} ms in the prefill ({cost.shape.num_layers} layers; "
+                     + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in hardware.host_overhead_seconds.items()) + ")")
+    else:
+        notes.append(f"{hardware.name} has no measured host overheads: the predictions are the roofline alone; "
+                     f"run `tuili probe` to measure them")
+    if inputs.packed_linears:
+        notes.append(f"packed int4 linears: their kernel at {hardware.int4_kernel_seconds_per_value * 1e9:.2f} ns "
+                     f"per weight value and row; the prefill dequantizes them, {prefill.dequant * 1e3:.2f} ms at "
+                     f"{hardware.int4_dequant_seconds_per_value * 1e9:.2f} ns per value")
     return MeasureReport(
-        model=str(source.path), device=str(engine.device), dtype=dtype, hardware=hardware.name,
+        model=str(source.path), device=str(engine.device), dtype=working, hardware=hardware.name,
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
         comparisons=comparisons, decode_steps=len(decode_log), notes=notes,
     )
+
+
+def engine_storage(model: torch.nn.Module) -> CheckpointBytes:
+    """The bytes the engine's model holds per kind of weight (tuili/perf/shapes.py KINDS): its
+    parameters and its quantized linears' codes and scales, each storage once (a tied embedding
+    is one tensor)."""
+    from tuili.layers.quant import QuantizedLinear
+
+    tensors = list(model.named_parameters())
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            tensors += [(f"{name}.{b}", t) for b, t in module.named_buffers()]
+    seen: set[int] = set()
+    by_kind: dict[str, int] = {}
+    for name, tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        kind = _kind(name)
+        by_kind[kind] = by_kind.get(kind, 0) + storage.nbytes()
+    return CheckpointBytes(by_kind, "the engine's weight tensors")
+
+
+def _kind(name: str) -> str:
+    module = name.rsplit(".", 1)[0]
+    if "embed_tokens" in name:
+        return "embedding"
+    if "lm_head" in name:
+        return "lm_head"
+    if module.endswith("norm"):
+        return "norm"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    raise TuiliError(f"the engine holds a weight {name!r} the cost model has no kind for")
+
+
+def _packed_compute_dtype(model: torch.nn.Module) -> str | None:
+    """The dtype the engine's quantized linears compute in, or None if it holds float linears."""
+    from tuili.layers.quant import QuantizedLinear
+
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            return canonical_dtype(str(module.compute_dtype))
+    return None
 
 
 def format_measurement(r: MeasureReport) -> str:

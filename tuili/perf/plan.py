@@ -1,20 +1,26 @@
 """Capacity and latency planning: the cost model against a hardware spec, for one serving shape.
 
-Every time here is a roofline floor divided by an assumed efficiency (``mfu``/``mbu``, 1.0 by
-default: the physical limit). A step's time is the larger of its compute time (FLOPs / peak) and
-its memory time (bytes / bandwidth), plus its tensor-parallel communication, which is assumed not
-to overlap with either. docs/ruler.md states each formula and the reserve assumed.
+A step's time is the larger of its compute time (FLOPs / peak) and its memory time (bytes /
+bandwidth), each a roofline floor divided by an assumed efficiency (``mfu``/``mbu``, 1.0 by default:
+the physical limit), plus the engine's fixed host cost for the step (the hardware spec's measured
+seconds per step and per decoder layer, times the config's layers, tuili/perf/overhead.py; 0 for
+datasheet presets), plus its tensor-parallel communication; these are assumed not to
+overlap. Packed int4 linears (plan --measure of an engine that holds them) run kernels of their
+own: their time is a roofline of its own with their measured unpacking rate as a third ceiling,
+and a many-row step first dequantizes them. docs/ruler.md states each formula and the reserve
+assumed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tuili.errors import TuiliError
 from tuili.perf.cost import CheckpointBytes, ModelCost, WeightStorage
 from tuili.perf.formats import WeightFormat, dtype_bytes
 from tuili.perf.hardware import HardwareSpec, LinkSpec, link
+from tuili.perf.overhead import HOST_KEYS, PackedWork, Step, host_seconds, packed_work
 
 # Share of each device's memory kept back for activations, the CUDA context, allocator slack and
 # other runtime state: vLLM's default gpu_memory_utilization=0.9 leaves 10%, and seed 004 advises
@@ -38,6 +44,7 @@ class PlanInputs:
     mfu: float = 1.0  # achievable share of peak FLOP/s assumed for compute time
     mbu: float = 1.0  # achievable share of memory bandwidth assumed for memory time
     compute_dtype: str | None = None  # None: the weight format's (fp8 -> W8A8 fp8)
+    packed_linears: bool = False  # the layers' linears are tuili's packed int4 modules (--measure)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "tp", "context", "prompt", "output", "batch"):
@@ -84,12 +91,16 @@ def allreduce_seconds(message_bytes: float, devices: int, over: LinkSpec) -> flo
 class StepCost:
     flops: float  # all devices together
     bytes: float  # per device
-    seconds: float
+    seconds: float  # roofline + dequantization + overhead + communication
+    roofline: float = 0.0  # max(compute time, memory time); packed linears' own added
+    overhead: float = 0.0  # the engine's fixed host cost for the step
+    dequant: float = 0.0  # packed weights converted into tiles for a many-row matmul
 
 
 class Roofline:
     """Step times of one model on one hardware spec and parallel layout: each step takes the
-    larger of its compute time and its memory time, plus its tensor-parallel communication."""
+    larger of its compute time and its memory time, plus the dequantization of packed weights it
+    needs, plus the engine's fixed host cost, plus its tensor-parallel communication."""
 
     def __init__(self, cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> None:
         self.cost, self.hardware, self.inputs = cost, hardware, inputs
@@ -108,14 +119,51 @@ class Roofline:
         self.hidden_bytes = cost.shape.hidden_size * dtype_bytes(ACTIVATION_DTYPE)
         # an all-reduce after attention and after the MLP of every layer, and one for the embedding
         self.allreduces = 2 * cost.shape.num_layers + 1
+        self._packed: dict[Step, PackedWork | None] = {}
+        if inputs.packed_linears:
+            by_kind = cost.weight_bytes_by_kind(inputs.weights)
+            self.packed_bytes = (by_kind["attention"] + by_kind["mlp"]) / tp
+
+    def overhead(self, step: Step) -> float:
+        """The engine's fixed host cost for ``step`` on this hardware (every device of a
+        tensor-parallel group runs the whole step's ops for its shard)."""
+        step = replace(step, packed=self.inputs.packed_linears)
+        return host_seconds(self.cost.shape, step, self.hardware.host_overhead_seconds)
+
+    def _packed_work(self, step: Step) -> PackedWork | None:
+        step = replace(step, packed=self.inputs.packed_linears)
+        if step not in self._packed:  # a plan asks for a few step shapes, many times
+            self._packed[step] = packed_work(self.cost.shape, step)
+        return self._packed[step]
+
+    def _roofline(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.tp / self.peak, nbytes / self.bandwidth)
+
+    def _step(self, flops: float, nbytes: float, step: Step, comm: float) -> StepCost:
+        overhead = self.overhead(step)
+        packed = self._packed_work(step)
+        if packed is None:
+            return StepCost(flops, nbytes, self._roofline(flops, nbytes) + overhead + comm,
+                            self._roofline(flops, nbytes), overhead)
+        # The packed linears run in kernels of their own, after one another and the rest: the
+        # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
+        hw = self.hardware
+        packed_flops = 2 * step.tokens * packed.values
+        roofline = self._roofline(flops - packed_flops, nbytes - self.packed_bytes) + max(
+            self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * hw.int4_kernel_seconds_per_value
+        )
+        dequant = packed.dequantized * hw.int4_dequant_seconds_per_value
+        return StepCost(flops, nbytes, roofline + dequant + overhead + comm, roofline, overhead, dequant)
 
     def prefill(self, start: int, length: int) -> StepCost:
-        """One request's prefill chunk alone (its KV written once, the weights read once)."""
+        """One request's prefill chunk alone (its KV written once, the weights read once). Its ops
+        are counted as a chunk from position 0's: a later chunk attends through the cache, which
+        differs by a few views per layer."""
         cost, tp = self.cost, self.tp
         flops = cost.prefill_flops(start, length)
         nbytes = cost.decode_weight_bytes(self.inputs.weights, length, tp) + self.kv_token_device * length
         comm = self.allreduces * allreduce_seconds(length * self.hidden_bytes, tp, self.link) if tp > 1 else 0.0
-        return StepCost(flops, nbytes, max(flops / tp / self.peak, nbytes / self.bandwidth) + comm)
+        return self._step(flops, nbytes, Step(prefill=True, tokens=length), comm)
 
     def sequence_bytes(self, context: int) -> float:
         """Per device, one decoding sequence's KV reads plus its state read and written back."""
@@ -128,13 +176,13 @@ class Roofline:
         nbytes = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp) + sum(
             self.sequence_bytes(c) for c in context_lens
         )
-        return StepCost(flops, nbytes, max(flops / self.tp / self.peak, nbytes / self.bandwidth) + self.comm(batch))
+        return self._step(flops, nbytes, Step(prefill=False, tokens=batch), self.comm(batch))
 
     def decode_uniform(self, context: int, batch: int) -> StepCost:
         """decode([context] * batch), in constant time."""
         flops = batch * self.cost.flops_per_token(context)
         nbytes = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp) + batch * self.sequence_bytes(context)
-        return StepCost(flops, nbytes, max(flops / self.tp / self.peak, nbytes / self.bandwidth) + self.comm(batch))
+        return self._step(flops, nbytes, Step(prefill=False, tokens=batch), self.comm(batch))
 
     def comm(self, batch: int) -> float:
         """Seconds of tensor-parallel communication in one decode step."""
@@ -229,13 +277,21 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         "batch": batch,
         "prefill_flops": prefill.flops,
         "prefill_seconds": prefill.seconds,
+        "prefill_roofline_seconds": prefill.roofline,
+        "prefill_overhead_seconds": prefill.overhead,
+        "prefill_dequant_seconds": prefill.dequant,
         "decode_step_flops": step.flops,
         "decode_step_bytes": step.bytes,
         "decode_step_seconds": step.seconds,
+        "decode_step_roofline_seconds": step.roofline,
+        "decode_step_overhead_seconds": step.overhead,
+        "decode_step_dequant_seconds": step.dequant,
+        **{f"host_overhead_seconds_{key}": hardware.host_overhead_seconds.get(key, 0.0) for key in HOST_KEYS},
         "compute_bound_batch": crossover,
         "decode_tokens_per_second": batch / step.seconds,
         "ttft_seconds": prefill.seconds,
         "e2e_seconds": e2e,
+        "e2e_overhead_seconds": prefill.overhead + (inputs.output - 1) * step.overhead,
         "link": over.name if over else None,
         "allreduce_bytes_per_step": roof.comm_bytes(batch),
         "allreduce_seconds_per_step": roof.comm(batch),

@@ -1,5 +1,7 @@
 """Measure this machine: memory bandwidth (read and copy) and matmul throughput per dtype, at large
-shapes (what prefill runs) and at skinny decode-like shapes (a few rows times a weight matrix).
+shapes (what prefill runs) and at skinny decode-like shapes (a few rows times a weight matrix);
+tuili's engine's fixed host cost per step and per decoder layer, and on a CPU its packed int4
+linears' time per weight value (tuili/perf/overhead.py).
 
 The spec a probe returns takes the best large-matmul rate per dtype as that dtype's peak and the
 read bandwidth as the memory bandwidth: what this machine demonstrably reaches, through the same
@@ -9,11 +11,13 @@ this machine can do", which is the only meaningful ceiling for a CPU (no datashe
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,6 +72,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         if m.name.startswith("matmul ") and " large" in m.name:
             dtype = m.name.split()[1]
             peaks[dtype] = max(peaks.get(dtype, 0.0), m.value)
+    results += _packed_int4(dev, peaks, sizes.seconds_per_item)
     read = next(m.value for m in results if m.name == "memory read")
     spec = HardwareSpec(
         name=f"{_device_name(dev)} (probed)",
@@ -76,14 +81,19 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         memory_bytes=_memory_bytes(dev),
         source=f"tuili probe{' --quick' if quick else ''} on {platform.node()}, torch {torch.__version__}",
         origin="probe",
-        measurements={m.name: m.value for m in results},
+        **_int4_fields(results),
     )
+    host = _host_overheads(dev, spec, quick)
+    results += host
+    spec = replace(spec, measurements={m.name: m.value for m in results},
+                   host_overhead_seconds={m.name.removeprefix(HOST_PREFIX): m.value for m in host})
     return spec, results
 
 
 def estimate(device: str = "cpu") -> HardwareSpec:
     """A quick built-in estimate for a machine never probed: a fraction of a second of measuring
-    (small buffers, one matmul size), marked origin="estimate" so every report can say so."""
+    (small buffers, one matmul size), marked origin="estimate" so every report can say so. It
+    measures no host overhead (that runs the engine: `tuili probe` does)."""
     dev = resolve_device(device)
     if dev.type == "cpu":
         sizes = _Sizes(32 << 20, 384, 1024, (1,), (), 0.02)
@@ -208,6 +218,145 @@ def fit_gemv(measurements: dict[str, float], dtype: str) -> tuple[float, float] 
     bandwidth = (b_large - b_small) / (t_large - t_small)
     overhead = max(0.0, t_small - b_small / bandwidth)
     return overhead, bandwidth
+
+
+INT4_KERNEL = "int4 kernel seconds per value"
+INT4_DEQUANT = "int4 dequantization seconds per value"
+
+
+def _packed_int4(dev: torch.device, peaks: dict[str, float], budget: float) -> list[Measurement]:
+    """Where tuili packs int4 linears (a CPU): the time per weight value of their weight-only
+    kernel at one row, and of dequantizing a weight when a matmul has more rows than that kernel
+    takes. Timed through the engine's module (tuili/layers/quant.py) on a 4096 x 1024 weight; the
+    many-row product's time at the measured bf16 peak is taken off the latter (a few percent)."""
+    if dev.type != "cpu" or "bf16" not in peaks:
+        return []
+    from tuili.layers.quant import make_linear, quantize_int4
+    from tuili.perf.overhead import PACKED_OP_MAX_ROWS
+
+    k, n = 1024, 4096
+    module = make_linear(quantize_int4(torch.randn(n, k), 32, torch.bfloat16), None, torch.bfloat16)
+    out = []
+    for name, rows in ((INT4_KERNEL, 1), (INT4_DEQUANT, PACKED_OP_MAX_ROWS + 1)):
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        seconds = _time(lambda x=x: module(x), dev, budget)
+        product = 0.0 if rows == 1 else 2 * rows * k * n / peaks["bf16"]
+        out.append(Measurement(name, max(0.0, seconds - product) / (k * n), "s", seconds))
+    return out
+
+
+def _int4_fields(results: list[Measurement]) -> dict[str, float]:
+    values = {m.name: m.value for m in results}
+    return {"int4_kernel_seconds_per_value": values.get(INT4_KERNEL, 0.0),
+            "int4_dequant_seconds_per_value": values.get(INT4_DEQUANT, 0.0)}
+
+
+HOST_PREFIX = "host overhead "
+# (HOST_KEYS prefix, toy family, quantization): float Llama layers, packed int4 ones, Qwen3's
+_HOST_VARIANTS = (("", "llama", None), ("packed_", "llama", "int4"), ("qk_norm", "qwen3", None))
+_TOY_LAYERS = (1, 4)
+_TOY_PROMPT = 64  # tokens: a fresh prompt chunk past the packed kernel's rows, as real prompts are
+
+
+def _host_overheads(dev: torch.device, spec: HardwareSpec, quick: bool) -> list[Measurement]:
+    """The engine's fixed host cost per step and per decoder layer (tuili/perf/overhead.py).
+
+    tuili's own engine runs toy models of 1 and 4 layers, 64 wide with a 256-token vocabulary,
+    where the work is nil and a step's time is its fixed cost: Python, module calls, torch's
+    dispatcher, kernel launches, scheduling, input tensors, sampling. Per model, the best decode
+    step of a few requests and the best prefill of a 64-token prompt; the slope over layers is a
+    layer's cost, the intercept the step's. Variants: float Llama layers, packed int4 ones (where
+    the engine packs: a CPU) and Qwen3's q/k norms (its layer's extra over Llama's). --quick: the
+    float Llama layers only. The toy engines meter against ``spec``, just measured.
+    """
+    variants = _HOST_VARIANTS[:1] if quick else _HOST_VARIANTS
+    if dev.type != "cpu":
+        variants = tuple(v for v in variants if v[2] is None)
+    lo, hi = _TOY_LAYERS
+    fits: dict[tuple[str, str], tuple[float, float]] = {}  # (variant, step kind) -> (step, layer)
+    with tempfile.TemporaryDirectory(prefix="tuili-probe-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec.to_dict()))
+        for prefix, family, quantization in variants:
+            seconds = {
+                layers: _toy_step_seconds(_toy_checkpoint(Path(tmp) / f"{prefix}{family}-{layers}", family, layers),
+                                          dev, quantization, spec_file, 3 if quick else 6)
+                for layers in _TOY_LAYERS
+            }
+            for i, kind in enumerate(("decode", "prefill")):
+                layer = max(0.0, (seconds[hi][i] - seconds[lo][i]) / (hi - lo))
+                fits[prefix, kind] = max(0.0, seconds[lo][i] - lo * layer), layer
+    host = {}
+    for kind in ("decode", "prefill"):
+        host[f"{kind}_step"], host[f"{kind}_layer"] = fits["", kind]
+    for kind in ("decode", "prefill"):
+        if ("packed_", kind) in fits:
+            host[f"packed_{kind}_layer"] = fits["packed_", kind][1]
+    if ("qk_norm", "decode") in fits:  # the Qwen3 layer's extra over the Llama layer, at decode
+        host["qk_norm_layer"] = max(0.0, fits["qk_norm", "decode"][1] - host["decode_layer"])
+    return [Measurement(f"{HOST_PREFIX}{key}", value, "s", value) for key, value in host.items()]
+
+
+def _toy_step_seconds(
+    path: Path, dev: torch.device, quantization: str | None, spec_file: Path, requests: int,
+) -> tuple[float, float]:
+    """(best decode step, best prefill step) of tuili's engine on the toy checkpoint at ``path``."""
+    from tuili import LLM
+    from tuili.sampling import SamplingParams
+
+    engine = LLM(model=str(path), device=str(dev), max_model_len=2 * _TOY_PROMPT, max_num_seqs=1,
+                 kv_cache_memory=16 << 20, quantization=quantization, hardware=str(spec_file)).engine
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
+    decode, prefill = float("inf"), float("inf")
+    for request in range(requests + 1):  # the first warms up (allocations, kernel choice)
+        engine.add_request({"prompt_token_ids": [1 + (request + i) % 250 for i in range(_TOY_PROMPT)]}, params)
+        first = True
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            if request:
+                if first:
+                    prefill = min(prefill, seconds)
+                else:
+                    decode = min(decode, seconds)
+            first = False
+    return decode, prefill
+
+
+def _toy_checkpoint(path: Path, family: str, layers: int) -> Path:
+    """A random Llama or Qwen3 checkpoint in the Hugging Face layout, 64 wide (4 heads of 16, 2 KV
+    heads), a 128-wide MLP and a 256-token vocabulary with tied embeddings."""
+    from safetensors.torch import save_file
+
+    hidden, inter, heads, kv_heads, head_dim, vocab = 64, 128, 4, 2, 16, 256
+    config = {
+        "architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen3ForCausalLM"], "model_type": family,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+        "max_position_embeddings": 4 * _TOY_PROMPT, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        layer = f"model.layers.{i}."
+        shapes |= {
+            layer + "input_layernorm.weight": (hidden,), layer + "post_attention_layernorm.weight": (hidden,),
+            layer + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            layer + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            layer + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            layer + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            layer + "mlp.gate_proj.weight": (inter, hidden), layer + "mlp.up_proj.weight": (inter, hidden),
+            layer + "mlp.down_proj.weight": (hidden, inter),
+        }
+        if family == "qwen3":
+            shapes |= {layer + "self_attn.q_norm.weight": (head_dim,), layer + "self_attn.k_norm.weight": (head_dim,)}
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=generator) * 0.05 for name, shape in shapes.items()}
+    path.mkdir(parents=True)
+    save_file(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 def _matmul_runner(dtype: str, dev: torch.device) -> Callable[[int, int, int, float], float] | None:

@@ -1,0 +1,187 @@
+"""What the planner adds to the roofline: the engine's host overhead per step and per layer, and
+packed int4 linears' unpacking and dequantization, from the spec's measured figures and the
+config's counts; and the spec fields that carry them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tuili.errors import TuiliError
+from tuili.perf.cost import ModelCost
+from tuili.perf.formats import weight_format
+from tuili.perf.hardware import HardwareSpec, current_hardware, load_spec_file, preset, save_probe
+from tuili.perf.overhead import HOST_KEYS
+from tuili.perf.plan import PlanInputs, make_plan
+
+# SmolLM2-135M's shape (its config.json): 30 Llama layers, 9 heads over 3 KV heads, tied embeddings
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True,
+}
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "tie_word_embeddings": True,
+}
+CPU = HardwareSpec(name="cpu", peak_flops={"fp32": 1e11}, memory_bandwidth=1e10, memory_bytes=2**34)
+
+
+def with_host(**seconds: float) -> HardwareSpec:
+    return HardwareSpec(**{**CPU.to_dict(), "host_overhead_seconds": seconds})
+
+
+def plan(config: dict, spec: HardwareSpec, **kw) -> dict:
+    inputs = PlanInputs(weights=weight_format("fp32"), kv_dtype="fp32", compute_dtype="fp32", prompt=256,
+                        output=32, context=288, **kw)
+    return make_plan(ModelCost.from_config(config), spec, inputs)
+
+
+@pytest.mark.parametrize(
+    "key, config, decode, prefill",
+    [
+        # SmolLM2: 30 Llama layers; Qwen3-0.6B: 28 layers with q/k norms
+        ("decode_layer", SMOLLM2, 30, 0),
+        ("prefill_layer", SMOLLM2, 0, 30),
+        ("decode_step", SMOLLM2, 1, 0),
+        ("prefill_step", SMOLLM2, 0, 1),
+        ("qk_norm_layer", SMOLLM2, 0, 0),
+        ("qk_norm_layer", QWEN3_06B, 28, 28),
+        ("decode_layer", QWEN3_06B, 28, 0),
+        ("packed_decode_layer", SMOLLM2, 0, 0),  # float linears: not theirs
+    ],
+)
+def test_a_host_figure_moves_every_time_by_its_count(key, config, decode, prefill):
+    base, delta = 2e-5, 7e-6
+    figures = dict.fromkeys(HOST_KEYS, base)
+    before = plan(config, with_host(**figures))
+    after = plan(config, with_host(**{**figures, key: base + delta}))
+    assert after["decode_step_seconds"] - before["decode_step_seconds"] == pytest.approx(decode * delta, abs=1e-12)
+    assert after["decode_step_overhead_seconds"] - before["decode_step_overhead_seconds"] == pytest.approx(
+        decode * delta, abs=1e-12)
+    assert after["ttft_seconds"] - before["ttft_seconds"] == pytest.approx(prefill * delta, abs=1e-12)
+    # the first token is the prefill's; each of the other 31 takes a decode step
+    assert after["e2e_seconds"] - before["e2e_seconds"] == pytest.approx((prefill + 31 * decode) * delta, abs=1e-11)
+    assert after["e2e_overhead_seconds"] == pytest.approx(after["prefill_overhead_seconds"]
+                                                          + 31 * after["decode_step_overhead_seconds"])
+
+
+def test_packed_layers_take_their_own_figure_else_the_float_one():
+    float_only = with_host(decode_step=1e-4, decode_layer=2e-4)
+    both = with_host(decode_step=1e-4, decode_layer=2e-4, packed_decode_layer=3e-4)
+    assert plan(SMOLLM2, float_only, packed_linears=True)["decode_step_overhead_seconds"] == pytest.approx(
+        1e-4 + 30 * 2e-4)
+    assert plan(SMOLLM2, both, packed_linears=True)["decode_step_overhead_seconds"] == pytest.approx(1e-4 + 30 * 3e-4)
+    assert plan(SMOLLM2, both)["decode_step_overhead_seconds"] == pytest.approx(1e-4 + 30 * 2e-4)
+
+
+def test_overhead_adds_to_the_roofline_and_lowers_throughput():
+    p = plan(SMOLLM2, with_host(decode_step=3e-4, decode_layer=2.5e-4, prefill_step=7e-4, prefill_layer=6e-4),
+             batch=4)
+    assert p["decode_step_overhead_seconds"] == pytest.approx(3e-4 + 30 * 2.5e-4)
+    assert p["decode_step_seconds"] == pytest.approx(p["decode_step_roofline_seconds"]
+                                                     + p["decode_step_overhead_seconds"])
+    assert p["decode_tokens_per_second"] == pytest.approx(4 / p["decode_step_seconds"])
+    assert p["ttft_seconds"] == pytest.approx(p["prefill_roofline_seconds"] + 7e-4 + 30 * 6e-4)
+
+
+# SmolLM2's layers hold 30 x 576 x (960 + 576 + 3072 + 1536) weights in their qkv, o, gate/up
+# and down linears, every dimension a multiple of the 64-row blocks
+SMOLLM2_LAYER_VALUES = 30 * 576 * (960 + 576 + 3072 + 1536)
+
+
+def packed_plan(hardware: HardwareSpec, batch: int) -> dict:
+    return plan(SMOLLM2, hardware, batch=batch, packed_linears=True)
+
+
+def test_packed_prefills_dequantize_every_layer_weight_once():
+    per_value = 2e-9
+    spec = HardwareSpec(**{**CPU.to_dict(), "int4_dequant_seconds_per_value": per_value})
+    # a 256-token prompt is past the weight-only kernel's 48 rows: it dequantizes
+    assert packed_plan(spec, 1)["prefill_dequant_seconds"] == pytest.approx(SMOLLM2_LAYER_VALUES * per_value,
+                                                                            rel=1e-12)
+    assert packed_plan(spec, 1)["ttft_seconds"] - packed_plan(CPU, 1)["ttft_seconds"] == pytest.approx(
+        SMOLLM2_LAYER_VALUES * per_value, rel=1e-9)
+    # a decode step of one sequence runs the kernel, of 64 dequantizes too
+    assert packed_plan(spec, 1)["decode_step_dequant_seconds"] == 0
+    assert packed_plan(spec, 64)["decode_step_dequant_seconds"] == pytest.approx(
+        SMOLLM2_LAYER_VALUES * per_value, rel=1e-12)
+    # float linears never dequantize
+    assert plan(SMOLLM2, spec)["prefill_dequant_seconds"] == 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_int4_kernel_unpacks_every_weight_for_every_row(batch):
+    """A kernel slow enough to be the packed linears' ceiling: the decode step takes their
+    values x rows x its time per value, and the prefill (tiled) none of it."""
+    slow, slower = (HardwareSpec(**{**CPU.to_dict(), "int4_kernel_seconds_per_value": s}) for s in (1e-9, 3e-9))
+    step = packed_plan(slower, batch)["decode_step_seconds"] - packed_plan(slow, batch)["decode_step_seconds"]
+    assert step == pytest.approx(batch * SMOLLM2_LAYER_VALUES * 2e-9, rel=1e-9)
+    assert packed_plan(slower, batch)["ttft_seconds"] == packed_plan(slow, batch)["ttft_seconds"]
+
+
+def test_presets_have_no_overhead_and_predict_the_roofline():
+    p = plan(QWEN3_06B, preset("h100-sxm"))
+    assert p["decode_step_overhead_seconds"] == 0 == p["prefill_overhead_seconds"]
+    assert p["decode_step_seconds"] == p["decode_step_roofline_seconds"]
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUILI_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_saved_spec_round_trips_its_overheads(private_cache):
+    spec = HardwareSpec(name="box (probed)", peak_flops={"fp32": 1e11}, memory_bandwidth=2e10, memory_bytes=2**34,
+                        origin="probe", host_overhead_seconds={"decode_layer": 2.5e-4, "decode_step": 1.25e-4},
+                        int4_kernel_seconds_per_value=1.5e-10, int4_dequant_seconds_per_value=2.5e-9)
+    save_probe(spec, "cpu")
+    loaded = current_hardware("cpu")
+    assert loaded == spec and loaded.host_overhead_seconds == {"decode_layer": 2.5e-4, "decode_step": 1.25e-4}
+    assert (loaded.int4_kernel_seconds_per_value, loaded.int4_dequant_seconds_per_value) == (1.5e-10, 2.5e-9)
+
+
+def test_a_spec_saved_before_overheads_still_loads(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({
+        "name": "old probe", "peak_flops": {"fp32": 1e11}, "memory_bandwidth": 2e10, "memory_bytes": 2**34,
+        "origin": "probe", "measurements": {"memory read": 2e10},
+    }))
+    old = load_spec_file(path)
+    assert old.host_overhead_seconds == {} and old.int4_dequant_seconds_per_value == 0
+    p = plan(SMOLLM2, old)
+    assert p["decode_step_overhead_seconds"] == 0 and p["decode_step_seconds"] == p["decode_step_roofline_seconds"]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"host_overhead_seconds": {"kernel": 1e-6}}, "'kernel'"),
+     ({"host_overhead_seconds": {"decode_layer": -1e-6}}, "decode_layer"),
+     ({"host_overhead_seconds": {"decode_layer": "slow"}}, "slow"), ({"host_overhead_seconds": [1e-6]}, "map"),
+     ({"int4_dequant_seconds_per_value": 2.0}, "int4_dequant_seconds_per_value"),
+     ({"int4_kernel_seconds_per_value": -1e-9}, "int4_kernel_seconds_per_value")],
+)
+def test_bad_overheads_in_a_spec_are_named(tmp_path, fields, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"name": "x", "peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10,
+                                "memory_bytes": 2**34, **fields}))
+    with pytest.raises(TuiliError, match=message):
+        load_spec_file(path)
+
+
+def test_plan_table_breaks_the_overhead_out(capsys, tmp_path):
+    from tuili.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMOLLM2))
+    spec = tmp_path / "cpu.json"
+    figures = {"decode_step": 3e-4, "decode_layer": 2e-4}
+    spec.write_text(json.dumps({**CPU.to_dict(), "host_overhead_seconds": figures}))
+    assert main(["plan", "--config", str(config), "--hardware", str(spec), "--weights", "fp32"]) == 0
+    out = capsys.readouterr().out
+    # 300 µs + 30 layers x 200 µs
+    assert "+ host overhead 6.3 ms" in out and "decode_layer 200 µs" in out
+    assert main(["plan", "--config", str(config), "--hardware", "h100-sxm"]) == 0
+    assert "none counted" in capsys.readouterr().out

@@ -1,0 +1,105 @@
+"""What an eager engine's step costs beyond the roofline.
+
+**Host overhead.** Every torch op a step dispatches costs a fixed time on top of its work (Python,
+the dispatcher, allocating the output, waking threads, launching a GPU kernel), and so does every
+module call and every engine step's bookkeeping (scheduling, building the input tensors,
+sampling). On a small model, or at small batch on a fast device, these fixed costs add up to as
+much as the roofline: tuili's decoder layer dispatches some 50-80 torch ops, SmolLM2 has 30 layers.
+A step's predicted time is ``max(compute, memory) + overhead`` (plan.py), with
+
+    overhead = step seconds + layers x layer seconds (+ Qwen3's q/k norms' seconds per layer)
+
+The seconds are the spec's ``host_overhead_seconds``, which `tuili probe` measures by running
+tuili's own engine on toy models of 1 and 4 layers (64 wide, so that the work is nil and the time
+is all fixed cost): the slope is the layer's, the intercept the step's, for decode and prefill
+steps, float and packed int4 linears (``HOST_KEYS``). Measuring the engine itself keeps the figure
+true as the engine changes (re-probe after an upgrade); the counts come from the config.
+Datasheet presets have none: their predictions stay the roofline floor.
+
+**Packed int4 linears** (tuili/layers/quant.py) also do work that neither bytes nor FLOPs
+measure: unpacking their codes, in their weight-only kernel or, for a step of more rows, by
+dequantizing every weight tile by tile before multiplying (``packed_work``, at the spec's
+measured ``int4_kernel_seconds_per_value`` and ``int4_dequant_seconds_per_value``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tuili.layers.quant import INT4_OP_MAX_ROWS, INT4_TILE_ROWS
+from tuili.perf.shapes import LINEAR, ModelShape
+
+# The fixed host seconds `tuili probe` measures; a missing key counts as 0, except that a packed
+# layer without its own figure takes the float layer's.
+HOST_KEYS = (
+    "decode_step",  # a decode step's cost outside the layers: scheduling, inputs, lm_head call, sampling
+    "decode_layer",  # one decoder layer in a decode step
+    "prefill_step",  # the same for a step that prefills one fresh prompt chunk
+    "prefill_layer",
+    "packed_decode_layer",  # a decoder layer whose linears are packed int4
+    "packed_prefill_layer",
+    "qk_norm_layer",  # what Qwen3's q and k RMSNorms add to a layer
+)
+
+# tuili/layers/quant.py's packed int4 linear: up to INT4_OP_MAX_ROWS rows it calls PyTorch's
+# weight-only kernel; beyond, it dequantizes its weight in tiles of whole 64-row blocks and
+# multiplies each. Imported, so that the planner follows the engine's thresholds.
+PACKED_OP_MAX_ROWS = INT4_OP_MAX_ROWS
+PACKED_BLOCK_ROWS = INT4_TILE_ROWS
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step: a decode step of ``tokens`` sequences, or one prompt chunk of ``tokens``
+    tokens from position 0 (``prefill``; a one-token chunk runs as a decode)."""
+
+    prefill: bool
+    tokens: int = 1
+    packed: bool = False  # the layers' linears are packed int4 modules
+
+
+def host_seconds(shape: ModelShape, step: Step, seconds: Mapping[str, float]) -> float:
+    """The fixed host cost of ``step`` at the spec's measured ``seconds`` (HOST_KEYS)."""
+    kind = "prefill" if step.prefill and step.tokens > 1 else "decode"
+    layer = seconds.get(f"{kind}_layer", 0.0)
+    if step.packed:
+        layer = seconds.get(f"packed_{kind}_layer", layer)
+    if shape.traits.qk_norm:
+        layer += seconds.get("qk_norm_layer", 0.0)
+    return seconds.get(f"{kind}_step", 0.0) + shape.num_layers * layer
+
+
+@dataclass(frozen=True)
+class PackedWork:
+    """The work of a step's packed int4 linears beyond bytes and FLOPs. Their weight-only kernel
+    unpacks the codes as it multiplies, at a measured time per weight value and row
+    (``kernel_values``); a step of more rows dequantizes every weight once, tile by tile, into
+    the compute dtype and multiplies the tiles (``dequantized``)."""
+
+    values: int  # weight values of the packed linears (whole 64-row blocks)
+    kernel_values: int  # values x rows through the weight-only kernel; 0 when tiled
+    dequantized: int  # values dequantized into tiles; 0 when the kernel runs
+
+
+def packed_work(shape: ModelShape, step: Step) -> PackedWork | None:
+    """None unless the step's linears are packed."""
+    if not step.packed:
+        return None
+    values = 0
+    for layer_type, moe in zip(shape.layer_types, shape.moe_layers, strict=True):
+        if layer_type == LINEAR or moe:
+            continue  # the engine runs neither: their linears are not packed
+        for out_features, in_features in _layer_linears(shape):
+            values += math.ceil(out_features / PACKED_BLOCK_ROWS) * PACKED_BLOCK_ROWS * in_features
+    if step.tokens <= PACKED_OP_MAX_ROWS:
+        return PackedWork(values, values * step.tokens, 0)
+    return PackedWork(values, 0, values)
+
+
+def _layer_linears(shape: ModelShape) -> list[tuple[int, int]]:
+    """(out, in) features of a Llama-family layer's four linears: qkv, o, gate/up, down."""
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter)]
