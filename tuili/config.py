@@ -151,14 +151,6 @@ _DTYPES = {
 }
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX); elsewhere torch emulates it."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # torch builds without these probes
-        return False
-
-
 def packed_compute_dtype(requested: str | torch.dtype | None, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype quantized ("packed") linears compute in, or None when GGUF files are to be
     dequantized at load. On a CPU: bf16, where PyTorch's weight-only int4/int8 kernels are fast
@@ -173,9 +165,9 @@ def packed_compute_dtype(requested: str | torch.dtype | None, device: torch.devi
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The working dtype. "auto": fp16 on GPUs without bf16 (V100), bf16 on newer GPUs; on CPUs
-    bf16 where the CPU computes it natively (AVX512-BF16 or AMX: tuili's GEMV streams bf16
-    weights near memory bandwidth and AMX runs bf16 prefill, docs/benchmarks.md), else fp32."""
+    """The working dtype. "auto": fp16 on GPUs without bf16 (V100), bf16 on newer GPUs,
+    fp32 on CPUs (see docs/benchmarks.md: a bf16 linear at decode shapes reads weights
+    slower than fp32 on the CPUs we measured)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise TuiliError(f"dtype={dtype} is not supported: expected float32, bfloat16 or float16")
@@ -183,7 +175,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype in (None, "auto"):
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.float32
     if dtype not in _DTYPES:
         raise TuiliError(f"dtype={dtype!r} is not supported: expected auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]

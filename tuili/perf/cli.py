@@ -45,8 +45,8 @@ def register(subparsers) -> None:
     plan.add_argument("--measure", action="store_true",
                       help="also run the engine here for this shape and compare (a small model on a CPU)")
     plan.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                      help="the engine's working dtype for --measure (default auto, as the engine chooses: GGUF "
-                      "Q4_0/Q4_1/Q8_0 linears stay packed on a CPU; float32 by name dequantizes them)")
+                      help="the engine's working dtype for --measure (default auto: float32 on a CPU, where "
+                      "GGUF Q4_0/Q4_1/Q8_0 linears stay packed; float32 dequantizes them)")
     plan.add_argument("--list-hardware", action="store_true", help="list hardware presets and links with sources")
     plan.set_defaults(func=run_plan)
 
