@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -183,3 +184,16 @@ def busy_cores(seconds: float = 1.0) -> float:
     except OSError:
         return 0.0
     return (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
+
+
+def best_time(fn: Callable[[], object], budget_s: float) -> float:
+    """Microseconds of the fastest of repeated calls within the budget (least disturbed by
+    other processes on a shared machine)."""
+    fn()
+    best = float("inf")
+    end = time.perf_counter() + budget_s
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6

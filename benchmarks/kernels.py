@@ -30,9 +30,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -41,21 +43,14 @@ from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan
 from tuili.layers.attention import paged_attention as torch_paged_attention
 from tuili.layers.quant import Int8GroupWeight, make_linear, quantize_int4
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import best_time  # noqa: E402
+
 MODELS = {"SmolLM2-135M": (9, 3, 64), "Qwen3-0.6B": (16, 8, 128)}  # Hq, Hkv, D
 BLOCK_SIZE = 16
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 
 
-def best_time(fn: Callable[[], object], budget_s: float) -> float:
-    """Microseconds of the fastest of repeated calls within the budget."""
-    fn()
-    best = float("inf")
-    end = time.perf_counter() + budget_s
-    while time.perf_counter() < end:
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
 
 
 class Case:

@@ -10,9 +10,10 @@ then matmul). The crossover rows recorded in docs/quantization.md come from this
 from __future__ import annotations
 
 import argparse
-import time
+import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +26,8 @@ from tuili.layers.quant import (
     quantize_int8,
 )
 
-
-def best_time(fn: Callable[[], object], budget_s: float) -> float:
-    """Microseconds of the fastest of repeated calls within the budget (least disturbed by
-    other processes on a shared machine)."""
-    fn()
-    best = float("inf")
-    end = time.perf_counter() + budget_s
-    while time.perf_counter() < end:
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
+sys.path.insert(0, str(Path(__file__).parent))
+from common import best_time  # noqa: E402
 
 
 def forced(module: QuantizedLinear, kernel: str, x: torch.Tensor) -> Callable[[], object]:
