@@ -355,12 +355,12 @@ def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
 # Correctness tests of this file and of test_linear_small.py rerun on libraries built for CPUs
 # with AVX-512 but not its BF16 instructions (the dequantizers then round to bfloat16 in integer
 # arithmetic, linear_small widens bf16 to float32 for FMAs), and with AVX2 only (the portable C
-# code everywhere): flags -> pytest -k selection.
+# code everywhere, and no AMX): flags -> pytest -k selection.
 X86_VARIANTS = {
     "-mno-avx512bf16": "tiles or linear_small",
-    "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small",
+    "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available",
 }
-VARIANT_FILES = [__file__, str(Path(__file__).with_name("test_linear_small.py"))]
+VARIANT_FILES = [__file__, *(str(Path(__file__).with_name(f)) for f in ("test_linear_small.py", "test_linear_amx.py"))]
 
 
 @pytest.fixture(scope="module")

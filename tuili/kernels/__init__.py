@@ -55,21 +55,33 @@ linear_small(x, weight, bias, out)
     Products and sums in float32 (bf16: AVX512-BF16's dot-product instruction where the CPU has
     it, which treats subnormal bf16 inputs as zero), the bias added in float32, then one rounding
     to out's dtype. Each thread reads its own static chunk of weight rows.
+
+linear_amx(x, weight, bias, out)
+    The same product in bfloat16 on Intel AMX tiles, for any number of rows: x [M, K] with K a
+    multiple of 32, weight [N, K], bias [N] or None, out [M, N], all bfloat16. The weight is read
+    as stored (a row-major weight is already an AMX A tile; x is repacked instead), once per
+    128 rows of x. Float32 accumulation (AMX treats subnormal bf16 inputs as zero), bias added in
+    float32, one rounding. Only where `amx_available()`: a CPU with AMX-BF16, a compiler that
+    targets it, and an OS that grants the process the tile registers (Linux arch_prctl).
 """
 
 from tuili.kernels.cpu import (
+    amx_available,
     available,
     dequantize_int4_tiles,
     dequantize_int8_group_tiles,
+    linear_amx,
     linear_small,
     paged_attention,
     unavailable_reason,
 )
 
 __all__ = [
+    "amx_available",
     "available",
     "dequantize_int4_tiles",
     "dequantize_int8_group_tiles",
+    "linear_amx",
     "linear_small",
     "paged_attention",
     "unavailable_reason",

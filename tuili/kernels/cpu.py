@@ -30,7 +30,8 @@ _TILE_ROWS = 64  # output rows per packed int4 tile (tuili/layers/quant.py)
 _LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
 
 # Error codes of csrc/common.h.
-_BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY = 1, 2, 3, 4, 5
+_BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
+_AMX_K_MULTIPLE = 32  # TILE_K of csrc/linear_amx.c
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -84,6 +85,10 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_small.restype = i32
+    library.tuili_amx_init.argtypes = []
+    library.tuili_amx_init.restype = i32
+    library.tuili_linear_amx.argtypes = [p, p, p, p, i64, i64, i64, i32]  # x, weight, bias, out, M, N, K, threads
+    library.tuili_linear_amx.restype = i32
 
 
 def _library() -> ctypes.CDLL:
@@ -289,4 +294,39 @@ def linear_small(
     )  # fmt: skip
     if status == _NO_MEMORY:  # only without AVX512-BF16: x widened to float32 first
         raise MemoryError("linear_small could not allocate a float32 copy of x")
+    return out
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether linear_amx can run: the kernels are available, this build has the AMX code (the
+    compiler targeted a CPU with AMX-BF16) and the OS lets this process use the tile registers."""
+    return available() and _library().tuili_amx_init() == 0
+
+
+def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ weight.T + bias for any number of rows of x [M, K] (K a multiple of 32), weight
+    [N, K], bias [N] or None, out [M, N], all bfloat16 (float32 accumulation on AMX tiles);
+    writes and returns `out`. Check amx_available() first."""
+    x = _check("x", x, (torch.bfloat16,), 2)
+    rows, k = x.shape
+    if k % _AMX_K_MULTIPLE:
+        raise ValueError(f"x has {k} columns; linear_amx takes a multiple of {_AMX_K_MULTIPLE}")
+    weight = _check("weight", weight, (torch.bfloat16,), 2)
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has shape {list(weight.shape)}; expected [N, {k}] (x has {k} columns)")
+    if bias is not None:
+        bias = _check("bias", bias, (torch.bfloat16,), (n,))
+    out = _check("out", out, (torch.bfloat16,), (rows, n))
+    if rows == 0:
+        return out
+    status = _library().tuili_linear_amx(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        rows, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if status == _NO_MEMORY:
+        raise MemoryError(f"linear_amx could not allocate the repacked copy of x ({rows} x {k})")
+    if status == _NO_AMX:
+        raise RuntimeError("this process may not use AMX tiles; check amx_available() first")
     return out

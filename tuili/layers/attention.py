@@ -62,9 +62,11 @@ class KVCache:
                 self.calibrated = True
             k, v = _to_fp8(k, self.key_scale), _to_fp8(v, self.value_scale)
         for cache, new in ((self.key, k), (self.value, v)):
-            # Byte views: index_copy_ has no float8 kernel, and a copy of bytes is exact.
-            flat = _bytes(cache).view(-1, *cache.shape[2:], cache.element_size())
-            flat.index_copy_(0, slot_mapping, _bytes(new.to(cache.dtype).contiguous()))
+            # Integer views of the same element size: index_copy_ has no float8 kernel, a copy
+            # of bits is exact, and whole elements copy several times faster than their bytes.
+            as_int = _SAME_SIZE_INT[cache.element_size()]
+            flat = cache.view(as_int).view(-1, *cache.shape[2:])
+            flat.index_copy_(0, slot_mapping, new.to(cache.dtype).contiguous().view(as_int))
 
     def gather(self, block_tables: torch.Tensor, max_ctx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of each row's blocks in order, [B, Hkv, max_ctx, D] in `dtype`."""
@@ -87,9 +89,7 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, with a trailing dimension of element_size() bytes."""
-    return t.unsqueeze(-1).view(torch.uint8)
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass

@@ -1,12 +1,18 @@
-"""Dense linear layers whose decode-sized products run tuili's native GEMV on CPUs.
+"""Dense linear layers whose decode-sized products run tuili's native kernels on CPUs.
 
 A decode step multiplies a few activation rows by every weight matrix, so its time is the
-weight bytes over the memory bandwidth. PyTorch's CPU GEMV streams bf16 weights well below the
-bandwidth (docs/kernels.md); tuili's `linear_small` kernel streams them near it. Up to
-`NATIVE_MAX_ROWS[dtype]` rows, on a CPU where the kernels build, `linear` runs that kernel;
-everything else is F.linear. The two agree to one rounding of the output (both accumulate in
-float32). The limits are the measured crossovers: in bf16 oneDNN's AMX matmul wins from 5 rows
-on; in fp32 the kernel is 1.4-3x faster from 2 to 8 rows and even at 1.
+weight bytes over the memory bandwidth. PyTorch's CPU matmul streams bf16 weights well below the
+bandwidth at these shapes (docs/kernels.md); tuili's kernels stream them near it. On a CPU
+where the kernels build, `linear` picks by the number of rows:
+
+- up to `NATIVE_MAX_ROWS[dtype]` rows: `linear_small`, the vector GEMV;
+- bf16, up to `AMX_MAX_ROWS` rows, K a multiple of 32, on a CPU with AMX-BF16: `linear_amx`,
+  which reads the weight once per step at any batch in that range;
+- everything else: F.linear (oneDNN), fastest for prefill-sized products.
+
+They all accumulate in float32 and agree to one rounding of the output. The limits are the
+measured crossovers: fp32 GEMV is 1.4-3x faster than F.linear from 1 to 8 rows; in bf16 the GEMV
+is fastest at 1 row, AMX 1.3-2x faster than F.linear from 5 to 64 rows and even at 128.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 from tuili import kernels
 
 NATIVE_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}  # crossovers with F.linear, docs/kernels.md
+AMX_MAX_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,16 +32,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     in_features = weight.shape[1]
     rows = x.numel() // in_features if in_features else 0
     if (
-        0 < rows <= NATIVE_MAX_ROWS.get(x.dtype, 0)
+        0 < rows <= AMX_MAX_ROWS
         and x.device.type == "cpu"
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
         and weight.is_contiguous()
         and kernels.available()
     ):
+        if rows <= NATIVE_MAX_ROWS.get(x.dtype, 0):
+            kernel = kernels.linear_small
+        elif x.dtype == torch.bfloat16 and in_features % 32 == 0 and kernels.amx_available():
+            kernel = kernels.linear_amx
+        else:
+            return F.linear(x, weight, bias)
         flat = x.reshape(rows, in_features).contiguous()
         out = flat.new_empty(rows, weight.shape[0])
-        kernels.linear_small(flat, weight, bias, out)
+        kernel(flat, weight, bias, out)
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

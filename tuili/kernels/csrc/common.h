@@ -24,6 +24,8 @@ enum tuili_error {
     TUILI_TOO_FEW_BLOCKS = 3, /* the context needs more blocks than the table has columns */
     TUILI_BAD_BLOCK_ID = 4,   /* a block id outside [0, num_blocks) */
     TUILI_NO_MEMORY = 5,
+    TUILI_NO_AMX = 6,    /* the CPU or the OS does not let this process use AMX tiles */
+    TUILI_BAD_SHAPE = 7, /* a dimension the kernel cannot take (checked in Python first) */
 };
 
 /* Fused where the hardware fuses (one rounding, faster); elsewhere a plain multiply and add. */

@@ -129,6 +129,10 @@ static inline int64_t visible_keys(const rows_t *st, int64_t r, int64_t c, int64
 }
 
 #ifdef __AVX512F__
+/* Fully unrolled before GCC's scalar replacement of aggregates, so that arrays of vectors
+ * (dots[16], sum[blocks]) live in registers instead of being stored and reloaded every step. */
+#define UNROLLED _Pragma("GCC unroll 16")
+
 /* Lane t of the result is the sum of the 16 lanes of v[t] (a transpose-and-add tree). */
 static inline __m512 sum_lanes16(const __m512 v[16]) {
     __m512 pairs[8], quads[4], halves[2];
@@ -167,13 +171,13 @@ static inline __m512 exp16(__m512 x) {
 #define ACCUMULATE(blocks)                                                                        \
     for (; d + 16 * (blocks) <= D; d += 16 * (blocks)) {                                          \
         __m512 sum[blocks];                                                                       \
-        for (int b = 0; b < (blocks); b++) sum[b] = _mm512_loadu_ps(acc + d + 16 * b);            \
+        UNROLLED for (int b = 0; b < (blocks); b++) sum[b] = _mm512_loadu_ps(acc + d + 16 * b);   \
         for (int64_t t = 0; t < keys; t++) {                                                      \
             __m512 weight = _mm512_set1_ps(p[t]);                                                 \
-            for (int b = 0; b < (blocks); b++)                                                    \
+            UNROLLED for (int b = 0; b < (blocks); b++)                                           \
                 sum[b] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vrow[t] + d + 16 * b), sum[b]);   \
         }                                                                                         \
-        for (int b = 0; b < (blocks); b++) _mm512_storeu_ps(acc + d + 16 * b, sum[b]);            \
+        UNROLLED for (int b = 0; b < (blocks); b++) _mm512_storeu_ps(acc + d + 16 * b, sum[b]);   \
     }
 
 /* One chunk of n <= 16 keys (positions c ..) of one KV head for rows [first, end) of the unit
@@ -186,10 +190,10 @@ static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t 
         if (keys == 0) continue;
         const float *q = st->q + r * D;
         __m512 dots[16];
-        for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
+        UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 16) {
             __m512 qd = _mm512_loadu_ps(q + d);
-            for (int t = 0; t < 16; t++) dots[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(krow[t] + d), dots[t]);
+            UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(krow[t] + d), dots[t]);
         }
         const __mmask16 valid = (__mmask16)((1u << keys) - 1u);
         __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sum_lanes16(dots));
@@ -304,13 +308,28 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
     }
     memset(zeros, 0, (size_t)D * sizeof(float));
 
+    int64_t next_offsets[KEY_CHUNK], next_n = 0;
+    if (u->key_begin < u->key_end) {
+        next_n = (u->key_end - u->key_begin < KEY_CHUNK) ? u->key_end - u->key_begin : KEY_CHUNK;
+        chunk_offsets(a, u->seq, u->first_head, u->key_begin, next_n, next_offsets);
+    }
     for (int64_t c = u->key_begin; c < u->key_end; c += KEY_CHUNK) {
-        const int64_t n = (u->key_end - c < KEY_CHUNK) ? u->key_end - c : KEY_CHUNK;
-        chunk_offsets(a, u->seq, u->first_head, c, n, offsets);
+        const int64_t n = next_n;
+        memcpy(offsets, next_offsets, sizeof offsets);
+        /* The next chunk's cache rows are asked for while this one is computed, one head's
+         * share per head below: its blocks lie anywhere in the pool, and the hardware
+         * prefetchers stop at every 4 KiB page, so alone they find each block late. */
+        next_n = (u->key_end - c - KEY_CHUNK < KEY_CHUNK) ? u->key_end - c - KEY_CHUNK : KEY_CHUNK;
+        if (next_n > 0) chunk_offsets(a, u->seq, u->first_head, c + KEY_CHUNK, next_n, next_offsets);
         /* Head by head: a chunk of one head's keys and values (float32, in L1) serves its rows.
          * With all heads in the unit, every byte of the chunk's cache rows is read within a short
          * time, so the hardware prefetchers follow. Rows past n read as zeros with weight 0. */
         for (int64_t h = 0; h < u->heads; h++) {
+            for (int64_t t = 0; t < next_n; t++)
+                for (size_t line = 0; line < row_bytes; line += 64) {
+                    __builtin_prefetch(k_cache + next_offsets[t] + h * row_bytes + line, 0, 3);
+                    __builtin_prefetch(v_cache + next_offsets[t] + h * row_bytes + line, 0, 3);
+                }
             for (int64_t t = 0; t < KEY_CHUNK; t++) {
                 const char *k = k_cache + offsets[t] + h * row_bytes, *v = v_cache + offsets[t] + h * row_bytes;
                 if (t >= n) {

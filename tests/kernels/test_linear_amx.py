@@ -1,0 +1,136 @@
+"""tuili.kernels.linear_amx (bf16 x @ weight.T + bias on AMX tiles) against the product in float64.
+
+Tolerance: AMX's TDPBF16PS multiplies bf16 pairs exactly and accumulates in float32; the kernel
+adds 32-value slices of K into one float32 accumulator per output, then the bias, so each
+result carries at most about K / 2 + 2 float32 roundings (unit 2^-24) of sum |x| |w| + |b|
+(a deliberately loose count: the hardware's order inside one instruction is not specified),
+and then one rounding to bfloat16, half a unit in the last place (2^-8 of the magnitude).
+test_cpu_kernels.py reruns the availability test on libraries built without AMX.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tuili import kernels
+from tuili.layers.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, linear
+
+
+def cpu_has_amx_bf16() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and " amx_bf16" in cpuinfo.read_text()
+
+
+def built_for_another_cpu() -> bool:
+    """test_cpu_kernels.py's variants build with -march=x86-64-v3 (no AMX) after -march=native."""
+    return "-march=" in os.environ.get("TUILI_KERNEL_CFLAGS", "")
+
+
+needs_amx = pytest.mark.skipif(
+    not (kernels.available() and kernels.amx_available()),
+    reason="this CPU, compiler or OS gives no AMX-BF16 (test_amx_is_available_where_the_cpu_has_it checks it)",
+)
+
+
+def make_inputs(m: int, n: int, k: int, with_bias: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    return x, weight, bias
+
+
+def assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    x64, w64 = x.double(), weight.double()
+    b64 = torch.zeros(weight.shape[0], dtype=torch.float64) if bias is None else bias.double()
+    expected = x64 @ w64.T + b64
+    limit = (x.shape[1] / 2 + 2) * 2**-24 * (x64.abs() @ w64.abs().T + b64.abs()) * 2 + 2**-8 * expected.abs()
+    error = (out.double() - expected).abs()
+    assert (error <= limit).all(), (
+        f"shape {list(x.shape)} x {list(weight.shape)}: worst error {error.max().item():.3g}, "
+        f"worst error/limit {(error / limit).max().item():.3g}"
+    )
+
+
+def test_amx_is_available_where_the_cpu_has_it():
+    assert kernels.available(), kernels.unavailable_reason()
+    if built_for_another_cpu():
+        assert not kernels.amx_available()  # a build for a CPU without AMX has no AMX code
+    elif cpu_has_amx_bf16() and os.uname().sysname == "Linux":
+        assert kernels.amx_available()
+    else:
+        assert not kernels.amx_available()
+
+
+# Rows: one, a partial tile, two tiles (a pair), an odd number of tiles, more than one chunk
+# of 128 with a ragged end. N: whole tile pairs, an odd tile count, a ragged end of 1..15 rows,
+# fewer rows than a tile.
+@needs_amx
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 48, 131, 300])
+def test_linear_amx_matches_float64(m, with_bias):
+    for n, k in [(64, 32), (48, 96), (37, 64), (7, 32), (130, 576)]:
+        x, weight, bias = make_inputs(m, n, k, with_bias, seed=m * n + k)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        assert kernels.linear_amx(x, weight, bias, out) is out
+        assert_matches_float64(x, weight, bias, out)
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 3])
+def test_linear_amx_any_thread_count_gives_the_same_bits(threads):
+    x, weight, bias = make_inputs(40, 100, 128, True, seed=threads)
+    reference = torch.empty(40, 100, dtype=torch.bfloat16)
+    kernels.linear_amx(x, weight, bias, reference)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.empty_like(reference)
+        kernels.linear_amx(x, weight, bias, out)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(out, reference)  # each output is one thread's, in a fixed order
+
+
+@needs_amx
+def test_each_row_is_independent_of_the_others():
+    """A row's result does not depend on the batch around it: the same bits at 1, 16 and 40 rows."""
+    x, weight, _ = make_inputs(40, 64, 256, False)
+    alone = torch.empty(1, 64, dtype=torch.bfloat16)
+    kernels.linear_amx(x[7:8].contiguous(), weight, None, alone)
+    for rows in (16, 40):
+        out = torch.empty(rows, 64, dtype=torch.bfloat16)
+        kernels.linear_amx(x[:rows].contiguous(), weight, None, out)
+        assert torch.equal(out[7], alone[0])
+
+
+def test_linear_amx_rejects_bad_input_naming_the_argument():
+    x, weight, bias = make_inputs(2, 16, 64, True)
+    out = torch.empty(2, 16, dtype=torch.bfloat16)
+    bad = [
+        (r"x has 48 columns; linear_amx takes a multiple of 32", (x[:, :48].contiguous(), weight, bias, out)),
+        (r"x has dtype torch\.float32; expected torch\.bfloat16", (x.float(), weight, bias, out)),
+        (r"weight has shape \[16, 32\]; expected \[N, 64\]", (x, weight[:, :32].contiguous(), bias, out)),
+        (r"weight must be contiguous", (x, torch.zeros(64, 16, dtype=torch.bfloat16).T, bias, out)),
+        (r"bias has shape \[15\]; expected \[16\]", (x, weight, bias[:15], out)),
+        (r"out has shape \[2, 15\]; expected \[2, 16\]", (x, weight, bias, out[:, :15].contiguous())),
+    ]
+    for message, args in bad:
+        with pytest.raises(ValueError, match=message):
+            kernels.linear_amx(*args)
+
+
+@needs_amx
+def test_linear_takes_amx_between_the_gemv_and_onednn(monkeypatch):
+    calls = []
+    original = kernels.linear_amx
+    monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    weight = torch.randn(64, 32).bfloat16()
+    for rows in (1, NATIVE_MAX_ROWS[torch.bfloat16], NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        linear(torch.randn(rows, 32).bfloat16(), weight)
+    linear(torch.randn(8, 48).bfloat16(), torch.randn(64, 48).bfloat16())  # K not a multiple of 32: oneDNN
+    assert calls == [NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS]

@@ -1,0 +1,204 @@
+/* y = x W^T + b in bfloat16 on Intel AMX tiles, for any number of rows of x, reading the weight
+ * as nn.Linear stores it (no repacking at load, no second copy of the model).
+ *
+ * Shapes (row-major, contiguous, all bfloat16): x [M, K] with K a multiple of 32, weight [N, K],
+ * bias [N] or NULL, out [M, N]. Products and sums in float32 (AMX's TDPBF16PS, which treats
+ * subnormal inputs as zero), the bias added in float32, one rounding of each output.
+ *
+ * The trick that avoids repacking: TDPBF16PS multiplies an A tile of 16 rows x 32 bf16 by a
+ * B tile stored as 16 rows of (16 columns x 2 consecutive k), the "VNNI" layout. A row-major
+ * weight is already an A tile: 16 weight rows, 32 consecutive k each, at a stride of K. So the
+ * kernel computes the transposed product out^T = W x^T, with x^T repacked into VNNI B tiles
+ * (M x K values, a small copy next to the N x K weight) and each 16 x 16 float32 result tile
+ * transposed on the way out.
+ *
+ * Work: the rows of x go in chunks of up to CHUNK_M (their B tiles stay in L2); within a chunk,
+ * threads take static ranges of weight row pairs (32 rows: two A tiles), and for each pair run
+ * over the chunk's row-of-x pairs (two B tiles) with four accumulator tiles. A decode (M <= 16)
+ * is one chunk and one B tile: the weight streams from memory once, at memory speed.
+ * N % 16 leftover weight rows go through plain float32 dot products.
+ *
+ * AMX needs the kernel's permission to use the tile state (Linux arch_prctl, once per process);
+ * tuili_amx_init asks for it and returns 0 only when tiles can be used. */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#endif
+
+#define TILE 16     /* rows of a tile, and float32 columns of an accumulator */
+#define TILE_K 32   /* bf16 values in a tile row of 64 bytes */
+#define CHUNK_M 128 /* rows of x per chunk: its B tiles, 128 x K bf16, stay in L2 */
+#define PREFETCH_STEPS 2
+
+#ifdef HAVE_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int tuili_amx_init(void) {
+    static int status = -1;
+    if (status < 0) status = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : 1;
+    return status;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0..3: accumulators C[weight block a][x block b] at 2a + b; tmm4, 5: weight tiles; tmm6, 7:
+ * x tiles. Every tile is 16 rows of 64 bytes. */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = TILE;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* x rows [m0, m0 + rows) -> VNNI B tiles: vnni[(b * K/2 + p) * 32 + 2 * i + e] = x[m0 + 16b + i][2p + e],
+ * zero for rows past the chunk. */
+static void pack_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t k, uint16_t *vnni) {
+    const int64_t blocks = (rows + TILE - 1) / TILE, pairs = k / 2;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        uint32_t *dst = (uint32_t *)vnni + b * pairs * TILE;
+        for (int i = 0; i < TILE; i++) {
+            const int64_t row = b * TILE + i;
+            if (row < rows) {
+                const uint32_t *src = (const uint32_t *)(x + (m0 + row) * k);
+                for (int64_t p = 0; p < pairs; p++) dst[p * TILE + i] = src[p];
+            } else {
+                for (int64_t p = 0; p < pairs; p++) dst[p * TILE + i] = 0;
+            }
+        }
+    }
+}
+
+/* Transposes accumulator tile c (c[n][m], float32) into out rows m0.., columns n0.., adding bias. */
+static void store_tile(const float *c, const uint16_t *bias, uint16_t *out, int64_t n, int64_t n0, int64_t m0,
+                       int64_t rows_m) {
+    for (int64_t i = 0; i < rows_m; i++) {
+        uint16_t *dst = out + (m0 + i) * n + n0;
+        for (int j = 0; j < TILE; j++) {
+            const float b = bias ? bf16_to_f32(bias[n0 + j]) : 0.0f;
+            dst[j] = f32_to_bf16(c[j * TILE + i] + b);
+        }
+    }
+}
+
+/* Weight blocks w0 (and w0 + 1 when two) x x blocks b0 (and b0 + 1 when two), over all of K. */
+static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *bias, uint16_t *out, int64_t n,
+                       int64_t k, int64_t w0, int two_w, int64_t b0, int two_b, int64_t m0, int64_t rows_m) {
+    const int64_t pairs = k / 2;
+    const int64_t stride_w = k * 2;
+    const uint16_t *wa = w + w0 * TILE * k, *wb = wa + TILE * k;
+    const uint16_t *xa = vnni + b0 * pairs * 2 * TILE, *xb = xa + pairs * 2 * TILE;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < k; j += TILE_K) {
+        /* Each of the 32 weight rows is its own stream through memory: ask for each row's line
+         * PREFETCH_STEPS steps ahead (measured 1.3x faster than the hardware prefetchers alone). */
+        const int64_t ahead = j + PREFETCH_STEPS * TILE_K;
+        if (ahead < k) {
+            for (int r = 0; r < TILE; r++) __builtin_prefetch(wa + r * k + ahead, 0, 2);
+            if (two_w)
+                for (int r = 0; r < TILE; r++) __builtin_prefetch(wb + r * k + ahead, 0, 2);
+        }
+        _tile_loadd(4, wa + j, stride_w);
+        _tile_loadd(6, xa + j * TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_b) {
+            _tile_loadd(7, xb + j * TILE, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_w) {
+            _tile_loadd(5, wb + j, stride_w);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_b) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[TILE * TILE];
+    const int64_t m_a = b0 * TILE, rows_a = rows_m - m_a < TILE ? rows_m - m_a : TILE;
+    const int64_t rows_b = rows_m - m_a - TILE < TILE ? rows_m - m_a - TILE : TILE;
+    _tile_stored(0, c, 64);
+    store_tile(c, bias, out, n, w0 * TILE, m0 + m_a, rows_a);
+    if (two_b) {
+        _tile_stored(1, c, 64);
+        store_tile(c, bias, out, n, w0 * TILE, m0 + m_a + TILE, rows_b);
+    }
+    if (two_w) {
+        _tile_stored(2, c, 64);
+        store_tile(c, bias, out, n, (w0 + 1) * TILE, m0 + m_a, rows_a);
+        if (two_b) {
+            _tile_stored(3, c, 64);
+            store_tile(c, bias, out, n, (w0 + 1) * TILE, m0 + m_a + TILE, rows_b);
+        }
+    }
+}
+
+int tuili_linear_amx(const void *x_, const void *weight_, const void *bias_, void *out_, int64_t m, int64_t n,
+                     int64_t k, int num_threads) {
+    const uint16_t *x = x_, *w = weight_, *bias = bias_;
+    uint16_t *out = out_;
+    if (tuili_amx_init() != 0) return TUILI_NO_AMX;
+    if (k % TILE_K != 0) return TUILI_BAD_SHAPE;
+    const int64_t chunk = m < CHUNK_M ? m : CHUNK_M;
+    uint16_t *vnni = aligned_alloc(64, (size_t)(((chunk + TILE - 1) / TILE) * TILE * k * 2));
+    if (vnni == NULL) return TUILI_NO_MEMORY;
+    const int64_t w_blocks = n / TILE, w_pairs = (w_blocks + 1) / 2;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        configure_tiles();
+        for (int64_t m0 = 0; m0 < m; m0 += CHUNK_M) {
+            const int64_t rows_m = m - m0 < CHUNK_M ? m - m0 : CHUNK_M;
+            const int64_t x_blocks = (rows_m + TILE - 1) / TILE;
+            pack_x(x, m0, rows_m, k, vnni); /* ends with the implicit barrier of omp for */
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < w_pairs; p++) {
+                const int two_w = 2 * p + 1 < w_blocks;
+                for (int64_t b = 0; b < x_blocks; b += 2)
+                    tile_block(w, vnni, bias, out, n, k, 2 * p, two_w, b, b + 1 < x_blocks, m0, rows_m);
+            }
+            /* The last TILE - 1 or fewer weight rows, one float32 dot product at a time. */
+#pragma omp for schedule(static) collapse(2)
+            for (int64_t r = w_blocks * TILE; r < n; r++) {
+                for (int64_t i = 0; i < rows_m; i++) {
+                    const uint16_t *xr = x + (m0 + i) * k, *wr = w + r * k;
+                    float sum = bias ? bf16_to_f32(bias[r]) : 0.0f;
+                    float acc = 0.0f;
+                    for (int64_t j = 0; j < k; j++) acc = MADD(bf16_to_f32(xr[j]), bf16_to_f32(wr[j]), acc);
+                    out[(m0 + i) * n + r] = f32_to_bf16(acc + sum);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(vnni);
+    return TUILI_OK;
+}
+
+#else
+
+int tuili_amx_init(void) { return 1; }
+
+int tuili_linear_amx(const void *x, const void *weight, const void *bias, void *out, int64_t m, int64_t n, int64_t k,
+                     int num_threads) {
+    (void)x, (void)weight, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)num_threads;
+    return TUILI_NO_AMX;
+}
+
+#endif
