@@ -358,9 +358,13 @@ def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
 # code everywhere, and no AMX): flags -> pytest -k selection.
 X86_VARIANTS = {
     "-mno-avx512bf16": "tiles or linear_small",
-    "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available",
+    "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available "
+    "or rms_norm or qk_norm or silu",
 }
-VARIANT_FILES = [__file__, *(str(Path(__file__).with_name(f)) for f in ("test_linear_small.py", "test_linear_amx.py"))]
+VARIANT_FILES = [
+    __file__,
+    *(str(Path(__file__).with_name(f)) for f in ("test_linear_small.py", "test_linear_amx.py", "test_elementwise.py")),
+]
 
 
 @pytest.fixture(scope="module")

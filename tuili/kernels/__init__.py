@@ -63,6 +63,15 @@ linear_amx(x, weight, bias, out)
     128 rows of x. Float32 accumulation (AMX treats subnormal bf16 inputs as zero), bias added in
     float32, one rounding. Only where `amx_available()`: a CPU with AMX-BF16, a compiler that
     targets it, and an OS that grants the process the tile registers (Linux arch_prctl).
+
+rms_norm(x, weight, eps, out, residual=None)
+qk_norm_rope(qkv, num_q_heads, q_weight, k_weight, cos, sin, eps)
+silu_mul(gate_up, out)
+    The elementwise work of a decoder layer, fused (csrc/elementwise.c): RMSNorm over rows of
+    x [rows, dim], after adding x into `residual` when given; in place on qkv [T, Hq + 2 Hkv, D],
+    per-head RMSNorm of q and k (Qwen3; skipped when the weights are None) and the rotary
+    embedding (cos, sin float32 [T, D / 2]); SiLU(gate) * up from gate_up [rows, 2 I]. float32 or
+    bfloat16, rounding where tuili/layers' torch code rounds.
 """
 
 from tuili.kernels.cpu import (
@@ -73,6 +82,9 @@ from tuili.kernels.cpu import (
     linear_amx,
     linear_small,
     paged_attention,
+    qk_norm_rope,
+    rms_norm,
+    silu_mul,
     unavailable_reason,
 )
 
@@ -84,5 +96,8 @@ __all__ = [
     "linear_amx",
     "linear_small",
     "paged_attention",
+    "qk_norm_rope",
+    "rms_norm",
+    "silu_mul",
     "unavailable_reason",
 ]

@@ -85,6 +85,14 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_small.restype = i32
+    library.tuili_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]  # x, residual, weight, out, rows, dim, eps
+    library.tuili_qk_norm_rope.argtypes = [
+        p, p, p, p, p,  # qkv, q weight, k weight, cos, sin
+        i64, i64, i64, i64, f32, i32, i32,  # tokens, q heads, kv heads, head dim, eps, dtype, threads
+    ]  # fmt: skip
+    library.tuili_silu_mul.argtypes = [p, p, i64, i64, i32, i32]  # gate_up, out, rows, inter, dtype, threads
+    for name in ("tuili_rms_norm", "tuili_qk_norm_rope", "tuili_silu_mul"):
+        getattr(library, name).restype = i32
     library.tuili_amx_init.argtypes = []
     library.tuili_amx_init.restype = i32
     library.tuili_linear_amx.argtypes = [p, p, p, p, i64, i64, i64, i32]  # x, weight, bias, out, M, N, K, threads
@@ -329,4 +337,77 @@ def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise MemoryError(f"linear_amx could not allocate the repacked copy of x ({rows} x {k})")
     if status == _NO_AMX:
         raise RuntimeError("this process may not use AMX tiles; check amx_available() first")
+    return out
+
+
+_MAX_NORM_DIM = 16384  # MAX_DIM of csrc/elementwise.c
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out = weight * round(x * rsqrt(mean(x^2) + eps)) row by row over the last dimension of
+    x [rows, dim]; with `residual` ([rows, dim]), x + residual (rounded) is normalized instead and
+    also written to residual. All float32 or all bfloat16; writes and returns `out`."""
+    x = _check("x", x, _FLOAT_DTYPES, 2)
+    rows, dim = x.shape
+    if dim > _MAX_NORM_DIM:
+        raise ValueError(f"x has rows of {dim} values; rms_norm takes at most {_MAX_NORM_DIM}")
+    weight = _check("weight", weight, (x.dtype,), (dim,))
+    out = _check("out", out, (x.dtype,), x.shape)
+    if residual is not None:
+        residual = _check("residual", residual, (x.dtype,), x.shape)
+    _library().tuili_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        rows, dim, eps, _DTYPE_CODES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """In place on qkv [tokens, num_q_heads + 2 * kv_heads, head_dim] (float32 or bfloat16): each
+    q and k head RMS-normalized with q_weight / k_weight ([head_dim], or both None for none), then
+    rotated by cos / sin (float32 [tokens, head_dim / 2], rotate-half layout); v untouched.
+    Returns qkv."""
+    qkv = _check("qkv", qkv, _FLOAT_DTYPES, 3)
+    tokens, heads, head_dim = qkv.shape
+    kv_heads = (heads - num_q_heads) // 2
+    if num_q_heads < 1 or kv_heads < 1 or num_q_heads + 2 * kv_heads != heads:
+        raise ValueError(f"qkv has {heads} heads; expected {num_q_heads} q heads and two equal groups of k and v heads")
+    if head_dim % 2 or head_dim > _MAX_NORM_DIM:
+        raise ValueError(f"qkv has heads of {head_dim} values; expected an even number up to {_MAX_NORM_DIM}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight are given together or not at all")
+    if q_weight is not None:
+        q_weight = _check("q_weight", q_weight, (qkv.dtype,), (head_dim,))
+        k_weight = _check("k_weight", k_weight, (qkv.dtype,), (head_dim,))
+    cos = _check("cos", cos, (torch.float32,), (tokens, head_dim // 2))
+    sin = _check("sin", sin, (torch.float32,), (tokens, head_dim // 2))
+    _library().tuili_qk_norm_rope(
+        qkv.data_ptr(), None if q_weight is None else q_weight.data_ptr(),
+        None if k_weight is None else k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        tokens, num_q_heads, kv_heads, head_dim, eps, _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return qkv
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, inter] = round(silu(gate)) * up for gate_up [rows, 2 * inter] holding gate then
+    up, float32 or bfloat16; writes and returns `out`."""
+    gate_up = _check("gate_up", gate_up, _FLOAT_DTYPES, 2)
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up has {width} columns; expected gate and up of equal width")
+    out = _check("out", out, (gate_up.dtype,), (rows, width // 2))
+    _library().tuili_silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPE_CODES[gate_up.dtype], torch.get_num_threads()
+    )
     return out

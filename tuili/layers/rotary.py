@@ -9,6 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tuili import kernels
+from tuili.layers.norm import RMSNorm, fused_elementwise
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
@@ -54,3 +57,30 @@ def apply_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> 
     dtype = x.dtype
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+
+def norm_and_rotate(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    norms: tuple[RMSNorm, RMSNorm] | None,
+    tables: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v from qkv [T, Hq + 2 Hkv, D]: q and k each RMS-normalized per head first when
+    `norms` (q's, k's) are given (Qwen3), then rotated. On CPUs where tuili's kernels build, one
+    fused pass works in place on qkv and q, k, v are views of it."""
+    q_norm, k_norm = norms if norms is not None else (None, None)
+    if fused_elementwise(qkv) and all(n is None or n.weight.dtype == qkv.dtype for n in (q_norm, k_norm)):
+        cos, sin = tables
+        qkv = qkv.contiguous()
+        kernels.qk_norm_rope(
+            qkv, num_heads, None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1),
+            0.0 if q_norm is None else q_norm.eps,
+        )  # fmt: skip
+        return qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    qk, v = qkv.split([num_heads + num_kv_heads, num_kv_heads], dim=1)
+    if q_norm is not None and k_norm is not None:
+        qk = torch.cat([q_norm(qk[:, :num_heads]), k_norm(qk[:, num_heads:])], dim=1)
+    q, k = apply_rotary(qk, tables).split([num_heads, num_kv_heads], dim=1)
+    return q, k, v

@@ -8,14 +8,14 @@ names follow the Hugging Face checkpoints so weights load by name.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tuili.config import ModelConfig
+from tuili.layers.activation import silu_and_mul
 from tuili.layers.attention import AttentionMetadata, KVCache, paged_attention
 from tuili.layers.linear import Linear, linear
 from tuili.layers.norm import RMSNorm
-from tuili.layers.rotary import RotaryEmbedding, apply_rotary
+from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin at this step's positions
 
@@ -38,10 +38,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
-        q, k = apply_rotary(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k, v = norm_and_rotate(qkv, self.num_heads, self.num_kv_heads, norms, rope)
         assert self.kv_cache is not None, "the runner binds the KV cache before the first forward"
         self.kv_cache.store(k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
@@ -56,8 +54,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -68,9 +65,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the first layer:
+        the embeddings, residual None). Returns this layer's output and the residual stream, so
+        that each add is fused with the RMSNorm after it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -82,11 +88,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,97 @@
+"""The fused elementwise kernels (csrc/elementwise.c) against the torch code of tuili/layers that
+they replace, run with the kernels disabled: RMSNorm with and without the residual add, q/k
+RMSNorm with the rotary embedding, SiLU(gate) * up.
+
+Both round at the same points; they may differ in the order of a float32 sum and in the last bits
+of sqrt and exp, so a bfloat16 result may land one unit in the last place away (when the float32
+value sits near a rounding boundary), rarely."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuili import kernels
+from tuili.layers.activation import silu_and_mul
+from tuili.layers.norm import RMSNorm
+from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
+
+
+@pytest.fixture(autouse=True)
+def native_kernels_enabled(monkeypatch):
+    monkeypatch.delenv("TUILI_NATIVE_KERNELS", raising=False)
+    assert kernels.available(), kernels.unavailable_reason()
+
+
+def torch_path(monkeypatch, fn):
+    """fn() with the native kernels disabled (the torch code of tuili/layers)."""
+    with monkeypatch.context() as m:
+        m.setenv("TUILI_NATIVE_KERNELS", "0")
+        return fn()
+
+
+def assert_close_to_torch(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+        return
+    ulp = 2.0**-7 * expected.float().abs().clamp_min(1e-30)
+    off = (got.float() - expected.float()).abs()
+    assert (off <= ulp).all(), f"worst difference {(off / ulp).max().item():.2f} units in the last place"
+    assert (off > 0).float().mean() < 0.01, "more than 1% of the values differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [1024, 576, 7])
+def test_rms_norm_and_the_fused_residual_add(dtype, dim, monkeypatch):
+    generator = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(dim, generator=generator).to(dtype)
+    x = (torch.randn(3, 5, dim, generator=generator) * 4).to(dtype)
+    residual = torch.randn(3, 5, dim, generator=generator).to(dtype)
+    assert_close_to_torch(norm(x), torch_path(monkeypatch, lambda: norm(x)))
+    expected_out, expected_sum = torch_path(monkeypatch, lambda: norm(x, residual.clone()))
+    got_out, got_sum = norm(x, residual.clone())
+    assert torch.equal(got_sum, expected_sum)  # one rounding of the same sum
+    assert_close_to_torch(got_out, expected_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+def test_qk_norm_and_rotary(dtype, qk_norm, monkeypatch):
+    generator = torch.Generator().manual_seed(int(qk_norm))
+    heads, kv_heads, head_dim, tokens = 6, 2, 64, 9
+    norms = None
+    if qk_norm:
+        norms = (RMSNorm(head_dim, 1e-6).to(dtype), RMSNorm(head_dim, 1e-6).to(dtype))
+        for n in norms:
+            n.weight.data = torch.randn(head_dim, generator=generator).to(dtype)
+    tables = RotaryEmbedding(head_dim, 4096, 10000.0, None).tables(torch.randint(0, 4096, (tokens,), generator=generator))
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
+    expected = torch_path(monkeypatch, lambda: norm_and_rotate(qkv.clone(), heads, kv_heads, norms, tables))
+    got = norm_and_rotate(qkv.clone(), heads, kv_heads, norms, tables)
+    for g, e in zip(got, expected, strict=True):
+        assert_close_to_torch(g.contiguous(), e.contiguous())
+    assert torch.equal(got[2], qkv[:, heads + kv_heads :])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype, monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(4, 3, 2 * 1500, generator=generator) * 6).to(dtype)  # both signs, past exp's range
+    gate_up[0, 0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    assert_close_to_torch(silu_and_mul(gate_up), torch_path(monkeypatch, lambda: silu_and_mul(gate_up)))
+
+
+def test_elementwise_kernels_reject_bad_input_naming_the_argument():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weight has shape \[7\]; expected \[8\]"):
+        kernels.rms_norm(x, torch.ones(7), 1e-6, torch.empty(2, 8))
+    with pytest.raises(ValueError, match=r"residual has dtype torch\.bfloat16"):
+        kernels.rms_norm(x, torch.ones(8), 1e-6, torch.empty(2, 8), torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="qkv has 5 heads; expected 2 q heads"):
+        kernels.qk_norm_rope(torch.randn(3, 5, 8), 2, None, None, torch.ones(3, 4), torch.ones(3, 4), 1e-6)
+    with pytest.raises(ValueError, match=r"cos has shape \[3, 3\]; expected \[3, 4\]"):
+        kernels.qk_norm_rope(torch.randn(3, 4, 8), 2, None, None, torch.ones(3, 3), torch.ones(3, 4), 1e-6)
+    with pytest.raises(ValueError, match="gate_up has 7 columns"):
+        kernels.silu_mul(torch.randn(2, 7), torch.empty(2, 3))

@@ -1,0 +1,151 @@
+/* The elementwise work of a decoder layer, fused: RMSNorm (with the residual add before it),
+ * Qwen3's per-head q/k RMSNorm with the rotary embedding, and SiLU(gate) * up.
+ *
+ * Each kernel does in one pass over its rows what the torch code (tuili/layers) does in 4-12
+ * ops, each op a pass over memory and, at decode, mostly Python dispatch. Every kernel rounds
+ * where the torch code rounds, so that float32 and bfloat16 models get the same values up to
+ * the order of a float32 sum and the last bits of exp and sqrt:
+ *
+ *   rms_norm:      y = w * round(x * r),  r = 1 / sqrt(mean(x^2) + eps)  (x and r in float32)
+ *   add_rms_norm:  s = round(x + residual) is written back to residual; y = rms_norm(s)
+ *   qk_norm_rope:  per head of q and k, optionally rms_norm with that head kind's weight, then
+ *                  the rotate-half rotation in float32 (x1 cos - x2 sin, x2 cos + x1 sin), round
+ *   silu_mul:      y = round(silu(g)) * u   (silu(g) = g / (1 + exp(-g)) in float32)
+ *
+ * where round is to the tensor's dtype (nothing for float32) and products of two stored values
+ * are rounded once. All tensors are row-major and contiguous; rows are split among threads. */
+#include <omp.h>
+
+#include "common.h"
+
+/* Rows go through float32 buffers, with the dtype test outside the loops so that they vectorize. */
+static void row_load(float *dst, const void *src, int dtype, int64_t n) {
+    if (dtype == TUILI_BF16) {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static void row_store(void *dst, const float *src, int dtype, int64_t n) {
+    if (dtype == TUILI_BF16) {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* Each value rounded to the dtype and back: what storing it would keep. */
+static void row_round(float *v, int dtype, int64_t n) {
+    if (dtype == TUILI_BF16)
+        for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+}
+
+/* buf[0..dim) = w * round(buf * r): one row of RMSNorm in place, w already in float32. */
+static void norm_row(float *buf, const float *w, int64_t dim, float eps, int dtype) {
+    float lanes[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16)
+        for (int l = 0; l < 16; l++) lanes[l] = MADD(buf[d + l], buf[d + l], lanes[l]);
+    float sum = 0.0f;
+    for (; d < dim; d++) sum = MADD(buf[d], buf[d], sum);
+    for (int l = 0; l < 16; l++) sum += lanes[l];
+    const float r = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (d = 0; d < dim; d++) buf[d] *= r;
+    row_round(buf, dtype, dim);
+    for (d = 0; d < dim; d++) buf[d] *= w[d];
+}
+
+#define MAX_DIM 16384 /* the longest row the stack buffer takes; Python checks it */
+
+int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
+                   int dtype, int num_threads) {
+    if (dim > MAX_DIM) return TUILI_BAD_SHAPE;
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float buf[dim], res[dim], w[dim]; /* a few KiB: rows of one hidden state */
+        row_load(w, weight, dtype, dim);
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            row_load(buf, (const char *)x + row * dim * size, dtype, dim);
+            if (residual) {
+                char *rr = (char *)residual + row * dim * size;
+                row_load(res, rr, dtype, dim);
+                for (int64_t d = 0; d < dim; d++) buf[d] += res[d];
+                row_store(rr, buf, dtype, dim);
+                row_round(buf, dtype, dim);
+            }
+            norm_row(buf, w, dim, eps, dtype);
+            row_store((char *)out + row * dim * size, buf, dtype, dim);
+        }
+    }
+    return TUILI_OK;
+}
+
+/* In place on qkv [tokens, q_heads + 2 kv_heads, head_dim]: the q and k heads of each token
+ * normalized (when q_weight / k_weight are given) and rotated; v untouched. cos and sin are
+ * float32 [tokens, head_dim / 2]. */
+int tuili_qk_norm_rope(void *qkv, const void *q_weight, const void *k_weight, const float *cos, const float *sin,
+                       int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float eps, int dtype,
+                       int num_threads) {
+    if (head_dim > MAX_DIM || head_dim % 2) return TUILI_BAD_SHAPE;
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+    const int64_t heads = q_heads + 2 * kv_heads, rotated = q_heads + kv_heads, half = head_dim / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float buf[head_dim], out[head_dim], qw[head_dim], kw[head_dim];
+        if (q_weight) {
+            row_load(qw, q_weight, dtype, head_dim);
+            row_load(kw, k_weight, dtype, head_dim);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            const float *c = cos + t * half, *s = sin + t * half;
+            for (int64_t h = 0; h < rotated; h++) {
+                char *row = (char *)qkv + (t * heads + h) * head_dim * size;
+                row_load(buf, row, dtype, head_dim);
+                if (q_weight) {
+                    norm_row(buf, h < q_heads ? qw : kw, head_dim, eps, dtype);
+                    row_round(buf, dtype, head_dim);
+                }
+                for (int64_t d = 0; d < half; d++) {
+                    out[d] = buf[d] * c[d] - buf[d + half] * s[d];
+                    out[d + half] = buf[d + half] * c[d] + buf[d] * s[d];
+                }
+                row_store(row, out, dtype, head_dim);
+            }
+        }
+    }
+    return TUILI_OK;
+}
+
+/* out [rows, inter] = round(silu(gate)) * up, gate_up [rows, 2 * inter] holding gate then up. */
+#define SILU_CHUNK 1024
+
+int tuili_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype, int num_threads) {
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+    const int64_t chunks = (inter + SILU_CHUNK - 1) / SILU_CHUNK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+    for (int64_t row = 0; row < rows; row++) {
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const int64_t first = chunk * SILU_CHUNK, n = inter - first < SILU_CHUNK ? inter - first : SILU_CHUNK;
+            const char *g = (const char *)gate_up + (row * 2 * inter + first) * size, *u = g + inter * size;
+            float gate[SILU_CHUNK], up[SILU_CHUNK];
+            row_load(gate, g, dtype, n);
+            row_load(up, u, dtype, n);
+            /* x / (1 + e^-x) from the exp of a non-positive number only: with e = e^-|x|, that is
+             * x / (1 + e) for x >= 0 and x e / (1 + e) below. */
+            for (int64_t d = 0; d < n; d++) {
+                const float x = gate[d], e = exp_nonpositive(x >= 0.0f ? -x : x);
+                gate[d] = (x >= 0.0f ? x : x * e) / (1.0f + e);
+            }
+            row_round(gate, dtype, n);
+            for (int64_t d = 0; d < n; d++) gate[d] *= up[d];
+            row_store((char *)out + (row * inter + first) * size, gate, dtype, n);
+        }
+    }
+    return TUILI_OK;
+}
