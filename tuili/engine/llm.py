@@ -17,17 +17,23 @@ from tuili.engine.request import RequestOutput
 from tuili.errors import RequestError, TuiliError
 from tuili.sampling import SamplingParams
 
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 class LLM:
     def __init__(self, model: str | None = None, **options) -> None:
         """`model`: a Hugging Face directory or .gguf file (None: the embedded SmolLM2).
-        `options`: any EngineConfig field — dtype, device, block_size, max_num_batched_tokens,
+        `options`: any EngineConfig field — dtype, device, block_size, max_num_batched_tokens
+        (default here OFFLINE_MAX_NUM_BATCHED_TOKENS, not the engine's 512),
         max_num_seqs, max_model_len, kv_cache_memory, enable_prefix_caching,
         kv_offload_memory, quantization, kv_cache_dtype, hardware, seed."""
         known = {f.name for f in fields(EngineConfig)} - {"model"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TuiliError(f"unknown LLM option(s) {unknown}: expected some of {sorted(known)}")
+        # Offline, throughput beats the latency of the decodes waiting behind a prefill: bigger
+        # steps, as vLLM's LLM class also defaults to (docs/engine.md).
+        options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.engine = LLMEngine(EngineConfig(model=model, **options))
 
     def get_tokenizer(self):
