@@ -185,3 +185,34 @@ def test_plan_table_breaks_the_overhead_out(capsys, tmp_path):
     assert "+ host overhead 6.3 ms" in out and "decode_layer 200 µs" in out
     assert main(["plan", "--config", str(config), "--hardware", "h100-sxm"]) == 0
     assert "none counted" in capsys.readouterr().out
+
+
+def test_probed_linear_rates_are_a_floor_above_the_roofline():
+    """Where the probe timed tuili's own linears below the hardware's figures, a decode step
+    streams the weights at their rate (the KV at the memory's) and a prefill computes at their
+    prompt-size FLOP/s; the difference is the step's kernels term, the roofline itself unchanged."""
+    slow = HardwareSpec(**{**CPU.to_dict(), "linear_stream_bandwidth": {"fp32": 0.5e10},
+                           "linear_prefill_flops": {"fp32": 0.25e11}})
+    fast = HardwareSpec(**{**CPU.to_dict(), "linear_stream_bandwidth": {"fp32": 2e10},
+                           "linear_prefill_flops": {"fp32": 4e11}})
+    base, measured, capped = plan(QWEN3_06B, CPU), plan(QWEN3_06B, slow), plan(QWEN3_06B, fast)
+    weights = ModelCost.from_config(QWEN3_06B).decode_weight_bytes(weight_format("fp32"), 1)
+    for p in (base, measured, capped):
+        assert p["decode_step_roofline_seconds"] == base["decode_step_roofline_seconds"]
+    # at batch 1 the step is the weights' time: twice as long at half the rate
+    assert measured["decode_step_kernels_seconds"] == pytest.approx(weights / 0.5e10 - weights / 1e10, rel=1e-9)
+    assert measured["decode_step_seconds"] == pytest.approx(
+        base["decode_step_seconds"] + measured["decode_step_kernels_seconds"], rel=1e-12)
+    assert measured["prefill_kernels_seconds"] == pytest.approx(3 * base["prefill_roofline_seconds"], rel=1e-6)
+    # rates above the hardware's figures are capped by them: the roofline holds
+    assert capped["decode_step_kernels_seconds"] == 0 == capped["prefill_kernels_seconds"]
+    assert capped["decode_step_seconds"] == base["decode_step_seconds"]
+    # a packed-linears plan keeps its own kernel terms
+    assert plan(SMOLLM2, slow, packed_linears=True)["decode_step_kernels_seconds"] == 0
+
+
+def test_bad_linear_rates_in_a_spec_are_named():
+    with pytest.raises(TuiliError, match=r"linear_stream_bandwidth for 'fp64'"):
+        HardwareSpec(**{**CPU.to_dict(), "linear_stream_bandwidth": {"fp64": 1e10}})
+    with pytest.raises(TuiliError, match=r"linear_prefill_flops\['fp32'\]"):
+        HardwareSpec(**{**CPU.to_dict(), "linear_prefill_flops": {"fp32": -1.0}})

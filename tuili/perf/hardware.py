@@ -42,6 +42,9 @@ class LinkSpec:
     source: str
 
 
+ENGINE_PREFILL_ROWS = 512  # the product size of HardwareSpec.linear_prefill_flops
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """One device: its peaks by dtype, memory bandwidth and size, and where the figures came from.
@@ -57,6 +60,11 @@ class HardwareSpec:
     ``int4_kernel_seconds_per_value`` and ``int4_dequant_seconds_per_value``: the time tuili's
     packed int4 linears (a CPU's) take per weight value in their weight-only kernel (per row) and
     to dequantize it for a many-row matmul; 0 where not measured.
+    ``linear_stream_bandwidth`` and ``linear_prefill_flops``, per dtype: the bytes/s at which
+    tuili's own dense linear layers (tuili/layers/linear.py, with whatever native kernels run
+    here) stream a weight matrix from memory at one row, and their FLOP/s at a 512-row product
+    from memory, as `tuili probe` measured them. The planner's step times do not fall below what
+    these allow (the engine's floor above the hardware's roofline); presets have none.
     """
 
     name: str
@@ -70,6 +78,8 @@ class HardwareSpec:
     host_overhead_seconds: dict[str, float] = field(default_factory=dict)
     int4_kernel_seconds_per_value: float = 0.0
     int4_dequant_seconds_per_value: float = 0.0
+    linear_stream_bandwidth: dict[str, float] = field(default_factory=dict)
+    linear_prefill_flops: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -99,6 +109,13 @@ class HardwareSpec:
                     f"{name} of {self.name!r}={getattr(self, name)!r} is invalid: expected seconds per weight "
                     f"value, >= 0 and well under a millisecond"
                 )
+        for name in ("linear_stream_bandwidth", "linear_prefill_flops"):
+            for dtype, value in getattr(self, name).items():
+                if dtype not in PEAK_DTYPES:
+                    raise TuiliError(
+                        f"hardware {self.name!r} lists {name} for {dtype!r}: expected dtypes among {', '.join(PEAK_DTYPES)}"
+                    )
+                _positive(f"{name}[{dtype!r}] of {self.name!r}", value)
         if self.interconnect is not None and self.interconnect not in LINKS:
             raise TuiliError(
                 f"hardware {self.name!r} names interconnect {self.interconnect!r}: expected one of {', '.join(LINKS)}"
@@ -159,6 +176,9 @@ class HardwareSpec:
             },
             **{name: _number(f"{where} {name}", data.get(name, 0.0))
                for name in ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value")},
+            **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
+                      for k, v in _mapping(where, name, data.get(name)).items()}
+               for name in ("linear_stream_bandwidth", "linear_prefill_flops")},
         )
 
 
@@ -166,7 +186,7 @@ def _mapping(where: str, name: str, value: object) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise TuiliError(f"{where}: {name} must map names to seconds, got {value!r}")
+        raise TuiliError(f"{where}: {name} must map names to numbers, got {value!r}")
     return value
 
 

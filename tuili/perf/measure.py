@@ -24,7 +24,7 @@ from tuili.errors import TuiliError
 from tuili.perf.checkpoint import ModelSource
 from tuili.perf.cost import CheckpointBytes, ModelCost
 from tuili.perf.formats import canonical_dtype
-from tuili.perf.hardware import HardwareSpec
+from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline
 
@@ -163,6 +163,14 @@ def measure(
     else:
         notes.append(f"{hardware.name} has no measured host overheads: the predictions are the roofline alone; "
                      f"run `tuili probe` to measure them")
+    dtype = inputs.compute_dtype
+    if not inputs.packed_linears and dtype in hardware.linear_stream_bandwidth:
+        kernels = sum(p.kernels for p in predicted_steps) / len(predicted_steps)
+        notes.append(f"tuili's {dtype} linears measured here stream weights at "
+                     f"{hardware.linear_stream_bandwidth[dtype] / 1e9:.1f} GB/s at one row and run "
+                     f"{hardware.linear_prefill_flops.get(dtype, 0) / 1e12:.2f} TFLOP/s at {ENGINE_PREFILL_ROWS} rows: "
+                     f"+{kernels * 1e3:.2f} ms per decode step, +{prefill.kernels * 1e3:.2f} ms in the prefill "
+                     f"above the roofline")
     if inputs.packed_linears:
         notes.append(f"packed int4 linears: their kernel at {hardware.int4_kernel_seconds_per_value * 1e9:.2f} ns "
                      f"per weight value and row; the prefill dequantizes them, {prefill.dequant * 1e3:.2f} ms at "

@@ -5,7 +5,9 @@ bandwidth), each a roofline floor divided by an assumed efficiency (``mfu``/``mb
 the physical limit), plus the engine's fixed host cost for the step (the hardware spec's measured
 seconds per step and per decoder layer, times the config's layers, tuili/perf/overhead.py; 0 for
 datasheet presets), plus its tensor-parallel communication; these are assumed not to
-overlap. Packed int4 linears (plan --measure of an engine that holds them) run kernels of their
+overlap. Where `tuili probe` timed tuili's own linears (weight streaming at one row, FLOP/s at
+prompt size), a step takes at least what those rates allow: the difference to the roofline is
+the step's `kernels` term. Packed int4 linears (plan --measure of an engine that holds them) run kernels of their
 own: their time is a roofline of its own with their measured unpacking rate as a third ceiling,
 and a many-row step first dequantizes them. docs/ruler.md states each formula and the reserve
 assumed.
@@ -91,10 +93,11 @@ def allreduce_seconds(message_bytes: float, devices: int, over: LinkSpec) -> flo
 class StepCost:
     flops: float  # all devices together
     bytes: float  # per device
-    seconds: float  # roofline + dequantization + overhead + communication
+    seconds: float  # roofline + kernels + dequantization + overhead + communication
     roofline: float = 0.0  # max(compute time, memory time); packed linears' own added
     overhead: float = 0.0  # the engine's fixed host cost for the step
     dequant: float = 0.0  # packed weights converted into tiles for a many-row matmul
+    kernels: float = 0.0  # how far the engine's measured linears keep the step above its roofline
 
 
 class Roofline:
@@ -119,6 +122,10 @@ class Roofline:
         self.hidden_bytes = cost.shape.hidden_size * dtype_bytes(ACTIVATION_DTYPE)
         # an all-reduce after attention and after the MLP of every layer, and one for the embedding
         self.allreduces = 2 * cost.shape.num_layers + 1
+        # tuili's own linears as probed here (none for presets): their weight streaming rate at
+        # one row and their FLOP/s at prompt size, each capped by the hardware's figure
+        self.stream = min(hardware.linear_stream_bandwidth.get(self.compute_dtype, math.inf), self.bandwidth)
+        self.linear_flops = min(hardware.linear_prefill_flops.get(self.compute_dtype, math.inf), self.peak)
         self._packed: dict[Step, PackedWork | None] = {}
         if inputs.packed_linears:
             by_kind = cost.weight_bytes_by_kind(inputs.weights)
@@ -139,12 +146,22 @@ class Roofline:
     def _roofline(self, flops: float, nbytes: float) -> float:
         return max(flops / self.tp / self.peak, nbytes / self.bandwidth)
 
-    def _step(self, flops: float, nbytes: float, step: Step, comm: float) -> StepCost:
+    def _engine_floor(self, flops: float, nbytes: float, weight_bytes: float) -> float:
+        """The step's time at the measured rates of the engine's own linears: the weights at their
+        streaming rate (the rest of the bytes at the hardware's), the FLOPs at their prompt-size
+        rate. Equal to the roofline where the probe measured nothing."""
+        if self.stream == self.bandwidth and self.linear_flops == self.peak:
+            return self._roofline(flops, nbytes)  # nothing measured, or nothing slower than the hardware
+        memory = weight_bytes / self.stream + (nbytes - weight_bytes) / self.bandwidth
+        return max(flops / self.tp / self.linear_flops, memory)
+
+    def _step(self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float) -> StepCost:
         overhead = self.overhead(step)
         packed = self._packed_work(step)
         if packed is None:
-            return StepCost(flops, nbytes, self._roofline(flops, nbytes) + overhead + comm,
-                            self._roofline(flops, nbytes), overhead)
+            roofline = self._roofline(flops, nbytes)
+            kernels = max(0.0, self._engine_floor(flops, nbytes, weight_bytes) - roofline)
+            return StepCost(flops, nbytes, roofline + kernels + overhead + comm, roofline, overhead, kernels=kernels)
         # The packed linears run in kernels of their own, after one another and the rest: the
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
         hw = self.hardware
@@ -161,9 +178,10 @@ class Roofline:
         differs by a few views per layer."""
         cost, tp = self.cost, self.tp
         flops = cost.prefill_flops(start, length)
-        nbytes = cost.decode_weight_bytes(self.inputs.weights, length, tp) + self.kv_token_device * length
+        weights = cost.decode_weight_bytes(self.inputs.weights, length, tp)
+        nbytes = weights + self.kv_token_device * length
         comm = self.allreduces * allreduce_seconds(length * self.hidden_bytes, tp, self.link) if tp > 1 else 0.0
-        return self._step(flops, nbytes, Step(prefill=True, tokens=length), comm)
+        return self._step(flops, nbytes, weights, Step(prefill=True, tokens=length), comm)
 
     def sequence_bytes(self, context: int) -> float:
         """Per device, one decoding sequence's KV reads plus its state read and written back."""
@@ -173,16 +191,16 @@ class Roofline:
         """One decode step over sequences at these context lengths (new token included)."""
         batch = len(context_lens)
         flops = self.cost.decode_flops(context_lens)
-        nbytes = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp) + sum(
-            self.sequence_bytes(c) for c in context_lens
-        )
-        return self._step(flops, nbytes, Step(prefill=False, tokens=batch), self.comm(batch))
+        weights = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp)
+        nbytes = weights + sum(self.sequence_bytes(c) for c in context_lens)
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch))
 
     def decode_uniform(self, context: int, batch: int) -> StepCost:
         """decode([context] * batch), in constant time."""
         flops = batch * self.cost.flops_per_token(context)
-        nbytes = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp) + batch * self.sequence_bytes(context)
-        return self._step(flops, nbytes, Step(prefill=False, tokens=batch), self.comm(batch))
+        weights = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp)
+        nbytes = weights + batch * self.sequence_bytes(context)
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch))
 
     def comm(self, batch: int) -> float:
         """Seconds of tensor-parallel communication in one decode step."""
@@ -280,12 +298,14 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         "prefill_roofline_seconds": prefill.roofline,
         "prefill_overhead_seconds": prefill.overhead,
         "prefill_dequant_seconds": prefill.dequant,
+        "prefill_kernels_seconds": prefill.kernels,
         "decode_step_flops": step.flops,
         "decode_step_bytes": step.bytes,
         "decode_step_seconds": step.seconds,
         "decode_step_roofline_seconds": step.roofline,
         "decode_step_overhead_seconds": step.overhead,
         "decode_step_dequant_seconds": step.dequant,
+        "decode_step_kernels_seconds": step.kernels,
         **{f"host_overhead_seconds_{key}": hardware.host_overhead_seconds.get(key, 0.0) for key in HOST_KEYS},
         "compute_bound_batch": crossover,
         "decode_tokens_per_second": batch / step.seconds,

@@ -24,7 +24,7 @@ import torch
 
 from tuili.config import resolve_device
 from tuili.errors import TuiliError
-from tuili.perf.hardware import HardwareSpec
+from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec
 
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_GEMV_K = 512  # a small model's projection: its time is mostly the per-matmul overhead
@@ -73,6 +73,8 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
             dtype = m.name.split()[1]
             peaks[dtype] = max(peaks.get(dtype, 0.0), m.value)
     results += _packed_int4(dev, peaks, sizes.seconds_per_item)
+    linears = _engine_linears(dev, sizes)
+    results += linears
     read = next(m.value for m in results if m.name == "memory read")
     spec = HardwareSpec(
         name=f"{_device_name(dev)} (probed)",
@@ -82,6 +84,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         source=f"tuili probe{' --quick' if quick else ''} on {platform.node()}, torch {torch.__version__}",
         origin="probe",
         **_int4_fields(results),
+        **_linear_fields(linears),
     )
     host = _host_overheads(dev, spec, quick)
     results += host
@@ -243,6 +246,46 @@ def _packed_int4(dev: torch.device, peaks: dict[str, float], budget: float) -> l
         product = 0.0 if rows == 1 else 2 * rows * k * n / peaks["bf16"]
         out.append(Measurement(name, max(0.0, seconds - product) / (k * n), "s", seconds))
     return out
+
+
+ENGINE_LINEAR = "engine linear"
+
+
+def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    """tuili's own dense linear (tuili/layers/linear.py: native GEMV or AMX kernels where they
+    run, else F.linear) as the engine calls it: one row, and a 512-row prompt chunk, times one
+    k x k weight matrix after another, the matrices together larger than the caches."""
+    from tuili.layers.linear import linear
+
+    k, out = sizes.skinny_k, []
+    for dtype in sizes.skinny_dtypes:
+        torch_dtype = _TORCH_DTYPES[dtype]
+        elem = torch.finfo(torch_dtype).bits // 8
+        count = max(1, -(-sizes.buffer_bytes // (k * k * elem)))
+        weights = [torch.full((k, k), 0.5, dtype=torch_dtype, device=dev) for _ in range(count)]
+        for rows in (1, ENGINE_PREFILL_ROWS):
+            x = torch.randn(rows, k, device=dev).to(torch_dtype)
+
+            def layers(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
+                for w in weights:
+                    linear(x, w)
+
+            t = _time(layers, dev, sizes.seconds_per_item)
+            name = f"{ENGINE_LINEAR} {dtype} {rows}x{k}x{k}"
+            if rows == 1:
+                out.append(Measurement(f"{name} weight read", k * k * elem * count / t, "B/s", t))
+            else:
+                out.append(Measurement(name, 2 * rows * k * k * count / t, "FLOP/s", t))
+        del weights
+    return out
+
+
+def _linear_fields(linears: list[Measurement]) -> dict[str, dict[str, float]]:
+    stream, prefill = {}, {}
+    for m in linears:
+        dtype = m.name.removeprefix(ENGINE_LINEAR).split()[0]
+        (stream if m.name.endswith("weight read") else prefill)[dtype] = m.value
+    return {"linear_stream_bandwidth": stream, "linear_prefill_flops": prefill}
 
 
 def _int4_fields(results: list[Measurement]) -> dict[str, float]:

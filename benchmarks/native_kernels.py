@@ -21,8 +21,8 @@
 
 Times are the best of repeated calls (the least disturbed by other processes).
 
-    python benchmarks/kernels.py --threads 2
-    python benchmarks/kernels.py --only gemv --gemv-threads 1 2
+    python benchmarks/native_kernels.py --threads 2
+    python benchmarks/native_kernels.py --only gemv --gemv-threads 1 2
 """
 
 from __future__ import annotations
