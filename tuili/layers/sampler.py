@@ -84,7 +84,9 @@ class Sampler:
 
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-        if greedy:
+        if len(greedy) == len(rows):  # no row-indexed copy of [rows, vocab] logits in the common case
+            token_ids = logits.argmax(dim=-1)
+        elif greedy:
             token_ids[greedy] = logits[greedy].argmax(dim=-1)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random:
