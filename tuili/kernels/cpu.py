@@ -278,6 +278,21 @@ def _dequantize(
     return out
 
 
+def _linear_operands(
+    x: torch.Tensor, weight: object, bias: object, out: object
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """weight [N, K], bias [N] or None and out [M, N], checked against an already checked x [M, K]:
+    all of x's dtype, contiguous, on the CPU."""
+    rows, k = x.shape
+    weight = _check("weight", weight, (x.dtype,), 2)
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has shape {list(weight.shape)}; expected [N, {k}] (x has {k} columns)")
+    if bias is not None:
+        bias = _check("bias", bias, (x.dtype,), (n,))
+    return weight, bias, _check("out", out, (x.dtype,), (rows, n))
+
+
 def linear_small(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
 ) -> torch.Tensor:
@@ -289,13 +304,8 @@ def linear_small(
         raise ValueError(
             f"x has {rows} rows; linear_small takes 1 to {_LINEAR_SMALL_MAX_ROWS} (use torch's matmul for more)"
         )
-    weight = _check("weight", weight, (x.dtype,), 2)
+    weight, bias, out = _linear_operands(x, weight, bias, out)
     n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"weight has shape {list(weight.shape)}; expected [N, {k}] (x has {k} columns)")
-    if bias is not None:
-        bias = _check("bias", bias, (x.dtype,), (n,))
-    out = _check("out", out, (x.dtype,), (rows, n))
     status = _library().tuili_linear_small(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         _DTYPE_CODES[x.dtype], rows, n, k, torch.get_num_threads(),
@@ -305,11 +315,17 @@ def linear_small(
     return out
 
 
-@functools.cache
 def amx_available() -> bool:
     """Whether linear_amx can run: the kernels are available, this build has the AMX code (the
     compiler targeted a CPU with AMX-BF16) and the OS lets this process use the tile registers."""
-    return available() and _library().tuili_amx_init() == 0
+    return available() and _amx_granted()
+
+
+@functools.cache
+def _amx_granted() -> bool:
+    """The build's and the OS's answer, asked once per process (available() may change with the
+    environment; this does not)."""
+    return _library().tuili_amx_init() == 0
 
 
 def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -320,13 +336,8 @@ def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rows, k = x.shape
     if k % _AMX_K_MULTIPLE:
         raise ValueError(f"x has {k} columns; linear_amx takes a multiple of {_AMX_K_MULTIPLE}")
-    weight = _check("weight", weight, (torch.bfloat16,), 2)
+    weight, bias, out = _linear_operands(x, weight, bias, out)
     n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"weight has shape {list(weight.shape)}; expected [N, {k}] (x has {k} columns)")
-    if bias is not None:
-        bias = _check("bias", bias, (torch.bfloat16,), (n,))
-    out = _check("out", out, (torch.bfloat16,), (rows, n))
     if rows == 0:
         return out
     status = _library().tuili_linear_amx(

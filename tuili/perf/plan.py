@@ -150,9 +150,9 @@ class Roofline:
         """The step's time at the measured rates of the engine's own linears: the weights at their
         streaming rate (the rest of the bytes at the hardware's), the FLOPs at their prompt-size
         rate. Equal to the roofline where the probe measured nothing."""
-        if self.stream == self.bandwidth and self.linear_flops == self.peak:
-            return self._roofline(flops, nbytes)  # nothing measured, or nothing slower than the hardware
-        memory = weight_bytes / self.stream + (nbytes - weight_bytes) / self.bandwidth
+        # The roofline's memory time plus the weights' extra time at the slower rate: exactly the
+        # roofline (no rounding left over) where the rates equal the hardware's.
+        memory = nbytes / self.bandwidth + weight_bytes * (1 / self.stream - 1 / self.bandwidth)
         return max(flops / self.tp / self.linear_flops, memory)
 
     def _step(self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float) -> StepCost:

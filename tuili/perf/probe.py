@@ -174,32 +174,42 @@ def _matmuls(
     return out
 
 
-def _skinny(dtype: str, dev: torch.device, sizes: _Sizes) -> list[Measurement]:
-    """Decode's matmuls: a few rows of activations times one weight matrix after another, as a
-    model's layers follow each other, the matrices together larger than the caches. One row at a
-    small and at a large matrix size give the two terms of a decode matmul's time (see fit_gemv)."""
+def _cycled_matmuls(
+    dtype: str, dev: torch.device, sizes: _Sizes, k: int, rows: tuple[int, ...],
+    matmul: Callable[[torch.Tensor, torch.Tensor], object],
+) -> list[tuple[int, float, int]]:
+    """(rows, best seconds, matrices) of `matmul(x, w)` over one k x k weight matrix after another,
+    as a model's layers follow each other, the matrices together larger than the caches."""
+    elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
+    count = max(1, -(-sizes.buffer_bytes // (k * k * elem)))
+    # values do not change a matmul's speed (no denormals here), so a fast fill will do
+    weights = [torch.full((k, k), 0.5, dtype=_TORCH_DTYPES[dtype], device=dev) for _ in range(count)]
     out = []
+    for m in rows:
+        x = torch.randn(m, k, device=dev).to(_TORCH_DTYPES[dtype])
+
+        def layers(x: torch.Tensor = x) -> None:
+            for w in weights:
+                matmul(x, w)
+
+        out.append((m, _time(layers, dev, sizes.seconds_per_item), count))
+    return out
+
+
+def _skinny(dtype: str, dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    """Decode's matmuls through torch (F.linear): a few rows of activations times weight matrices
+    cycled through. One row at a small and at a large matrix size give the two terms of a decode
+    matmul's time (see fit_gemv)."""
+    out = []
+    elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
     for k, rows in ((SMALL_GEMV_K, (1,)), (sizes.skinny_k, sizes.skinny_rows)):
-        torch_dtype = _TORCH_DTYPES[dtype]
-        elem = torch.finfo(torch_dtype).bits // 8
-        count = max(1, -(-sizes.buffer_bytes // (k * k * elem)))
-        # values do not change a matmul's speed (no denormals here), so a fast fill will do
-        weights = [torch.full((k, k), 0.5, dtype=torch_dtype, device=dev) for _ in range(count)]
-        for m in rows:
-            x = torch.randn(m, k, device=dev).to(torch_dtype)
-
-            def layers(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
-                for w in weights:
-                    torch.nn.functional.linear(x, w)
-
-            t = _time(layers, dev, sizes.seconds_per_item)
+        for m, t, count in _cycled_matmuls(dtype, dev, sizes, k, rows, torch.nn.functional.linear):
             name = f"matmul {dtype} skinny {m}x{k}x{k}"
             out.append(Measurement(name, 2 * m * k * k * count / t, "FLOP/s", t))
             # the weight bytes such matmuls stream per second: the bandwidth decode can reach
             out.append(Measurement(f"{name} weight read", k * k * elem * count / t, "B/s", t))
             if m == 1:
                 out.append(Measurement(f"matmul {dtype} skinny 1x{k}x{k} seconds per matmul", t / count, "s", t))
-        del weights
     return out
 
 
@@ -253,30 +263,19 @@ ENGINE_LINEAR = "engine linear"
 
 def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     """tuili's own dense linear (tuili/layers/linear.py: native GEMV or AMX kernels where they
-    run, else F.linear) as the engine calls it: one row, and a 512-row prompt chunk, times one
-    k x k weight matrix after another, the matrices together larger than the caches."""
+    run, else F.linear) as the engine calls it: one row, and a 512-row prompt chunk, times weight
+    matrices cycled through from memory."""
     from tuili.layers.linear import linear
 
     k, out = sizes.skinny_k, []
     for dtype in sizes.skinny_dtypes:
-        torch_dtype = _TORCH_DTYPES[dtype]
-        elem = torch.finfo(torch_dtype).bits // 8
-        count = max(1, -(-sizes.buffer_bytes // (k * k * elem)))
-        weights = [torch.full((k, k), 0.5, dtype=torch_dtype, device=dev) for _ in range(count)]
-        for rows in (1, ENGINE_PREFILL_ROWS):
-            x = torch.randn(rows, k, device=dev).to(torch_dtype)
-
-            def layers(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
-                for w in weights:
-                    linear(x, w)
-
-            t = _time(layers, dev, sizes.seconds_per_item)
+        elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
+        for rows, t, count in _cycled_matmuls(dtype, dev, sizes, k, (1, ENGINE_PREFILL_ROWS), linear):
             name = f"{ENGINE_LINEAR} {dtype} {rows}x{k}x{k}"
             if rows == 1:
                 out.append(Measurement(f"{name} weight read", k * k * elem * count / t, "B/s", t))
             else:
                 out.append(Measurement(name, 2 * rows * k * k * count / t, "FLOP/s", t))
-        del weights
     return out
 
 

@@ -65,6 +65,19 @@ static inline float f8e4m3_to_f32(uint8_t x) {
     return ((x & 0x7Fu) == 0x7Fu) ? NAN : value;
 }
 
+/* a . b over n floats as sixteen partial sums (independent lanes, which GCC vectorizes without
+ * reassociating), then the tail, then the lanes, in that fixed order. */
+static inline float dot_lanes16(const float *a, const float *b, int64_t n) {
+    float lanes[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16)
+        for (int l = 0; l < 16; l++) lanes[l] = MADD(a[d + l], b[d + l], lanes[l]);
+    float total = 0.0f;
+    for (; d < n; d++) total = MADD(a[d], b[d], total);
+    for (int l = 0; l < 16; l++) total += lanes[l];
+    return total;
+}
+
 /* exp(x) for x <= 0 to about 2 ulp (Cephes' expf polynomial), written so loops over it
  * vectorize: no floorf/fmaxf calls, which GCC vectorizes only with -ffast-math. Inputs below
  * -87 return ~0 (at most 2^-126), all softmax needs. */

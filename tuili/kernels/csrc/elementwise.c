@@ -45,17 +45,10 @@ static void row_round(float *v, int dtype, int64_t n) {
 
 /* buf[0..dim) = w * round(buf * r): one row of RMSNorm in place, w already in float32. */
 static void norm_row(float *buf, const float *w, int64_t dim, float eps, int dtype) {
-    float lanes[16] = {0};
-    int64_t d = 0;
-    for (; d + 16 <= dim; d += 16)
-        for (int l = 0; l < 16; l++) lanes[l] = MADD(buf[d + l], buf[d + l], lanes[l]);
-    float sum = 0.0f;
-    for (; d < dim; d++) sum = MADD(buf[d], buf[d], sum);
-    for (int l = 0; l < 16; l++) sum += lanes[l];
-    const float r = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (d = 0; d < dim; d++) buf[d] *= r;
+    const float r = 1.0f / sqrtf(dot_lanes16(buf, buf, dim) / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++) buf[d] *= r;
     row_round(buf, dtype, dim);
-    for (d = 0; d < dim; d++) buf[d] *= w[d];
+    for (int64_t d = 0; d < dim; d++) buf[d] *= w[d];
 }
 
 #define MAX_DIM 16384 /* the longest row the stack buffer takes; Python checks it */

@@ -210,18 +210,6 @@ static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t 
 }
 #endif
 
-/* Sixteen partial sums, added in a fixed order. */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float lanes[16] = {0};
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16)
-        for (int l = 0; l < 16; l++) lanes[l] = MADD(a[d + l], b[d + l], lanes[l]);
-    float total = 0.0f;
-    for (; d < n; d++) total = MADD(a[d], b[d], total);
-    for (int l = 0; l < 16; l++) total += lanes[l];
-    return total;
-}
-
 /* attend_chunk_avx512 in plain C, for any head size. */
 static void attend_chunk_portable(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
                                   const float *const *krow, const float *const *vrow) {
@@ -232,7 +220,7 @@ static void attend_chunk_portable(rows_t *st, int64_t first, int64_t end, int64_
         if (keys == 0) continue;
         float top = -INFINITY;
         for (int64_t t = 0; t < keys; t++) {
-            s[t] = dot(st->q + r * D, krow[t], D);
+            s[t] = dot_lanes16(st->q + r * D, krow[t], D);
             top = s[t] > top ? s[t] : top;
         }
         raise_max(st, r, top);
