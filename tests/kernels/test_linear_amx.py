@@ -48,7 +48,9 @@ def assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     x64, w64 = x.double(), weight.double()
     b64 = torch.zeros(weight.shape[0], dtype=torch.float64) if bias is None else bias.double()
     expected = x64 @ w64.T + b64
-    limit = (x.shape[1] / 2 + 2) * 2**-24 * (x64.abs() @ w64.abs().T + b64.abs()) * 2 + 2**-8 * expected.abs()
+    limit = (x.shape[1] / 2 + 2) * 2**-24 * (x64.abs() @ w64.abs().T + b64.abs())
+    if out.dtype == torch.bfloat16:
+        limit = 2 * limit + 2**-8 * expected.abs()
     error = (out.double() - expected).abs()
     assert (error <= limit).all(), (
         f"shape {list(x.shape)} x {list(weight.shape)}: worst error {error.max().item():.3g}, "
@@ -78,6 +80,21 @@ def test_linear_amx_matches_float64(m, with_bias):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         assert kernels.linear_amx(x, weight, bias, out) is out
         assert_matches_float64(x, weight, bias, out)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [5, 33, 131])
+def test_linear_amx_into_float32_skips_only_the_last_rounding(m):
+    # Float32 output: the unrounded sum, within float32's bound of the exact product, and
+    # rounded to bf16 exactly the bf16 output (ragged N included: the scalar tail too).
+    for n, k in [(48, 96), (37, 64), (130, 576)]:
+        x, weight, bias = make_inputs(m, n, k, True, seed=m + n + k)
+        wide = torch.full((m, n), float("nan"))
+        narrow = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        kernels.linear_amx(x, weight, bias, wide)
+        kernels.linear_amx(x, weight, bias, narrow)
+        assert_matches_float64(x, weight, bias, wide)
+        assert torch.equal(wide.bfloat16(), narrow)
 
 
 @needs_amx

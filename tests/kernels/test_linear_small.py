@@ -34,8 +34,10 @@ def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, with_bias: bool, see
     return x, weight, bias
 
 
-def assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype)
+def assert_matches_float64(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=out_dtype or x.dtype)
     assert kernels.linear_small(x, weight, bias, out) is out
     x64, w64 = x.double(), weight.double()
     b64 = torch.zeros(weight.shape[0], dtype=torch.float64) if bias is None else bias.double()
@@ -49,6 +51,7 @@ def assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         f"shape {list(x.shape)} x {list(weight.shape)}: worst error {error.max().item():.3g}, "
         f"worst error/limit {(error / limit).max().item():.3g}"
     )
+    return out
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
@@ -57,6 +60,16 @@ def assert_matches_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 def test_linear_small_matches_float64(m, dtype, with_bias):
     for n, k in SHAPES:
         assert_matches_float64(*make_inputs(m, n, k, dtype, with_bias, seed=n * k + m))
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_linear_small_bf16_into_float32_skips_only_the_last_rounding(m):
+    # The float32 output is the sum before its rounding: within float32's bound of the exact
+    # product, and rounded to bf16 it is the bf16 output bit for bit.
+    for n, k in SHAPES:
+        x, weight, bias = make_inputs(m, n, k, torch.bfloat16, True, seed=n + k + m)
+        wide = assert_matches_float64(x, weight, bias, out_dtype=torch.float32)
+        assert torch.equal(wide.bfloat16(), assert_matches_float64(x, weight, bias))
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -89,7 +102,8 @@ def test_linear_small_rejects_bad_input_naming_the_argument():
         (r"bias has shape \[7\]; expected \[8\]", (x, weight, bias[:7], out)),
         (r"bias has dtype torch\.float32", (x, weight, bias.float(), out)),
         (r"out has shape \[2, 7\]; expected \[2, 8\]", (x, weight, bias, out[:, :7].contiguous())),
-        (r"out has dtype torch\.float32", (x, weight, bias, out.float())),
+        (r"out has dtype torch\.float16; expected torch\.bfloat16 or torch\.float32", (x, weight, bias, out.half())),
+        (r"out has dtype torch\.bfloat16; expected torch\.float32", (x.float(), weight.float(), bias.float(), out)),
         (r"bias must be a torch\.Tensor, got float", (x, weight, 0.5, out)),
     ]
     for message, args in bad:

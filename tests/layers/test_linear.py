@@ -47,3 +47,23 @@ def test_native_path_is_taken_where_the_kernels_build(monkeypatch):
     linear(torch.randn(1, 32).bfloat16(), weight)
     linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight)
     assert calls == [(1, 32)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20, 100])
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_float32_output_from_bf16_operands(rows, native, monkeypatch):
+    # Logits ask for float32 from bf16 weights. The native kernels skip the last rounding (GEMV at
+    # any K; AMX, where the CPU has it, at K % 32 == 0 and any row count); elsewhere the bf16
+    # product is widened, one bf16 rounding away from the exact value.
+    if native == "off":
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 64, generator=generator).bfloat16()
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    got = linear(x, weight, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (rows, 300)
+    exact = x.double() @ weight.double().T
+    float32_bound = 64 * 2**-24 * (x.double().abs() @ weight.double().abs().T)
+    unrounded = native == "on" and (rows <= NATIVE_MAX_ROWS[torch.bfloat16] or kernels.amx_available())
+    bound = float32_bound if unrounded else 2**-8 * exact.abs() + 2 * float32_bound
+    assert ((got.double() - exact).abs() <= bound).all()

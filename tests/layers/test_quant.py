@@ -17,9 +17,11 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from tuili import LLM, SamplingParams
+from tuili import LLM, SamplingParams, kernels
 from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
 from tuili.layers.quant import (
+    INT4_GEMV_MAX_ROWS,
+    INT4_OP_MAX_ROWS,
     Int4Linear,
     Int4Weight,
     Int8GroupLinear,
@@ -53,7 +55,8 @@ def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias,
 
 
 def run_both_kernels(module: QuantizedLinear, k: int, bias, w: torch.Tensor, bound: float) -> None:
-    """Rows for the "op" kernel (1, 3) and for "tiled" (200), and a 3-D input."""
+    """Rows for the few-row kernels (1, 3: "gemv" where the native kernels run and the module has
+    one, else "op") and for "tiled" (200), and a 3-D input."""
     generator = torch.Generator().manual_seed(1)
     for shape in [(1, k), (3, k), (200, k), (2, 5, k)]:
         x = torch.randn(*shape, generator=generator)
@@ -92,14 +95,20 @@ def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, comput
     run_both_kernels(module, 128, bias, reference, FP32_BOUND if compute_dtype == torch.float32 else BF16_BOUND)
 
 
-def test_kernel_choice_follows_rows_device_and_dtype():
+def test_kernel_choice_follows_rows_device_and_dtype(monkeypatch):
     module = make_linear(quantize_int4(torch.randn(64, 64), 32))
     assert module.kernel_for(200, CPU) == "tiled"
     assert module.kernel_for(1, torch.device("cuda")) == "tiled"  # the CUDA op packs differently
     assert make_linear(quantize_int4(torch.randn(64, 64), 32), None, torch.float32).kernel_for(1, CPU) == "tiled"
+    if kernels.available():
+        assert module.kernel_for(1, CPU) == "gemv" and module.kernel_for(INT4_GEMV_MAX_ROWS, CPU) == "gemv"
+        assert module.kernel_for(INT4_GEMV_MAX_ROWS + 1, CPU) == ("op" if INT4_GEMV_MAX_ROWS < INT4_OP_MAX_ROWS else "tiled")
     if OPS_EXPECTED:
+        assert make_linear(quantize_int8(torch.randn(64, 64))).kernel_for(1, CPU) == "op"  # no native int8 gemv
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
         assert module.kernel_for(1, CPU) == "op"
-        assert make_linear(quantize_int8(torch.randn(64, 64))).kernel_for(1, CPU) == "op"
+        run_both_kernels(module, 64, None, module.dequantize(), BF16_BOUND)
+        monkeypatch.delenv("TUILI_NATIVE_KERNELS")
     # K not a multiple of 32 would crash the int8 op: the tiled kernel must serve it.
     odd = make_linear(quantize_int8(torch.randn(5, 33)))
     assert odd.kernel_for(1, CPU) == "tiled"

@@ -96,14 +96,14 @@ class ModelRunner:
         sampling = [item.seq for item in batch if item.samples]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden[sample_index]).float()
+        logits = self.model.compute_logits(hidden[sample_index])
         return self.sampler(logits, [self._row(seq) for seq in sampling])
 
     @torch.inference_mode()
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Float32 logits of every scheduled token ([T, vocab]), for scoring prompts."""
         input_ids, positions, meta, _ = self._prepare(batch)
-        return self.model.compute_logits(self.model(input_ids, positions, meta)).float()
+        return self.model.compute_logits(self.model(input_ids, positions, meta))
 
     def weight_bytes(self) -> int:
         """Bytes of the weights held: parameters and quantized modules' codes and scales, each

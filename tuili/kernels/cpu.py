@@ -28,6 +28,7 @@ _CACHE_DTYPES = tuple(_DTYPE_CODES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _TILE_ROWS = 64  # output rows per packed int4 tile (tuili/layers/quant.py)
 _LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
+_LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is faster
 
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
@@ -81,7 +82,7 @@ def _declare(library: ctypes.CDLL) -> None:
         function.argtypes = [p, i64, p, i32, i64, i64, i64, i64, p, i32, i32]
         function.restype = i32
     library.tuili_linear_small.argtypes = [
-        p, p, p, p, i32,  # x, weight, bias, out, dtype
+        p, p, p, p, i32, i32,  # x, weight, bias, out, dtype, out dtype
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_small.restype = i32
@@ -93,9 +94,17 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tuili_silu_mul.argtypes = [p, p, i64, i64, i32, i32]  # gate_up, out, rows, inter, dtype, threads
     for name in ("tuili_rms_norm", "tuili_qk_norm_rope", "tuili_silu_mul"):
         getattr(library, name).restype = i32
+    library.tuili_linear_int4.argtypes = [
+        p, i32, p, p, p, i32,  # x, dtype, packed, scale_zero, out, out dtype
+        i64, i64, i64, i64, i64, i64, i32,  # M, K, copies, tiles, group, n out, threads
+    ]  # fmt: skip
+    library.tuili_linear_int4.restype = i32
     library.tuili_amx_init.argtypes = []
     library.tuili_amx_init.restype = i32
-    library.tuili_linear_amx.argtypes = [p, p, p, p, i64, i64, i64, i32]  # x, weight, bias, out, M, N, K, threads
+    library.tuili_linear_amx.argtypes = [
+        p, p, p, p, i32,  # x, weight, bias, out, out is float32
+        i64, i64, i64, i32,  # M, N, K, threads
+    ]  # fmt: skip
     library.tuili_linear_amx.restype = i32
 
 
@@ -244,23 +253,9 @@ def _dequantize(
     halves: int,
 ) -> torch.Tensor:
     """halves: 1 for Int4Linear, 2 for Int8GroupLinear (whose packed K holds two halves)."""
-    packed = _check("packed", packed, (torch.uint8,), 3)
-    tiles, packed_k, half_tile = packed.shape
-    if half_tile != _TILE_ROWS // 2:
-        raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {_TILE_ROWS // 2}]")
-    scale_zero = _check("scale_zero", scale_zero, _FLOAT_DTYPES, 3)
-    if scale_zero.shape[1:] != (tiles * _TILE_ROWS, 2):
-        raise ValueError(
-            f"scale_zero has shape {list(scale_zero.shape)}; expected [groups, {tiles * _TILE_ROWS}, 2] "
-            f"for packed's {tiles} tiles"
-        )
-    groups = scale_zero.shape[0]  # the group size is implied: packed_k / groups
-    if groups == 0 or packed_k % groups or groups % halves:
-        raise ValueError(
-            f"scale_zero has {groups} groups, which does not divide the packed weight's {packed_k} inputs"
-            + (" into two halves" if halves == 2 else "")
-        )
-    group_size, k = packed_k // groups, packed_k // halves
+    packed, scale_zero, group_size = _int4_layout(packed, scale_zero, _FLOAT_DTYPES, halves)
+    tiles, packed_k, _ = packed.shape
+    k = packed_k // halves
     out = _check("out", out, _FLOAT_DTYPES, 2)
     if out.shape[0] != k or out.shape[1] % _TILE_ROWS:
         raise ValueError(
@@ -278,11 +273,64 @@ def _dequantize(
     return out
 
 
+def _int4_layout(
+    packed: object, scale_zero: object, scale_dtypes: tuple[torch.dtype, ...], halves: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Int4Linear's packed [tiles, K', 32] uint8 and scale_zero [groups, 64 tiles, 2], checked;
+    with the group size K' / groups. halves: 2 when K' holds Int8GroupLinear's two halves."""
+    packed = _check("packed", packed, (torch.uint8,), 3)
+    tiles, packed_k, half_tile = packed.shape
+    if half_tile != _TILE_ROWS // 2:
+        raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {_TILE_ROWS // 2}]")
+    scale_zero = _check("scale_zero", scale_zero, scale_dtypes, 3)
+    if scale_zero.shape[1:] != (tiles * _TILE_ROWS, 2):
+        raise ValueError(
+            f"scale_zero has shape {list(scale_zero.shape)}; expected [groups, {tiles * _TILE_ROWS}, 2] "
+            f"for packed's {tiles} tiles"
+        )
+    groups = scale_zero.shape[0]  # the group size is implied: packed_k / groups
+    if groups == 0 or packed_k % groups or groups % halves:
+        raise ValueError(
+            f"scale_zero has {groups} groups, which does not divide the packed weight's {packed_k} inputs"
+            + (" into two halves" if halves == 2 else "")
+        )
+    return packed, scale_zero, packed_k // groups
+
+
+def linear_int4(
+    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tensor, copies: int = 1
+) -> torch.Tensor:
+    """out = x @ W.T for a few rows of x [M, K] (float32 or bfloat16) and an Int4Linear's packed
+    weight (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2] bfloat16), read as
+    stored; K' = copies * K (copies 2: an Int8GroupLinear's two halves, applied to [x, x]).
+    out [M, n] float32 or bfloat16, n <= N: the first n output rows. Writes and returns `out`."""
+    x = _check("x", x, _FLOAT_DTYPES, 2)
+    rows, k = x.shape
+    if not 1 <= rows <= _LINEAR_INT4_MAX_ROWS:
+        raise ValueError(f"x has {rows} rows; linear_int4 takes 1 to {_LINEAR_INT4_MAX_ROWS}")
+    if copies not in (1, 2):
+        raise ValueError(f"copies={copies!r}; expected 1 (int4) or 2 (the halves of a Q8_0 weight)")
+    packed, scale_zero, group_size = _int4_layout(packed, scale_zero, (torch.bfloat16,), copies)
+    tiles, packed_k, _ = packed.shape
+    if packed_k != copies * k:
+        raise ValueError(f"packed has {packed_k} inputs; expected {copies} x {k} (x has {k} columns)")
+    out = _check("out", out, _FLOAT_DTYPES, 2)
+    if out.shape[0] != rows or not 0 < out.shape[1] <= tiles * _TILE_ROWS:
+        raise ValueError(f"out has shape {list(out.shape)}; expected [{rows}, 1 .. {tiles * _TILE_ROWS}]")
+    status = _library().tuili_linear_int4(
+        x.data_ptr(), _DTYPE_CODES[x.dtype], packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(),
+        _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    if status == _NO_MEMORY:
+        raise MemoryError(f"linear_int4 could not allocate a float32 copy of x ({rows} x {packed_k})")
+    return out
+
+
 def _linear_operands(
     x: torch.Tensor, weight: object, bias: object, out: object
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """weight [N, K], bias [N] or None and out [M, N], checked against an already checked x [M, K]:
-    all of x's dtype, contiguous, on the CPU."""
+    all of x's dtype (out may also be float32), contiguous, on the CPU."""
     rows, k = x.shape
     weight = _check("weight", weight, (x.dtype,), 2)
     n = weight.shape[0]
@@ -290,14 +338,15 @@ def _linear_operands(
         raise ValueError(f"weight has shape {list(weight.shape)}; expected [N, {k}] (x has {k} columns)")
     if bias is not None:
         bias = _check("bias", bias, (x.dtype,), (n,))
-    return weight, bias, _check("out", out, (x.dtype,), (rows, n))
+    return weight, bias, _check("out", out, (x.dtype, torch.float32), (rows, n))
 
 
 def linear_small(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
 ) -> torch.Tensor:
     """out = x @ weight.T + bias for x [M, K] with 1 <= M <= 8, weight [N, K], bias [N] or None,
-    out [M, N], all float32 or all bfloat16 (float32 accumulation); writes and returns `out`."""
+    out [M, N], all float32 or all bfloat16 (float32 accumulation; out may be float32 too, then
+    unrounded); writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
     rows, k = x.shape
     if not 1 <= rows <= _LINEAR_SMALL_MAX_ROWS:
@@ -308,7 +357,7 @@ def linear_small(
     n = weight.shape[0]
     status = _library().tuili_linear_small(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        _DTYPE_CODES[x.dtype], rows, n, k, torch.get_num_threads(),
+        _DTYPE_CODES[x.dtype], _DTYPE_CODES[out.dtype], rows, n, k, torch.get_num_threads(),
     )  # fmt: skip
     if status == _NO_MEMORY:  # only without AVX512-BF16: x widened to float32 first
         raise MemoryError("linear_small could not allocate a float32 copy of x")
@@ -330,8 +379,8 @@ def _amx_granted() -> bool:
 
 def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """out = x @ weight.T + bias for any number of rows of x [M, K] (K a multiple of 32), weight
-    [N, K], bias [N] or None, out [M, N], all bfloat16 (float32 accumulation on AMX tiles);
-    writes and returns `out`. Check amx_available() first."""
+    [N, K], bias [N] or None, out [M, N], all bfloat16 (float32 accumulation on AMX tiles; out
+    may be float32 too, then unrounded); writes and returns `out`. Check amx_available() first."""
     x = _check("x", x, (torch.bfloat16,), 2)
     rows, k = x.shape
     if k % _AMX_K_MULTIPLE:
@@ -342,7 +391,7 @@ def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return out
     status = _library().tuili_linear_amx(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        rows, n, k, torch.get_num_threads(),
+        out.dtype == torch.float32, rows, n, k, torch.get_num_threads(),
     )  # fmt: skip
     if status == _NO_MEMORY:
         raise MemoryError(f"linear_amx could not allocate the repacked copy of x ({rows} x {k})")

@@ -10,12 +10,16 @@ where the kernels build, `linear` picks by the number of rows:
   which reads the weight once per step at any batch in that range;
 - everything else: F.linear (oneDNN), fastest for prefill-sized products.
 
-They all accumulate in float32 and agree to one rounding of the output. The limits are the
+They all accumulate in float32 and agree to one rounding of the output. Logits ask for float32
+output (`out_dtype`): the native kernels then skip that rounding, so bf16 weights give logits
+without bf16's ties (every 2^-8 relative step of a rounded logit is shared by many tokens). The limits are the
 measured crossovers: fp32 GEMV is 1.4-3x faster than F.linear from 1 to 8 rows; in bf16 the GEMV
 is fastest at 1 row, AMX 1.3-2x faster than F.linear from 5 to 64 rows and even at 128.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,29 +31,44 @@ NATIVE_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}  # crossovers with F.lin
 AMX_MAX_ROWS = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias for x of any leading shape."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x @ weight.T + bias for x of any leading shape, in x's dtype or in `out_dtype` (float32
+    from bf16 operands: unrounded where a native kernel runs, else the rounded product widened)."""
     in_features = weight.shape[1]
     rows = x.numel() // in_features if in_features else 0
-    if (
-        0 < rows <= AMX_MAX_ROWS
+    widen = out_dtype is not None and out_dtype != x.dtype
+    kernel = _native_kernel(x, weight, bias, rows, widen)
+    if kernel is None:
+        out = F.linear(x, weight, bias)
+        return out.to(out_dtype) if widen else out
+    flat = x.reshape(rows, in_features).contiguous()
+    out = flat.new_empty(rows, weight.shape[0], dtype=out_dtype if widen else x.dtype)
+    kernel(flat, weight, bias, out)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _native_kernel(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, widen: bool
+) -> Callable[..., torch.Tensor] | None:
+    """The native kernel for this product, or None for F.linear. A widened (float32) output takes
+    AMX at any row count: F.linear could only widen an already rounded result."""
+    if not (
+        0 < rows
+        and (rows <= AMX_MAX_ROWS or widen)
         and x.device.type == "cpu"
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
         and weight.is_contiguous()
         and kernels.available()
     ):
-        if rows <= NATIVE_MAX_ROWS.get(x.dtype, 0):
-            kernel = kernels.linear_small
-        elif x.dtype == torch.bfloat16 and in_features % 32 == 0 and kernels.amx_available():
-            kernel = kernels.linear_amx
-        else:
-            return F.linear(x, weight, bias)
-        flat = x.reshape(rows, in_features).contiguous()
-        out = flat.new_empty(rows, weight.shape[0])
-        kernel(flat, weight, bias, out)
-        return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+        return None
+    if rows <= NATIVE_MAX_ROWS.get(x.dtype, 0):
+        return kernels.linear_small
+    if x.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and kernels.amx_available():
+        return kernels.linear_amx
+    return None
 
 
 class Linear(nn.Linear):

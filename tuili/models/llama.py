@@ -117,9 +117,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits; from bf16 weights, unrounded where the native kernels run (linear)."""
         if self.lm_head is None:
-            return linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            return linear(hidden, self.model.embed_tokens.weight, out_dtype=torch.float32)
+        if isinstance(self.lm_head, Linear):
+            return linear(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
+        return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

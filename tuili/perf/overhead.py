@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tuili.layers.quant import INT4_OP_MAX_ROWS, INT4_TILE_ROWS
+from tuili.layers.quant import INT4_GEMV_MAX_ROWS, INT4_TILE_ROWS
 from tuili.perf.shapes import LINEAR, ModelShape
 
 # The fixed host seconds `tuili probe` measures; a missing key counts as 0, except that a packed
@@ -43,10 +43,11 @@ HOST_KEYS = (
     "qk_norm_layer",  # what Qwen3's q and k RMSNorms add to a layer
 )
 
-# tuili/layers/quant.py's packed int4 linear: up to INT4_OP_MAX_ROWS rows it calls PyTorch's
-# weight-only kernel; beyond, it dequantizes its weight in tiles of whole 64-row blocks and
-# multiplies each. Imported, so that the planner follows the engine's thresholds.
-PACKED_OP_MAX_ROWS = INT4_OP_MAX_ROWS
+# tuili/layers/quant.py's packed int4 linear: up to INT4_GEMV_MAX_ROWS rows it calls tuili's
+# native kernel on the packed bytes (PyTorch's weight-only op where those are not built); beyond,
+# it dequantizes its weight in tiles of whole 64-row blocks and multiplies each. Imported, so that
+# the planner follows the engine's thresholds.
+PACKED_OP_MAX_ROWS = INT4_GEMV_MAX_ROWS
 PACKED_BLOCK_ROWS = INT4_TILE_ROWS
 
 

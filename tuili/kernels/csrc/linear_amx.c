@@ -1,9 +1,10 @@
 /* y = x W^T + b in bfloat16 on Intel AMX tiles, for any number of rows of x, reading the weight
  * as nn.Linear stores it (no repacking at load, no second copy of the model).
  *
- * Shapes (row-major, contiguous, all bfloat16): x [M, K] with K a multiple of 32, weight [N, K],
- * bias [N] or NULL, out [M, N]. Products and sums in float32 (AMX's TDPBF16PS, which treats
- * subnormal inputs as zero), the bias added in float32, one rounding of each output.
+ * Shapes (row-major, contiguous, bfloat16): x [M, K] with K a multiple of 32, weight [N, K],
+ * bias [N] or NULL, out [M, N] in bfloat16 or float32 (out_f32). Products and sums in float32
+ * (AMX's TDPBF16PS, which treats subnormal inputs as zero), the bias added in float32, one
+ * rounding of each output to bfloat16, or none.
  *
  * The trick that avoids repacking: TDPBF16PS multiplies an A tile of 16 rows x 32 bf16 by a
  * B tile stored as 16 rows of (16 columns x 2 consecutive k), the "VNNI" layout. A row-major
@@ -85,21 +86,28 @@ static void pack_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t k, uint1
     }
 }
 
+/* Stores out[i][j] (row-major, N columns): bf16, or float32 when out_f32. */
+static inline void store_out(void *out, int out_f32, int64_t at, float y) {
+    if (out_f32)
+        ((float *)out)[at] = y;
+    else
+        ((uint16_t *)out)[at] = f32_to_bf16(y);
+}
+
 /* Transposes accumulator tile c (c[n][m], float32) into out rows m0.., columns n0.., adding bias. */
-static void store_tile(const float *c, const uint16_t *bias, uint16_t *out, int64_t n, int64_t n0, int64_t m0,
-                       int64_t rows_m) {
-    for (int64_t i = 0; i < rows_m; i++) {
-        uint16_t *dst = out + (m0 + i) * n + n0;
+static void store_tile(const float *c, const uint16_t *bias, void *out, int out_f32, int64_t n, int64_t n0,
+                       int64_t m0, int64_t rows_m) {
+    for (int64_t i = 0; i < rows_m; i++)
         for (int j = 0; j < TILE; j++) {
             const float b = bias ? bf16_to_f32(bias[n0 + j]) : 0.0f;
-            dst[j] = f32_to_bf16(c[j * TILE + i] + b);
+            store_out(out, out_f32, (m0 + i) * n + n0 + j, c[j * TILE + i] + b);
         }
-    }
 }
 
 /* Weight blocks w0 (and w0 + 1 when two) x x blocks b0 (and b0 + 1 when two), over all of K. */
-static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *bias, uint16_t *out, int64_t n,
-                       int64_t k, int64_t w0, int two_w, int64_t b0, int two_b, int64_t m0, int64_t rows_m) {
+static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *bias, void *out, int out_f32,
+                       int64_t n, int64_t k, int64_t w0, int two_w, int64_t b0, int two_b, int64_t m0,
+                       int64_t rows_m) {
     const int64_t pairs = k / 2;
     const int64_t stride_w = k * 2;
     const uint16_t *wa = w + w0 * TILE * k, *wb = wa + TILE * k;
@@ -134,25 +142,24 @@ static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *
     const int64_t m_a = b0 * TILE, rows_a = rows_m - m_a < TILE ? rows_m - m_a : TILE;
     const int64_t rows_b = rows_m - m_a - TILE < TILE ? rows_m - m_a - TILE : TILE;
     _tile_stored(0, c, 64);
-    store_tile(c, bias, out, n, w0 * TILE, m0 + m_a, rows_a);
+    store_tile(c, bias, out, out_f32, n, w0 * TILE, m0 + m_a, rows_a);
     if (two_b) {
         _tile_stored(1, c, 64);
-        store_tile(c, bias, out, n, w0 * TILE, m0 + m_a + TILE, rows_b);
+        store_tile(c, bias, out, out_f32, n, w0 * TILE, m0 + m_a + TILE, rows_b);
     }
     if (two_w) {
         _tile_stored(2, c, 64);
-        store_tile(c, bias, out, n, (w0 + 1) * TILE, m0 + m_a, rows_a);
+        store_tile(c, bias, out, out_f32, n, (w0 + 1) * TILE, m0 + m_a, rows_a);
         if (two_b) {
             _tile_stored(3, c, 64);
-            store_tile(c, bias, out, n, (w0 + 1) * TILE, m0 + m_a + TILE, rows_b);
+            store_tile(c, bias, out, out_f32, n, (w0 + 1) * TILE, m0 + m_a + TILE, rows_b);
         }
     }
 }
 
-int tuili_linear_amx(const void *x_, const void *weight_, const void *bias_, void *out_, int64_t m, int64_t n,
-                     int64_t k, int num_threads) {
+int tuili_linear_amx(const void *x_, const void *weight_, const void *bias_, void *out, int out_f32, int64_t m,
+                     int64_t n, int64_t k, int num_threads) {
     const uint16_t *x = x_, *w = weight_, *bias = bias_;
-    uint16_t *out = out_;
     if (tuili_amx_init() != 0) return TUILI_NO_AMX;
     if (k % TILE_K != 0) return TUILI_BAD_SHAPE;
     const int64_t chunk = m < CHUNK_M ? m : CHUNK_M;
@@ -171,7 +178,7 @@ int tuili_linear_amx(const void *x_, const void *weight_, const void *bias_, voi
             for (int64_t p = 0; p < w_pairs; p++) {
                 const int two_w = 2 * p + 1 < w_blocks;
                 for (int64_t b = 0; b < x_blocks; b += 2)
-                    tile_block(w, vnni, bias, out, n, k, 2 * p, two_w, b, b + 1 < x_blocks, m0, rows_m);
+                    tile_block(w, vnni, bias, out, out_f32, n, k, 2 * p, two_w, b, b + 1 < x_blocks, m0, rows_m);
             }
             /* The last TILE - 1 or fewer weight rows, one float32 dot product at a time. */
 #pragma omp for schedule(static) collapse(2)
@@ -181,7 +188,7 @@ int tuili_linear_amx(const void *x_, const void *weight_, const void *bias_, voi
                     float sum = bias ? bf16_to_f32(bias[r]) : 0.0f;
                     float acc = 0.0f;
                     for (int64_t j = 0; j < k; j++) acc = MADD(bf16_to_f32(xr[j]), bf16_to_f32(wr[j]), acc);
-                    out[(m0 + i) * n + r] = f32_to_bf16(acc + sum);
+                    store_out(out, out_f32, (m0 + i) * n + r, acc + sum);
                 }
             }
         }
@@ -195,9 +202,9 @@ int tuili_linear_amx(const void *x_, const void *weight_, const void *bias_, voi
 
 int tuili_amx_init(void) { return 1; }
 
-int tuili_linear_amx(const void *x, const void *weight, const void *bias, void *out, int64_t m, int64_t n, int64_t k,
-                     int num_threads) {
-    (void)x, (void)weight, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)num_threads;
+int tuili_linear_amx(const void *x, const void *weight, const void *bias, void *out, int out_f32, int64_t m,
+                     int64_t n, int64_t k, int num_threads) {
+    (void)x, (void)weight, (void)bias, (void)out, (void)out_f32, (void)m, (void)n, (void)k, (void)num_threads;
     return TUILI_NO_AMX;
 }
 

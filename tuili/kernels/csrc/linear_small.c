@@ -2,8 +2,9 @@
  * is the rate at which the weight streams from memory.
  *
  * Shapes (row-major, contiguous): x [M, K] with 1 <= M <= MAX_M, weight [N, K], bias [N] or
- * NULL, out [M, N]. Either everything is float32, or everything is bfloat16 with float32
- * accumulation and one rounding of each output (the bias added in float32 first).
+ * NULL, out [M, N]. Either everything is float32, or x, weight and bias are bfloat16 with float32
+ * accumulation (the bias added in float32 first) and out is bfloat16 (one rounding of each
+ * output) or float32 (no rounding: logits from bf16 weights without bf16's ties).
  *
  * Each thread takes one static chunk of output rows and reads each weight row once, front to
  * back, for all M rows of x (which stay in L1 or L2: 64 KiB for M = 8, K = 4096 in bf16).
@@ -32,7 +33,7 @@ typedef struct {
     const void *x, *weight, *bias;
     const float *x_f32; /* x as float32: x itself, or a widened copy when x is bfloat16 */
     void *out;
-    int dtype;
+    int dtype, out_dtype;
     int64_t m, n, k;
 } linear_args;
 
@@ -211,7 +212,7 @@ static void store_rows(const linear_args *a, int64_t row, int R, const float *su
                                       : bf16_to_f32(((const uint16_t *)a->bias)[row + r]);
         for (int64_t i = 0; i < a->m; i++) {
             const float y = sums[i * R + r] + b;
-            if (a->dtype == TUILI_F32)
+            if (a->out_dtype == TUILI_F32)
                 ((float *)a->out)[i * a->n + row + r] = y;
             else
                 ((uint16_t *)a->out)[i * a->n + row + r] = f32_to_bf16(y);
@@ -230,9 +231,9 @@ static int reads_x_as_f32(int dtype) {
 }
 
 /* 1 <= m <= MAX_M and the shapes are checked by the caller (tuili/kernels/cpu.py). */
-int tuili_linear_small(const void *x, const void *weight, const void *bias, void *out, int dtype, int64_t m,
-                       int64_t n, int64_t k, int num_threads) {
-    linear_args a = {x, weight, bias, x, out, dtype, m, n, k};
+int tuili_linear_small(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
+    linear_args a = {x, weight, bias, x, out, dtype, out_dtype, m, n, k};
     float *x_f32 = NULL;
     if (reads_x_as_f32(dtype)) {
         x_f32 = malloc((size_t)(m * k) * sizeof(float));

@@ -1,0 +1,153 @@
+"""tuili.kernels.linear_int4 (x @ W^T for a few rows, W in Int4Linear's packed layout) against the
+float64 product with the module's own dequantized weight.
+
+Tolerance: on CPUs with AVX512-VNNI the kernel rounds x to int8 per group (x ~ sx * xq with
+sx = max |x_g| / 127, so |x - sx * xq| <= sx / 2) before multiplying by the codes q (0..15)
+times the group's scale; the zero term uses the exact sum of x. So each output is off by at
+most sum_g sx_g / 2 * sum_{k in g} |scale_g * q_k| from that rounding, plus float32 rounding of
+the sums (c * |x| @ |W|^T with c = 2^-20), plus half a bf16 unit when the output is bf16. Other
+CPUs compute in float32 and stay inside the same bound. Inputs whose groups are exactly
+representable (integers, largest 127) leave only float32 rounding: that checks the layout to
+float32 precision. test_cpu_kernels.py reruns this file on builds without VNNI and without
+AVX-512.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuili import kernels
+from tuili.layers.quant import Int4Linear, Int8GroupLinear, Int8GroupWeight, quantize_int4
+
+FP32_BOUND = 2**-20
+
+
+@pytest.fixture(autouse=True)
+def native_kernels_enabled(monkeypatch):
+    monkeypatch.delenv("TUILI_NATIVE_KERNELS", raising=False)
+    assert kernels.available(), kernels.unavailable_reason()
+
+
+def int4_module(n: int, k: int, group: int, seed: int) -> Int4Linear:
+    generator = torch.Generator().manual_seed(seed)
+    return Int4Linear(quantize_int4(torch.randn(n, k, generator=generator), group))
+
+
+def q8_module(n: int, k: int, seed: int) -> Int8GroupLinear:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+    return Int8GroupLinear(Int8GroupWeight(q, torch.rand(n, k // 32, generator=generator) / 50, 32))
+
+
+def copies(module: Int4Linear) -> int:
+    return module._input_copies
+
+
+def run(module: Int4Linear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((x.shape[0], module.out_features), float("nan"), dtype=out_dtype)
+    assert kernels.linear_int4(x, module.packed, module.scale_zero, out, copies(module)) is out
+    return out
+
+
+def quantization_bound(module: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """sum_g sx_g / 2 * sum_{k in g} |scale_g * q_k| over the packed K' (x repeated)."""
+    weight = module._int4_weight()  # codes over K' (Int8GroupLinear: both halves)
+    n = module.out_features
+    group = weight.group_size
+    magnitude = (weight.q[:n].double().view(n, -1, group) * weight.scale[:n].double()[..., None]).abs()
+    x_wide = x.double().repeat(1, copies(module))
+    half_step = x_wide.view(x.shape[0], -1, group).abs().amax(-1) / 254  # [M, groups]
+    return half_step @ magnitude.sum(-1).T
+
+
+def assert_close(module: Int4Linear, x: torch.Tensor, out: torch.Tensor) -> None:
+    w = module.dequantize().double()
+    exact = x.double() @ w.T
+    limit = quantization_bound(module, x) + FP32_BOUND * (x.double().abs() @ w.abs().T)
+    if out.dtype == torch.bfloat16:
+        limit = limit + 2**-8 * exact.abs()
+    error = (out.double() - exact).abs()
+    assert (error <= limit).all(), f"worst error / limit {(error / limit).max().item():.3g}"
+
+
+# N: whole tiles, a padded last tile; K: one group, several; groups of 32 to 256.
+SHAPES = [(64, 32, 32), (100, 64, 32), (130, 256, 64), (200, 512, 256)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 33])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])
+def test_int4_matches_float64(m, x_dtype):
+    for n, k, group in SHAPES:
+        module = int4_module(n, k, group, seed=n + k + m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            assert_close(module, x, run(module, x, out_dtype))
+
+
+@pytest.mark.parametrize("m", [1, 4, 6])
+def test_q8_0_halves_match_float64(m):
+    for n, k in [(64, 32), (100, 96), (130, 1024)]:
+        module = q8_module(n, k, seed=n + k)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        wide = run(module, x, torch.float32)
+        assert_close(module, x, wide)
+        assert torch.equal(run(module, x, torch.bfloat16), wide.bfloat16())  # one rounding of the same sums
+
+
+def test_exactly_representable_input_leaves_only_float32_rounding():
+    # Integer x with 127 the largest in every group: the int8 rounding of the VNNI path is exact,
+    # so any misplaced code, scale or zero would show at float32 precision.
+    for module in (int4_module(130, 128, 32, seed=1), q8_module(70, 64, seed=2)):
+        k = module.in_features
+        x = torch.randint(-127, 128, (3, k), generator=torch.Generator().manual_seed(3)).float()
+        x[:, ::32] = 127.0
+        w = module.dequantize().double()
+        error = (run(module, x, torch.float32).double() - x.double() @ w.T).abs()
+        assert (error <= FP32_BOUND * (x.double().abs() @ w.abs().T)).all()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_thread_count_gives_the_same_bits(threads):
+    module = int4_module(640, 128, 32, seed=4)  # 10 tiles over 3 threads: uneven
+    x = torch.randn(2, 128).bfloat16()
+    reference = run(module, x, torch.float32)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(run(module, x, torch.float32), reference)  # each tile is one thread's
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_module_takes_the_kernel_for_few_rows(monkeypatch):
+    # Int4Linear.forward: bias added after, float32 logits on request, the same values as the
+    # kernel called directly.
+    module = Int4Linear(quantize_int4(torch.randn(96, 64), 32), bias=torch.randn(96))
+    x = torch.randn(2, 1, 64)
+    assert module.kernel_for(2, torch.device("cpu")) == "gemv"
+    y = module(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 1, 96)
+    direct = run(module, x.view(2, 64), torch.float32) + module.bias.float()
+    torch.testing.assert_close(y.view(2, 96), direct, rtol=0, atol=0)
+    assert module(x.bfloat16(), out_dtype=torch.float32).dtype == torch.float32
+
+
+def test_linear_int4_rejects_bad_input_naming_the_argument():
+    module = int4_module(64, 64, 32, seed=5)
+    x, packed, scale_zero = torch.randn(2, 64), module.packed, module.scale_zero
+    out = torch.empty(2, 64)
+    bad = [
+        (r"x has 0 rows; linear_int4 takes 1 to 64", (x[:0], packed, scale_zero, out)),
+        (r"x has dtype torch\.float16", (x.half(), packed, scale_zero, out)),
+        (r"packed has 64 inputs; expected 1 x 32", (x[:, :32].contiguous(), packed, scale_zero, out)),
+        (r"packed has 64 inputs; expected 2 x 64", (x, packed, scale_zero, out, 2)),
+        (r"copies=3; expected 1", (x, packed, scale_zero, out, 3)),
+        (r"scale_zero has dtype torch\.float32; expected torch\.bfloat16", (x, packed, scale_zero.float(), out)),
+        (r"packed has dtype torch\.int8", (x, packed.view(torch.int8), scale_zero, out)),
+        (r"out has shape \[2, 65\]; expected \[2, 1 \.\. 64\]", (x, packed, scale_zero, torch.empty(2, 65))),
+        (r"out has dtype torch\.int32", (x, packed, scale_zero, out.int())),
+    ]
+    for message, args in bad:
+        with pytest.raises(ValueError, match=message):
+            kernels.linear_int4(*args)

@@ -1,0 +1,269 @@
+/* y = x W^T for a few rows of x (decode) with W held in tuili/layers/quant.py's packed int4
+ * layout, read as stored: the matrix-vector product of GGUF Q4_0, Q4_1 and Q8_0 weights and of
+ * --quantization int4, at the speed the packed bytes stream from memory.
+ *
+ * Layout (Int4Linear): packed [N / 64, K', 32] uint8, byte [t, k, j] holding row 64t + j's code
+ * in its low nibble and row 64t + 32 + j's in its high nibble; scale_zero [K' / group, N, 2]
+ * bfloat16; w[n, k] = scale * (q - 8) + zero. Int8GroupLinear (Q8_0) is the same layout over
+ * K' = 2K (its high and low nibble halves), applied to [x, x]: `copies` = K' / K is 1 or 2.
+ *
+ Per group g of K' the product needs no dequantized weight:
+ *   y[n] += scale[g, n] * sum_k x[k] * q[n, k] + (zero[g, n] - 8 scale[g, n]) * sum_k x[k]
+ * The inner sums run over the 64 rows of a tile at once (a tile row of 32 bytes is 64 codes, one
+ * per output row). Two ways, by what the CPU has:
+ *
+ * - AVX512-VNNI and VBMI (Ice Lake, Sapphire Rapids, Zen 4), as llama.cpp: x is quantized per
+ *   group to int8 (x ~ sx * xq, sx = max |x| / 127, round to nearest), and VPDPBUSD adds four
+ *   code x xq products per 32-bit lane. One byte permute (VPERMT2B) turns four tile rows (k..k+3)
+ *   into 16 lanes of four consecutive k each; a mask and a shift split the nibbles. The sum of
+ *   x over a group stays exact (float32); the products carry x's int8 rounding, at most
+ *   sx / 2 per value, as in llama.cpp's Q8_0 x Q4_0 and Q8_0 x Q8_0 dot products.
+ * - other AVX-512 CPUs: float32 throughout, exact up to float32 rounding: each k broadcasts x[k]
+ *   into four 16-lane multiply-adds, a code becoming q - 8 by one permute from a 16-entry table.
+ *
+ * The output is stored as float32 or rounded once to bfloat16.
+ *
+ * Threads take static ranges of whole tiles. Rows of x go four at a time (their accumulators fill
+ * the registers); a tile, 32 K' bytes, is still in L2 for the next four. */
+#include <omp.h>
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+#define TILE 64
+#define HALF 32
+#define ROWS_AT_ONCE 4
+#define PREFETCH_ROWS 64 /* tile rows (32 bytes each) read ahead */
+
+typedef struct {
+    const float *x;    /* [M, K'] float32: x repeated `copies` times */
+    const float *xsum; /* [M, groups]: sum of x over each group */
+    const int8_t *xq;  /* [M, K'] x quantized per group (VNNI path only) */
+    const float *sx;   /* [M, groups] its scales */
+    const uint8_t *packed;
+    const uint16_t *scale_zero;
+    void *out;
+    int out_dtype;
+    int64_t m, kp, group, n_pad, n_out;
+} int4_args;
+
+/* Adds scale * sums + zero * xsum for group g to total[i][r] (rows i of x, r of the tile). */
+static inline void add_group(const int4_args *a, int64_t tile, int64_t g, int64_t i0, int rows,
+                             float sums[ROWS_AT_ONCE][TILE], float total[ROWS_AT_ONCE][TILE]) {
+    const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+    for (int r = 0; r < TILE; r++) {
+        const float s = bf16_to_f32(sz[2 * r]), z = bf16_to_f32(sz[2 * r + 1]);
+        for (int i = 0; i < rows; i++) total[i][r] += s * sums[i][r] + z * a->xsum[(i0 + i) * (a->kp / a->group) + g];
+    }
+}
+
+#ifdef __AVX512F__
+#define KERNEL static inline __attribute__((always_inline)) void
+#define UNROLLED _Pragma("GCC unroll 8")
+
+/* Rows i0 .. i0 + R - 1 of x against tile `tile`, all groups, into total. */
+KERNEL tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE], const int R) {
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const uint8_t *codes = a->packed + tile * a->kp * HALF;
+    const int64_t groups = a->kp / a->group;
+    const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[ROWS_AT_ONCE][4];
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+        for (int64_t k = g * a->group; k < (g + 1) * a->group; k++) {
+            if ((k & 1) == 0) __builtin_prefetch(codes + (k + 16) * HALF, 0, 2); /* 512 bytes ahead */
+            const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * HALF)));
+            const __m512i second = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * HALF + 16)));
+            /* Rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles). */
+            const __m512 w[4] = {
+                _mm512_permutexvar_ps(first, table),
+                _mm512_permutexvar_ps(second, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(first, 4), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(second, 4), table),
+            };
+            UNROLLED for (int i = 0; i < R; i++) {
+                const __m512 xv = _mm512_set1_ps(a->x[(i0 + i) * a->kp + k]);
+                UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xv, w[v], acc[i][v]);
+            }
+        }
+        /* Scale and zero of 16 rows are 16 (scale, zero) bf16 pairs: one 32-bit lane each. */
+        const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        UNROLLED for (int v = 0; v < 4; v++) {
+            const __m512i pairs = _mm512_loadu_si512(sz + v * 32);
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low_half, pairs));
+            UNROLLED for (int i = 0; i < R; i++) {
+                const __m512 xs = _mm512_set1_ps(a->xsum[(i0 + i) * groups + g]);
+                __m512 t = _mm512_loadu_ps(total[i] + v * 16);
+                t = _mm512_fmadd_ps(s, acc[i][v], _mm512_fmadd_ps(z, xs, t));
+                _mm512_storeu_ps(total[i] + v * 16, t);
+            }
+        }
+    }
+}
+
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define VNNI 1
+/* Byte 4j + l of the permuted vector: tile row k + l, column j (+ 16 for the second half), from
+ * the two 64-byte loads A = rows k, k+1 and B = rows k+2, k+3 (indices 64.. select from B). */
+static inline __m512i transpose_index(int first_column) {
+    uint8_t index[64];
+    for (int j = 0; j < 16; j++)
+        for (int l = 0; l < 4; l++) index[4 * j + l] = (uint8_t)(l * 32 + first_column + j);
+    return _mm512_loadu_si512(index);
+}
+
+KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE], const int R) {
+    const uint8_t *codes = a->packed + tile * a->kp * HALF;
+    const int64_t groups = a->kp / a->group;
+    const __m512i first_half = transpose_index(0), second_half = transpose_index(16);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), low_half = _mm512_set1_epi32(0xFFFF);
+    for (int64_t g = 0; g < groups; g++) {
+        /* The next groups' scales lie N * 4 bytes further each, in another page: ask early. */
+        if (g + 2 < groups) {
+            const uint16_t *next = a->scale_zero + ((g + 2) * a->n_pad + tile * TILE) * 2;
+            for (int line = 0; line < 4; line++) __builtin_prefetch(next + line * 32, 0, 2);
+        }
+        __m512i acc[ROWS_AT_ONCE][4];
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
+        for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
+            __builtin_prefetch(codes + (k + PREFETCH_ROWS) * HALF, 0, 2);
+            __builtin_prefetch(codes + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+            const __m512i rows01 = _mm512_loadu_si512(codes + k * HALF);
+            const __m512i rows23 = _mm512_loadu_si512(codes + (k + 2) * HALF);
+            const __m512i first = _mm512_permutex2var_epi8(rows01, first_half, rows23);
+            const __m512i second = _mm512_permutex2var_epi8(rows01, second_half, rows23);
+            /* Rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles): codes 0..15. */
+            const __m512i w[4] = {
+                _mm512_and_si512(first, nibble),
+                _mm512_and_si512(second, nibble),
+                _mm512_and_si512(_mm512_srli_epi16(first, 4), nibble),
+                _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble),
+            };
+            UNROLLED for (int i = 0; i < R; i++) {
+                int32_t four;
+                memcpy(&four, a->xq + (i0 + i) * a->kp + k, sizeof four);
+                const __m512i xv = _mm512_set1_epi32(four);
+                UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xv);
+            }
+        }
+        const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        UNROLLED for (int v = 0; v < 4; v++) {
+            const __m512i pairs = _mm512_loadu_si512(sz + v * 32);
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low_half, pairs));
+            const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z); /* zero - 8 scale */
+            UNROLLED for (int i = 0; i < R; i++) {
+                const int64_t at = (i0 + i) * groups + g;
+                __m512 t = _mm512_loadu_ps(total[i] + v * 16);
+                t = _mm512_fmadd_ps(offset, _mm512_set1_ps(a->xsum[at]), t);
+                t = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(a->sx[at])), _mm512_cvtepi32_ps(acc[i][v]), t);
+                _mm512_storeu_ps(total[i] + v * 16, t);
+            }
+        }
+    }
+}
+#define TILE_ROWS tile_rows_vnni
+#else
+#define TILE_ROWS tile_rows
+#endif
+
+#define SPECIALIZE(R) \
+    static void tile_rows_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE]) { \
+        TILE_ROWS(a, t, i0, tot, R);                                                                     \
+    }
+SPECIALIZE(1)
+SPECIALIZE(2)
+SPECIALIZE(3)
+SPECIALIZE(4)
+typedef void (*rows_fn)(const int4_args *, int64_t, int64_t, float[ROWS_AT_ONCE][TILE]);
+static const rows_fn tile_rows_table[ROWS_AT_ONCE] = {tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4};
+
+static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
+    tile_rows_table[rows - 1](a, tile, i0, total);
+}
+
+#else /* no AVX-512: the same sums in plain C */
+
+static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
+    const uint8_t *codes = a->packed + tile * a->kp * HALF;
+    for (int64_t g = 0; g < a->kp / a->group; g++) {
+        float sums[ROWS_AT_ONCE][TILE] = {{0}};
+        for (int64_t k = g * a->group; k < (g + 1) * a->group; k++) {
+            float w[TILE];
+            for (int j = 0; j < HALF; j++) {
+                w[j] = (float)((codes[k * HALF + j] & 0x0F) - 8);
+                w[HALF + j] = (float)((codes[k * HALF + j] >> 4) - 8);
+            }
+            for (int i = 0; i < rows; i++) {
+                const float xv = a->x[(i0 + i) * a->kp + k];
+                for (int r = 0; r < TILE; r++) sums[i][r] = MADD(xv, w[r], sums[i][r]);
+            }
+        }
+        add_group(a, tile, g, i0, rows, sums, total);
+    }
+}
+#endif
+
+/* Writes total's rows i0.. to out (only the real rows of the last, padded tile). */
+static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
+    const int64_t n0 = tile * TILE, count = a->n_out - n0 < TILE ? a->n_out - n0 : TILE;
+    for (int i = 0; i < rows; i++)
+        for (int64_t r = 0; r < count; r++) {
+            const int64_t at = (i0 + i) * a->n_out + n0 + r;
+            if (a->out_dtype == TUILI_F32)
+                ((float *)a->out)[at] = total[i][r];
+            else
+                ((uint16_t *)a->out)[at] = f32_to_bf16(total[i][r]);
+        }
+}
+
+/* x [M, K] (float32 or bfloat16, 1 <= M <= MAX_M), packed [tiles, K', 32], scale_zero
+ * [K' / group, tiles * 64, 2] bfloat16, out [M, n_out] with n_out <= tiles * 64; K' = copies * K
+ * and group divides K'. The shapes are checked by the caller (tuili/kernels/cpu.py). */
+int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
+                      int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
+                      int64_t n_out, int num_threads) {
+    const int64_t kp = k * copies, groups = kp / group;
+    float *xf = malloc((size_t)(m * kp + 2 * m * groups) * sizeof(float) + (size_t)(m * kp));
+    if (xf == NULL) return TUILI_NO_MEMORY;
+    float *xsum = xf + m * kp, *sx = xsum + m * groups;
+    int8_t *xq = (int8_t *)(sx + m * groups);
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t j = 0; j < kp; j++) {
+            const int64_t at = i * k + j % k;
+            xf[i * kp + j] = x_dtype == TUILI_F32 ? ((const float *)x)[at] : bf16_to_f32(((const uint16_t *)x)[at]);
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = xf + i * kp + g * group;
+            float sum = 0.0f, largest = 0.0f;
+            for (int64_t j = 0; j < group; j++) {
+                sum += xg[j];
+                largest = fmaxf(largest, fabsf(xg[j]));
+            }
+            const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+            for (int64_t j = 0; j < group; j++) xq[i * kp + g * group + j] = (int8_t)lrintf(xg[j] * inverse);
+            xsum[i * groups + g] = sum;
+            sx[i * groups + g] = scale;
+        }
+    }
+    const int4_args a = {xf, xsum, xq, sx, packed, scale_zero, out, out_dtype, m, kp, group, tiles * TILE, n_out};
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        for (int64_t i0 = 0; i0 < m; i0 += ROWS_AT_ONCE) {
+            const int rows = m - i0 < ROWS_AT_ONCE ? (int)(m - i0) : ROWS_AT_ONCE;
+            float total[ROWS_AT_ONCE][TILE] = {{0}};
+            run_tile_rows(&a, tile, i0, rows, total);
+            store_tile(&a, tile, i0, rows, total);
+        }
+    }
+    free(xf);
+    return TUILI_OK;
+}
