@@ -130,6 +130,7 @@ def bf16(float32_llm, prompt_logits, text_ids, prompts) -> Measured:
     float linears (the float32 model's class) holding its weights rounded to bf16."""
     llm = LLM(dtype="bfloat16", **OPTIONS)
     model, float_modules = llm.engine.runner.model, dict(float32_llm.engine.runner.model.named_modules())
+    model.packed_logits = None  # the logits read the float output matrix, as the float32 model's do
     swapped = 0
     for path, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
@@ -158,7 +159,7 @@ def int4(prompt_logits, text_ids, prompts) -> Measured:
 
 @pytest.fixture(scope="module")
 def packed_default(prompt_logits, text_ids, prompts) -> Measured:
-    """No quantization, dtype auto: on a CPU, float32 activations with the GGUF's Q4_1/Q8_0
+    """No quantization, dtype auto: on this CPU bf16 activations, with the GGUF's Q4_1/Q8_0
     linears run packed as stored (computing in bf16)."""
     llm = LLM(**OPTIONS)
     assert llm.engine.weights_quantized == "gguf"
@@ -192,14 +193,16 @@ def test_int8_greedy_answers_agree_with_bf16(int8, bf16, prompt_logits, prompts)
 
 
 def test_packed_gguf_default_matches_float32(packed_default, float32):
-    """The packed Q4_1/Q8_0 kernels compute the stored weights with bf16 activations, scales and
-    zero points (about 2^-9 relative): measured perplexity 0.07% below float32 and 85% of the
-    greedy tokens shared up to the first divergence. The bounds leave room for bf16 noise (a bf16
-    model answering the prompts alone instead of batched has kept 57-91% of its tokens as the
-    kernels changed, and one long answer flipping at its first token costs 14%); a wrong nibble
-    order, scale or row permutation multiplies the perplexity and changes the answers from their
-    first tokens."""
+    """The default on this CPU: bf16 activations, the packed Q4_1/Q8_0 kernels computing the stored
+    weights with bf16 scales and zero points and, at decode, x rounded to int8 per group as
+    llama.cpp does, and decode logits from a packed copy of the output matrix. Measured: perplexity
+    0.01% below float32 and 48% of the greedy tokens shared up to the first divergence (85% when
+    the default was float32 activations; the packed logits copy alone moves it by 1 point). The
+    bound leaves room for bf16 noise (a bf16 model answering the prompts alone instead of batched
+    has kept 57-91% of its tokens as the kernels changed, and one long answer flipping at its
+    first token costs 14%); a wrong nibble order, scale or row permutation multiplies the
+    perplexity and changes the answers from their first tokens."""
     ratio = packed_default.perplexity / float32.perplexity
     strict = agreement_up_to_divergence(float32.answers, packed_default.answers)
     assert abs(ratio - 1) < 0.01, (packed_default.perplexity, float32.perplexity)
-    assert strict >= 0.5, strict
+    assert strict >= 0.35, strict

@@ -7,6 +7,7 @@ random generators. It knows nothing of HTTP or of scheduling policy.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tuili import kernels
 from tuili.config import ModelConfig
@@ -113,10 +114,14 @@ class ModelRunner:
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: all of them, except an embedding matrix
         whose logits come from a separate output module (untied, or a packed copy of a tied
-        one): the token lookup reads only a few of its rows."""
+        one): the token lookup reads only a few of its rows. With a packed copy of the output
+        matrix for decode logits (packed_logits) the float matrix is not counted: it is read
+        only by steps of more rows than the copy's kernel takes."""
         storages = self._weight_storages()
-        if self.model.lm_head is not None:
+        if self.model.lm_head is not None or self.model.packed_logits is not None:
             storages.pop(self.model.model.embed_tokens.weight.untyped_storage().data_ptr(), None)
+        if self.model.packed_logits is not None and isinstance(self.model.lm_head, nn.Linear):
+            storages.pop(self.model.lm_head.weight.untyped_storage().data_ptr(), None)
         return sum(storages.values())
 
     def _weight_storages(self) -> dict[int, int]:

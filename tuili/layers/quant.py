@@ -160,6 +160,21 @@ def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat1
     return Int8Weight(q, scale.to(scale_dtype))
 
 
+def quantize_int8_group(
+    weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16
+) -> Int8GroupWeight:
+    """Per group of `group_size` inputs, symmetric: scale = max|w| / 127, q = round(w / scale),
+    the scale rounded to `scale_dtype` before q is chosen (as quantize_int8)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise TuiliError(f"int8 groups of {group_size} need the input size to be a multiple of it; got [{n}, {k}]")
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    scale = (w.abs().amax(dim=-1) / 127).to(scale_dtype).float()
+    safe = torch.where(scale > 0, scale, 1.0)
+    q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return Int8GroupWeight(q.view(n, k), scale.to(scale_dtype), group_size)
+
+
 def quantize_int4(
     weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZE, scale_dtype: torch.dtype = torch.bfloat16
 ) -> Int4Weight:
@@ -256,6 +271,22 @@ def gguf_linear(
     if len({type(p) for p in parts}) != 1:
         return None
     return make_linear(type(parts[0]).cat(parts), bias, compute_dtype)
+
+
+def gguf_packed_logits(ckpt: GGUFCheckpoint, compute_dtype: torch.dtype = torch.bfloat16) -> QuantizedLinear | None:
+    """A packed copy of the output matrix (the embedding when tied) for few-row logits, as
+    llama.cpp reads its output matrix quantized: the file's own blocks when they are Q8_0, else
+    int8 per group of 128 of the dequantized matrix (a Q6_K matrix, say: 8 bits keep the logits
+    closer than Q6_K itself). None when the input size takes no group of 128 or 32."""
+    name = "lm_head.weight" if "lm_head.weight" in ckpt.tensor_names() else "model.embed_tokens.weight"
+    info = ckpt.tensor_info(name)
+    if info.ggml_type == GGMLQuantizationType.Q8_0:
+        return make_linear(gguf_weight(ckpt.raw_tensor(name), info.ggml_type, info.shape), None, compute_dtype)
+    group = next((g for g in (128, 32) if info.shape[1] % g == 0), None)
+    if len(info.shape) != 2 or group is None:
+        return None
+    weight = quantize_int8_group(ckpt.load_tensor(name, torch.float32), group, compute_dtype)
+    return make_linear(weight, None, compute_dtype)
 
 
 @dataclass

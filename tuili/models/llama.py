@@ -7,6 +7,8 @@ names follow the Hugging Face checkpoints so weights load by name.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -16,6 +18,9 @@ from tuili.layers.attention import AttentionMetadata, KVCache, paged_attention
 from tuili.layers.linear import Linear, linear
 from tuili.layers.norm import RMSNorm
 from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
+
+if TYPE_CHECKING:
+    from tuili.layers.quant import QuantizedLinear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin at this step's positions
 
@@ -100,7 +105,10 @@ class LlamaForCausalLM(nn.Module):
     few rows that are sampled, so a long prefill never materialises [T, vocab] logits.
 
     `lm_head` is None when the embeddings are tied (the logits then read the embedding matrix),
-    unless a loader installs a quantized copy of that matrix for the logits to read instead."""
+    unless a loader installs a quantized copy of that matrix for the logits to read instead.
+    `packed_logits`, when a loader sets it (GGUF files run packed), is a quantized copy of the
+    output matrix for the few-row logits of decode steps, where its native kernel reads fewer
+    bytes than the float matrix; more rows keep reading the float matrix."""
 
     # Parameters that stack several checkpoint tensors, in order, along dim 0.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -110,6 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions)
         self.lm_head: nn.Module | None = None
+        self.packed_logits: QuantizedLinear | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -118,6 +127,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits; from bf16 weights, unrounded where the native kernels run (linear)."""
+        packed = self.packed_logits
+        if packed is not None and packed.kernel_for(hidden.shape[0], hidden.device) == "gemv":
+            return packed(hidden, out_dtype=torch.float32)
         if self.lm_head is None:
             return linear(hidden, self.model.embed_tokens.weight, out_dtype=torch.float32)
         if isinstance(self.lm_head, Linear):

@@ -152,6 +152,10 @@ def _load_gguf(
     modules = _gguf_packed_modules(ckpt, packed_dtype) if packed_dtype is not None else {}
     tensors = ((name, (lambda n=name: ckpt.load_tensor(n, torch.float32))) for name in ckpt.tensor_names())
     model = _build(cfg, tensors, dtype, device, max_positions or cfg.max_position_embeddings, str(path), modules)
+    if modules:
+        from tuili.layers.quant import gguf_packed_logits
+
+        model.packed_logits = gguf_packed_logits(ckpt, packed_dtype)
     hf_tokenizer = ckpt.load_tokenizer()
     # Chat models end a turn with an end-of-turn token that llama.cpp records apart from EOS.
     eot = [ckpt.metadata(key, None) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
@@ -161,9 +165,9 @@ def _load_gguf(
 
 def _gguf_packed_modules(ckpt: GGUFCheckpoint, compute_dtype: torch.dtype) -> dict[str, nn.Module]:
     """The decoder linears of the file that can run as stored (Q4_0/Q4_1/Q8_0), by module path.
-    The output matrix stays a float matrix in the working dtype: the packed kernels return
-    bf16, whose rounding of the logits (2^-9 relative) turns close calls between the top tokens
-    into ties, and at one row a float32 matrix-vector product reads as fast as the packed one."""
+    The output matrix stays a float matrix in the working dtype, beside a packed copy for
+    decode-sized logits (LlamaForCausalLM.packed_logits): the packed kernels are slow for many
+    rows of a vocabulary-sized matrix."""
     from tuili.layers.quant import gguf_packed_linears
 
     return dict(gguf_packed_linears(ckpt, LlamaForCausalLM.packed_modules, compute_dtype).modules)

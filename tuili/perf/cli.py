@@ -45,8 +45,9 @@ def register(subparsers) -> None:
     plan.add_argument("--measure", action="store_true",
                       help="also run the engine here for this shape and compare (a small model on a CPU)")
     plan.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                      help="the engine's working dtype for --measure (default auto: float32 on a CPU, where "
-                      "GGUF Q4_0/Q4_1/Q8_0 linears stay packed; float32 dequantizes them)")
+                      help="the engine's working dtype for --measure (default auto: bf16 on a CPU with bf16 "
+                      "arithmetic, else float32; GGUF Q4_0/Q4_1/Q8_0 linears stay packed unless float32 "
+                      "is named)")
     plan.add_argument("--list-hardware", action="store_true", help="list hardware presets and links with sources")
     plan.set_defaults(func=run_plan)
 
