@@ -3,8 +3,9 @@ float64 product with the module's own dequantized weight.
 
 Tolerance: on CPUs with AVX512-VNNI the kernel rounds x to int8 per group (x ~ sx * xq with
 sx = max |x_g| / 127, so |x - sx * xq| <= sx / 2) before multiplying by the codes q (0..15)
-times the group's scale; the zero term uses the exact sum of x. So each output is off by at
-most sum_g sx_g / 2 * sum_{k in g} |scale_g * q_k| from that rounding, plus float32 rounding of
+times the group's scale, the zero term using the exact sum of x (int4), or by the int8 values
+q times the scale (Q8_0). So each output is off by at most sum_g sx_g / 2 * sum_{k in g} |m_k|
+from that rounding (m = scale * q), plus float32 rounding of
 the sums (c * |x| @ |W|^T with c = 2^-20), plus half a bf16 unit when the output is bf16. Other
 CPUs compute in float32 and stay inside the same bound. Inputs whose groups are exactly
 representable (integers, largest 127) leave only float32 rounding: that checks the layout to
@@ -51,13 +52,18 @@ def run(module: Int4Linear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Te
 
 
 def quantization_bound(module: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """sum_g sx_g / 2 * sum_{k in g} |scale_g * q_k| over the packed K' (x repeated)."""
-    weight = module._int4_weight()  # codes over K' (Int8GroupLinear: both halves)
+    """sum_g sx_g / 2 * sum_{k in g} |m_k|, m the multiplier of x's rounding: scale * q with the
+    codes q = 0..15 over the packed K' (int4, x repeated), and the weight s * q itself for Q8_0
+    (whose kernel multiplies x by q = 16h + l - 128 over K)."""
     n = module.out_features
-    group = weight.group_size
-    magnitude = (weight.q[:n].double().view(n, -1, group) * weight.scale[:n].double()[..., None]).abs()
-    x_wide = x.double().repeat(1, copies(module))
-    half_step = x_wide.view(x.shape[0], -1, group).abs().amax(-1) / 254  # [M, groups]
+    if copies(module) == 2:
+        magnitude, group = module.dequantize().double().abs(), module.group_size
+    else:
+        weight = module._int4_weight()
+        group = weight.group_size
+        magnitude = (weight.q[:n].double().view(n, -1, group) * weight.scale[:n].double()[..., None]).abs()
+    magnitude = magnitude.reshape(n, -1, group)
+    half_step = x.double().view(x.shape[0], -1, group).abs().amax(-1) / 254  # [M, groups]
     return half_step @ magnitude.sum(-1).T
 
 

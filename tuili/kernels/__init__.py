@@ -46,8 +46,8 @@ dequantize_int8_group_tiles(packed, scale_zero, first_tile, out)
 linear_int4(x, packed, scale_zero, out, copies=1)
     out = x @ W.T for 1..8 rows of x [M, K] (float32 or bfloat16), W an Int4Linear's packed
     weight read as stored (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2]
-    bfloat16), K' = copies * K: copies 2 applies an Int8GroupLinear's two nibble halves (GGUF
-    Q8_0) to [x, x]. out [M, n], n <= N (the padding rows are not written), float32 or
+    bfloat16), K' = copies * K: copies 2 reads an Int8GroupLinear's two nibble halves (GGUF
+    Q8_0) as q = 16h + l - 128 with the low half's scales. out [M, n], n <= N (the padding rows are not written), float32 or
     bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding.
 
 linear_small(x, weight, bias, out)

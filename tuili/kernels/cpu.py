@@ -302,7 +302,7 @@ def linear_int4(
 ) -> torch.Tensor:
     """out = x @ W.T for a few rows of x [M, K] (float32 or bfloat16) and an Int4Linear's packed
     weight (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2] bfloat16), read as
-    stored; K' = copies * K (copies 2: an Int8GroupLinear's two halves, applied to [x, x]).
+    stored; K' = copies * K (copies 2: an Int8GroupLinear's two halves, q = 16h + l - 128).
     out [M, n] float32 or bfloat16, n <= N: the first n output rows. Writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
     rows, k = x.shape

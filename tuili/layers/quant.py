@@ -554,7 +554,8 @@ class Int4Linear(QuantizedLinear):
 class Int8GroupLinear(Int4Linear):
     """Int8GroupWeight (GGUF Q8_0) computed exactly on the int4 kernel: u = q + 128 = 16h + l
     with nibbles h, l, so w = [16s*(h - 8) + 0] + [s*(l - 8) + 8s]: an int4 weight [N, 2K] whose
-    first K columns hold h and last K hold l, applied to [x, x]. It reads 1.25 bytes per value
+    first K columns hold h and last K hold l, applied to [x, x] (the op and the tiled kernel; the
+    native gemv reads both halves at once as q = 16h + l - 128). It reads 1.25 bytes per value
     in bf16 (Q8_0 itself: 1.06)."""
 
     max_op_rows = Q8_0_OP_MAX_ROWS

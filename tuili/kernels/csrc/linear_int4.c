@@ -5,7 +5,8 @@
  * Layout (Int4Linear): packed [N / 64, K', 32] uint8, byte [t, k, j] holding row 64t + j's code
  * in its low nibble and row 64t + 32 + j's in its high nibble; scale_zero [K' / group, N, 2]
  * bfloat16; w[n, k] = scale * (q - 8) + zero. Int8GroupLinear (Q8_0) is the same layout over
- * K' = 2K (its high and low nibble halves), applied to [x, x]: `copies` = K' / K is 1 or 2.
+ * K' = 2K (its high and low nibble halves); `copies` = 2 selects its own kernel (q8 below),
+ * which reads both halves at once.
  *
  Per group g of K' the product needs no dequantized weight:
  *   y[n] += scale[g, n] * sum_k x[k] * q[n, k] + (zero[g, n] - 8 scale[g, n]) * sum_k x[k]
@@ -39,16 +40,26 @@
 #define PREFETCH_ROWS 64 /* tile rows (32 bytes each) read ahead */
 
 typedef struct {
-    const float *x;    /* [M, K'] float32: x repeated `copies` times */
-    const float *xsum; /* [M, groups]: sum of x over each group */
-    const int8_t *xq;  /* [M, K'] x quantized per group (VNNI path only) */
-    const float *sx;   /* [M, groups] its scales */
+    const float *x;       /* [M, K'] float32 (int4) or [M, K] (Q8_0) */
+    const float *xsum;    /* [M, groups]: sum of x over each group */
+    const int8_t *xq;     /* x quantized per group (VNNI path only), as x */
+    const float *sx;      /* [M, groups] its scales */
+    const int32_t *xqsum; /* [M, groups] sum of xq over each group */
     const uint8_t *packed;
     const uint16_t *scale_zero;
     void *out;
-    int out_dtype;
+    int out_dtype, q8; /* q8: Int8GroupLinear's halves, x not repeated: kp = K, tiles of 2K rows */
     int64_t m, kp, group, n_pad, n_out;
 } int4_args;
+
+/* Q8_0 (q8): the tile's codes h (rows 0..K-1) and l (rows K..2K-1) give u = 16h + l = q + 128,
+ * and the l half's scale (slot 0 of group K / group + g) is the block's scale s, so
+ *   y[n] += s * sum_k x[k] * (u[n, k] - 128)
+ * with one pass over both halves and no zero term: it reads 1.125 bytes per value, not the
+ * 1.25 of the int4 view (whose h half's scales and zeros it skips). */
+static inline const uint16_t *q8_scales(const int4_args *a, int64_t tile, int64_t g) {
+    return a->scale_zero + ((a->kp / a->group + g) * a->n_pad + tile * TILE) * 2;
+}
 
 /* Adds scale * sums + zero * xsum for group g to total[i][r] (rows i of x, r of the tile). */
 static inline void add_group(const int4_args *a, int64_t tile, int64_t g, int64_t i0, int rows,
@@ -174,9 +185,110 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
 #define TILE_ROWS tile_rows
 #endif
 
-#define SPECIALIZE(R) \
+
+/* Q8_0 in float32: q = 16h + l - 128 per lane, exact. */
+KERNEL q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE], const int R) {
+    const uint8_t *high = a->packed + tile * 2 * a->kp * HALF, *low = high + a->kp * HALF;
+    const int64_t groups = a->kp / a->group;
+    const __m512i nibble = _mm512_set1_epi32(0x0F), offset = _mm512_set1_epi32(128);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[ROWS_AT_ONCE][4];
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+        for (int64_t k = g * a->group; k < (g + 1) * a->group; k++) {
+            __m512 w[4];
+            UNROLLED for (int half = 0; half < 2; half++) {
+                const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(high + k * HALF + 16 * half)));
+                const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(low + k * HALF + 16 * half)));
+                UNROLLED for (int shift = 0; shift < 2; shift++) {
+                    const __m512i hv = _mm512_and_si512(_mm512_srli_epi32(h, 4 * shift), nibble);
+                    const __m512i lv = _mm512_and_si512(_mm512_srli_epi32(l, 4 * shift), nibble);
+                    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(_mm512_slli_epi32(hv, 4), lv), offset);
+                    w[2 * shift + half] = _mm512_cvtepi32_ps(q); /* rows 0-15, 16-31, 32-47, 48-63 */
+                }
+            }
+            UNROLLED for (int i = 0; i < R; i++) {
+                const __m512 xv = _mm512_set1_ps(a->x[(i0 + i) * a->kp + k]);
+                UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xv, w[v], acc[i][v]);
+            }
+        }
+        const uint16_t *sz = q8_scales(a, tile, g);
+        UNROLLED for (int v = 0; v < 4; v++) {
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(sz + v * 32), 16));
+            UNROLLED for (int i = 0; i < R; i++) {
+                __m512 t = _mm512_loadu_ps(total[i] + v * 16);
+                _mm512_storeu_ps(total[i] + v * 16, _mm512_fmadd_ps(s, acc[i][v], t));
+            }
+        }
+    }
+}
+
+#ifdef VNNI
+/* Q8_0 with VPDPBUSD: u = (h << 4) | l is a byte, so one dot product per lane and k-quad
+ * serves both halves; sum xq * q = sum xq * u - 128 * sum xq, exact in int32. */
+KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE],
+                         const int R) {
+    const uint8_t *high = a->packed + tile * 2 * a->kp * HALF, *low = high + a->kp * HALF;
+    const int64_t groups = a->kp / a->group;
+    const __m512i first_half = transpose_index(0), second_half = transpose_index(16);
+    const __m512i low_nibble = _mm512_set1_epi8(0x0F), high_nibble = _mm512_set1_epi8((char)0xF0);
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + 2 < groups) {
+            const uint16_t *next = q8_scales(a, tile, g + 2);
+            for (int line = 0; line < 4; line++) __builtin_prefetch(next + line * 32, 0, 2);
+        }
+        __m512i acc[ROWS_AT_ONCE][4];
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
+        for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
+            __builtin_prefetch(high + (k + PREFETCH_ROWS) * HALF, 0, 2);
+            __builtin_prefetch(high + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+            __builtin_prefetch(low + (k + PREFETCH_ROWS) * HALF, 0, 2);
+            __builtin_prefetch(low + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+            const __m512i h01 = _mm512_loadu_si512(high + k * HALF), h23 = _mm512_loadu_si512(high + (k + 2) * HALF);
+            const __m512i l01 = _mm512_loadu_si512(low + k * HALF), l23 = _mm512_loadu_si512(low + (k + 2) * HALF);
+            const __m512i h1 = _mm512_permutex2var_epi8(h01, first_half, h23);
+            const __m512i h2 = _mm512_permutex2var_epi8(h01, second_half, h23);
+            const __m512i l1 = _mm512_permutex2var_epi8(l01, first_half, l23);
+            const __m512i l2 = _mm512_permutex2var_epi8(l01, second_half, l23);
+            /* u = 16h + l for rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles). */
+            const __m512i w[4] = {
+                _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h1, 4), high_nibble), _mm512_and_si512(l1, low_nibble)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h2, 4), high_nibble), _mm512_and_si512(l2, low_nibble)),
+                _mm512_or_si512(_mm512_and_si512(h1, high_nibble), _mm512_and_si512(_mm512_srli_epi16(l1, 4), low_nibble)),
+                _mm512_or_si512(_mm512_and_si512(h2, high_nibble), _mm512_and_si512(_mm512_srli_epi16(l2, 4), low_nibble)),
+            };
+            UNROLLED for (int i = 0; i < R; i++) {
+                int32_t four;
+                memcpy(&four, a->xq + (i0 + i) * a->kp + k, sizeof four);
+                const __m512i xv = _mm512_set1_epi32(four);
+                UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xv);
+            }
+        }
+        const uint16_t *sz = q8_scales(a, tile, g);
+        UNROLLED for (int v = 0; v < 4; v++) {
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(sz + v * 32), 16));
+            UNROLLED for (int i = 0; i < R; i++) {
+                const int64_t at = (i0 + i) * groups + g;
+                const __m512i corrected = _mm512_sub_epi32(acc[i][v], _mm512_set1_epi32(128 * a->xqsum[at]));
+                __m512 t = _mm512_loadu_ps(total[i] + v * 16);
+                t = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(a->sx[at])), _mm512_cvtepi32_ps(corrected), t);
+                _mm512_storeu_ps(total[i] + v * 16, t);
+            }
+        }
+    }
+}
+#define Q8_TILE_ROWS q8_tile_rows_vnni
+#else
+#define Q8_TILE_ROWS q8_tile_rows
+#endif
+
+#define SPECIALIZE(R)                                                                                   \
     static void tile_rows_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE]) { \
-        TILE_ROWS(a, t, i0, tot, R);                                                                     \
+        if (a->q8)                                                                                      \
+            Q8_TILE_ROWS(a, t, i0, tot, R);                                                             \
+        else                                                                                            \
+            TILE_ROWS(a, t, i0, tot, R);                                                                \
     }
 SPECIALIZE(1)
 SPECIALIZE(2)
@@ -191,7 +303,33 @@ static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows
 
 #else /* no AVX-512: the same sums in plain C */
 
+static void q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
+    const uint8_t *high = a->packed + tile * 2 * a->kp * HALF, *low = high + a->kp * HALF;
+    for (int64_t g = 0; g < a->kp / a->group; g++) {
+        float sums[ROWS_AT_ONCE][TILE] = {{0}};
+        for (int64_t k = g * a->group; k < (g + 1) * a->group; k++) {
+            float w[TILE];
+            for (int j = 0; j < HALF; j++) {
+                const uint8_t h = high[k * HALF + j], l = low[k * HALF + j];
+                w[j] = (float)(((h & 0x0F) << 4 | (l & 0x0F)) - 128);
+                w[HALF + j] = (float)(((h & 0xF0) | (l >> 4)) - 128);
+            }
+            for (int i = 0; i < rows; i++) {
+                const float xv = a->x[(i0 + i) * a->kp + k];
+                for (int r = 0; r < TILE; r++) sums[i][r] = MADD(xv, w[r], sums[i][r]);
+            }
+        }
+        const uint16_t *sz = q8_scales(a, tile, g);
+        for (int r = 0; r < TILE; r++)
+            for (int i = 0; i < rows; i++) total[i][r] += bf16_to_f32(sz[2 * r]) * sums[i][r];
+    }
+}
+
 static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
+    if (a->q8) {
+        q8_tile_rows(a, tile, i0, rows, total);
+        return;
+    }
     const uint8_t *codes = a->packed + tile * a->kp * HALF;
     for (int64_t g = 0; g < a->kp / a->group; g++) {
         float sums[ROWS_AT_ONCE][TILE] = {{0}};
@@ -230,11 +368,16 @@ static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, f
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
                       int64_t n_out, int num_threads) {
-    const int64_t kp = k * copies, groups = kp / group;
-    float *xf = malloc((size_t)(m * kp + 2 * m * groups) * sizeof(float) + (size_t)(m * kp));
+    /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with the halves side by side; the
+     * int4 kernels run over K' = copies * K with x repeated. */
+    const int q8 = copies == 2;
+    const int64_t kp = q8 ? k : k * copies, groups = kp / group;
+    float *xf = malloc((size_t)(m * kp + 2 * m * groups) * sizeof(float) + (size_t)(m * groups) * sizeof(int32_t) +
+                       (size_t)(m * kp));
     if (xf == NULL) return TUILI_NO_MEMORY;
     float *xsum = xf + m * kp, *sx = xsum + m * groups;
-    int8_t *xq = (int8_t *)(sx + m * groups);
+    int32_t *xqsum = (int32_t *)(sx + m * groups);
+    int8_t *xq = (int8_t *)(xqsum + m * groups);
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < kp; j++) {
             const int64_t at = i * k + j % k;
@@ -248,12 +391,19 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
                 largest = fmaxf(largest, fabsf(xg[j]));
             }
             const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-            for (int64_t j = 0; j < group; j++) xq[i * kp + g * group + j] = (int8_t)lrintf(xg[j] * inverse);
+            int32_t qsum = 0;
+            for (int64_t j = 0; j < group; j++) {
+                const int8_t v = (int8_t)lrintf(xg[j] * inverse);
+                xq[i * kp + g * group + j] = v;
+                qsum += v;
+            }
             xsum[i * groups + g] = sum;
             sx[i * groups + g] = scale;
+            xqsum[i * groups + g] = qsum;
         }
     }
-    const int4_args a = {xf, xsum, xq, sx, packed, scale_zero, out, out_dtype, m, kp, group, tiles * TILE, n_out};
+    const int4_args a = {xf, xsum, xq, sx, xqsum, packed, scale_zero, out, out_dtype, q8, m, kp, group, tiles * TILE,
+                         n_out};
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t tile = 0; tile < tiles; tile++) {
