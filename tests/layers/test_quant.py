@@ -25,6 +25,7 @@ from tuili.layers.quant import (
     Int4Linear,
     Int4Weight,
     Int8GroupLinear,
+    Int8GroupWeight,
     Int8Linear,
     QuantizedLinear,
     gguf_linear,
@@ -216,6 +217,23 @@ def test_modules_compute_what_their_stored_values_mean(kind, dequantizer):
         assert type(module) is (Int8Linear if kind == "int8" else Int4Linear)
         torch.testing.assert_close(module.dequantize(), meaning, rtol=0, atol=0)
         run_both_kernels(module, 256, bias, meaning, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_few_row_kernels_take_any_float_input_and_output_dtype(dtype):
+    # A model in float16 on a CPU (or float32) with bf16 packed linears: every module returns the
+    # input's dtype, or float32 when asked (logits), whatever kernel the rows pick.
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    modules = [make_linear(quantize_int4(w, 32)), make_linear(quantize_int8(w)), make_linear(Int8GroupWeight(
+        quantize_int8(w).q, torch.rand(96, 2) / 50, 32))]
+    for module in modules:
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, 64).to(dtype)
+            y = module(x)
+            assert y.dtype == dtype and y.shape == (rows, 96)
+            assert_linear_close(y.float(), x.float(), module.dequantize(), None, max(BF16_BOUND, 2**-5))
+            assert module(x, out_dtype=torch.float32).dtype == torch.float32
 
 
 def test_cat_stacks_along_the_output_dimension():

@@ -62,7 +62,12 @@ INT8_OP_MAX_ROWS = 16
 INT4_OP_MAX_ROWS = 24
 Q8_0_OP_MAX_ROWS = 12
 INT4_GEMV_MAX_ROWS = 32
-Q8_0_GEMV_MAX_ROWS = 24
+Q8_0_GEMV_MAX_ROWS = 32
+# Most rows for which a packed copy of a vocabulary-sized output matrix (gguf_packed_logits) beats
+# the float matrix's GEMV/AMX product: Qwen3's 151936 x 1024 at 2 threads, Q8_0 kernel against
+# bf16, 4.9 / 11.6 ms at 4 rows, 8.5 / 10.3 at 8, 15.2 / 10.5 at 16.
+PACKED_LOGITS_MAX_ROWS = 8
+_GEMV_DTYPES = (torch.float32, torch.bfloat16)  # what kernels.linear_int4 reads and writes
 TILE_VALUES = 1 << 19  # weights dequantized at a time: 1 MiB in bf16, resident in L2
 INT4_TILE_ROWS = 64  # rows per tile of the packed int4 layout
 
@@ -277,7 +282,8 @@ def gguf_packed_logits(ckpt: GGUFCheckpoint, compute_dtype: torch.dtype = torch.
     """A packed copy of the output matrix (the embedding when tied) for few-row logits, as
     llama.cpp reads its output matrix quantized: the file's own blocks when they are Q8_0, else
     int8 per group of 128 of the dequantized matrix (a Q6_K matrix, say: 8 bits keep the logits
-    closer than Q6_K itself). None when the input size takes no group of 128 or 32."""
+    closer than Q6_K itself). It serves up to PACKED_LOGITS_MAX_ROWS rows. None when the input
+    size takes no group of 128 or 32."""
     name = "lm_head.weight" if "lm_head.weight" in ckpt.tensor_names() else "model.embed_tokens.weight"
     info = ckpt.tensor_info(name)
     if info.ggml_type == GGMLQuantizationType.Q8_0:
@@ -501,10 +507,15 @@ class Int4Linear(QuantizedLinear):
         return x if self._input_copies == 1 else x.repeat(1, self._input_copies)
 
     def _gemv(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The native kernel takes and writes float32 or bf16; other dtypes (float16) convert."""
         from tuili.kernels import linear_int4
 
-        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
-        return linear_int4(x, self.packed, self.scale_zero, out, self._input_copies)
+        if x.dtype not in _GEMV_DTYPES:
+            x = x.to(self.compute_dtype)
+        direct = out_dtype in _GEMV_DTYPES
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
+        linear_int4(x, self.packed, self.scale_zero, out, self._input_copies)
+        return out if direct else out.to(out_dtype)
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:
         tiles, k, _ = self.packed.shape

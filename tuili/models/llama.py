@@ -7,8 +7,6 @@ names follow the Hugging Face checkpoints so weights load by name.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -17,10 +15,8 @@ from tuili.layers.activation import silu_and_mul
 from tuili.layers.attention import AttentionMetadata, KVCache, paged_attention
 from tuili.layers.linear import Linear, linear
 from tuili.layers.norm import RMSNorm
+from tuili.layers.quant import PACKED_LOGITS_MAX_ROWS, QuantizedLinear
 from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
-
-if TYPE_CHECKING:
-    from tuili.layers.quant import QuantizedLinear
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin at this step's positions
 
@@ -107,8 +103,9 @@ class LlamaForCausalLM(nn.Module):
     `lm_head` is None when the embeddings are tied (the logits then read the embedding matrix),
     unless a loader installs a quantized copy of that matrix for the logits to read instead.
     `packed_logits`, when a loader sets it (GGUF files run packed), is a quantized copy of the
-    output matrix for the few-row logits of decode steps, where its native kernel reads fewer
-    bytes than the float matrix; more rows keep reading the float matrix."""
+    output matrix for the logits of decode steps of up to PACKED_LOGITS_MAX_ROWS rows, where its
+    native kernel reads fewer bytes than the float matrix; more rows keep reading the float
+    matrix."""
 
     # Parameters that stack several checkpoint tensors, in order, along dim 0.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -128,7 +125,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits; from bf16 weights, unrounded where the native kernels run (linear)."""
         packed = self.packed_logits
-        if packed is not None and packed.kernel_for(hidden.shape[0], hidden.device) == "gemv":
+        if (
+            packed is not None
+            and hidden.shape[0] <= PACKED_LOGITS_MAX_ROWS
+            and packed.kernel_for(hidden.shape[0], hidden.device) == "gemv"
+        ):
             return packed(hidden, out_dtype=torch.float32)
         if self.lm_head is None:
             return linear(hidden, self.model.embed_tokens.weight, out_dtype=torch.float32)
