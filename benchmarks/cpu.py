@@ -392,6 +392,8 @@ def check_targets(model: Model, columns: list[Column], spec: HardwareSpec) -> li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=ENGINES, help="run one engine only")
+    parser.add_argument("--columns", nargs="+", metavar="LABEL",
+                        help='run only these columns, e.g. --columns "tuili Q8_0" "llama Q8_0"')
     parser.add_argument("--models", nargs="+", choices=("qwen3-0.6b", "smollm2"), default=["qwen3-0.6b", "smollm2"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and one repetition: a smoke run")
     parser.add_argument("--threads", type=int, default=2)
@@ -401,6 +403,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: expected at least 1")
+    chosen = models(args)
+    known = {v.label for model in chosen for v in model.variants}
+    unknown = sorted(set(args.columns or ()) - known)
+    if unknown:
+        parser.error(f"unknown column(s) {unknown}; the columns are: {', '.join(sorted(known))}")
 
     torch.set_num_threads(args.threads)
     spec = hardware_spec(args.hardware, quick=args.quick)
@@ -409,8 +416,12 @@ def main() -> None:
           f"bf16 matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s")
     report = {"machine": machine(), "hardware": spec.to_dict(), "threads": args.threads, "quick": args.quick,
               "models": {}}
-    for model in models(args):
-        columns = [run_variant(v, model, args.threads) for v in model.variants if args.only in (None, v.engine)]
+    for model in chosen:
+        columns = [
+            run_variant(v, model, args.threads)
+            for v in model.variants
+            if args.only in (None, v.engine) and (args.columns is None or v.label in args.columns)
+        ]
         if not columns:
             continue
         print_model(model, columns, spec)
