@@ -91,3 +91,20 @@ def test_plan_measure_runs_the_engine_and_compares(tmp_path, capsys, monkeypatch
                                                              + 3e-4 + 2 * 2e-4)
     assert rows["TTFT"]["predicted"] == pytest.approx(rows["TTFT, roofline alone"]["predicted"] + 5e-4 + 2 * 4e-4)
     assert any("host overhead" in note for note in report["notes"])
+
+
+def test_a_packed_copy_of_the_output_matrix_stands_for_it():
+    # The embedded GGUF runs packed, and its decode logits read a packed copy of the tied
+    # embedding: the bytes the planner takes for the embedding are the copy's, and the runner's
+    # decode bytes count the copy and not the float matrix.
+    from tuili.perf.measure import engine_storage
+
+    llm = LLM(max_model_len=64, kv_cache_memory=16 << 20)
+    runner = llm.engine.runner
+    model = runner.model
+    copy = model.packed_logits
+    assert copy is not None and model.lm_head is None
+    assert engine_storage(model).bytes_by_kind["embedding"] == copy.weight_bytes
+    embedding = model.model.embed_tokens.weight
+    float_matrix = embedding.numel() * embedding.element_size()
+    assert runner.decode_weight_bytes() == runner.weight_bytes() - float_matrix
