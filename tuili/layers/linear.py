@@ -12,8 +12,8 @@ where the kernels build, `linear` picks by the number of rows:
 
 They all accumulate in float32 and agree to one rounding of the output. Logits ask for float32
 output (`out_dtype`): the native kernels then skip that rounding, so bf16 weights give logits
-without bf16's ties (every 2^-8 relative step of a rounded logit is shared by many tokens). The limits are the
-measured crossovers: fp32 GEMV is 1.4-3x faster than F.linear from 1 to 8 rows; in bf16 the GEMV
+without bf16's ties (a rounded logit's 2^-8 relative step is shared by many tokens). The limits
+are the measured crossovers: fp32 GEMV is 1.4-3x faster than F.linear from 1 to 8 rows; in bf16 the GEMV
 is fastest at 1 row, AMX 1.3-2x faster than F.linear from 5 to 64 rows and even at 128.
 """
 

@@ -158,26 +158,27 @@ def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat1
 
     The scale is rounded to `scale_dtype` (what the kernel will read) before q is chosen, so q is
     the best code for the stored scale: |w - scale*q| <= scale/2 (a row of zeros has scale 0)."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).to(scale_dtype).float()
-    safe = torch.where(scale > 0, scale, 1.0)
-    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q, scale.to(scale_dtype))
+    return Int8Weight(*_symmetric_int8(weight.detach().float(), scale_dtype))
 
 
 def quantize_int8_group(
     weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16
 ) -> Int8GroupWeight:
-    """Per group of `group_size` inputs, symmetric: scale = max|w| / 127, q = round(w / scale),
-    the scale rounded to `scale_dtype` before q is chosen (as quantize_int8)."""
+    """Per group of `group_size` inputs, symmetric, as quantize_int8 per row."""
     n, k = weight.shape
     if k % group_size:
         raise TuiliError(f"int8 groups of {group_size} need the input size to be a multiple of it; got [{n}, {k}]")
-    w = weight.detach().float().view(n, k // group_size, group_size)
+    q, scale = _symmetric_int8(weight.detach().float().view(n, k // group_size, group_size), scale_dtype)
+    return Int8GroupWeight(q.view(n, k), scale, group_size)
+
+
+def _symmetric_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales along the last dimension of float32 `w`: scale = max|w| / 127 rounded to
+    `scale_dtype` first, then q = round(w / scale) in -127..127 (0 where the scale is 0)."""
     scale = (w.abs().amax(dim=-1) / 127).to(scale_dtype).float()
     safe = torch.where(scale > 0, scale, 1.0)
     q = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
-    return Int8GroupWeight(q.view(n, k), scale.to(scale_dtype), group_size)
+    return q, scale.to(scale_dtype)
 
 
 def quantize_int4(

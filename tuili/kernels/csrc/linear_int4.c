@@ -8,7 +8,7 @@
  * K' = 2K (its high and low nibble halves); `copies` = 2 selects its own kernel (q8 below),
  * which reads both halves at once.
  *
- Per group g of K' the product needs no dequantized weight:
+ * Per group g of K' the product needs no dequantized weight:
  *   y[n] += scale[g, n] * sum_k x[k] * q[n, k] + (zero[g, n] - 8 scale[g, n]) * sum_k x[k]
  * The inner sums run over the 64 rows of a tile at once (a tile row of 32 bytes is 64 codes, one
  * per output row). Two ways, by what the CPU has:
@@ -40,7 +40,7 @@
 #define PREFETCH_ROWS 64 /* tile rows (32 bytes each) read ahead */
 
 typedef struct {
-    const float *x;       /* [M, K'] float32 (int4) or [M, K] (Q8_0) */
+    const float *x;       /* [M, K] float32 */
     const float *xsum;    /* [M, groups]: sum of x over each group */
     const int8_t *xq;     /* x quantized per group (VNNI path only), as x */
     const float *sx;      /* [M, groups] its scales */
@@ -48,8 +48,8 @@ typedef struct {
     const uint8_t *packed;
     const uint16_t *scale_zero;
     void *out;
-    int out_dtype, q8; /* q8: Int8GroupLinear's halves, x not repeated: kp = K, tiles of 2K rows */
-    int64_t m, kp, group, n_pad, n_out;
+    int out_dtype, q8; /* q8: Int8GroupLinear's halves, tiles of 2 kp rows */
+    int64_t m, kp, group, n_pad, n_out; /* kp: K, the columns of x */
 } int4_args;
 
 /* Q8_0 (q8): the tile's codes h (rows 0..K-1) and l (rows K..2K-1) give u = 16h + l = q + 128,
@@ -129,27 +129,36 @@ static inline __m512i transpose_index(int first_column) {
     return _mm512_loadu_si512(index);
 }
 
+/* Tile rows k .. k + 3 of `rows` (32 bytes each) as 16 lanes of four consecutive k: tile columns
+ * 0-15 in *first, 16-31 in *second. Asks for the rows PREFETCH_ROWS further on. */
+static inline __attribute__((always_inline)) void four_rows(const uint8_t *rows, int64_t k, __m512i first_half,
+                                                            __m512i second_half, __m512i *first, __m512i *second) {
+    __builtin_prefetch(rows + (k + PREFETCH_ROWS) * HALF, 0, 2);
+    __builtin_prefetch(rows + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+    const __m512i rows01 = _mm512_loadu_si512(rows + k * HALF), rows23 = _mm512_loadu_si512(rows + (k + 2) * HALF);
+    *first = _mm512_permutex2var_epi8(rows01, first_half, rows23);
+    *second = _mm512_permutex2var_epi8(rows01, second_half, rows23);
+}
+
+/* Each group's 64 bf16 (scale, zero) pairs lie N * 4 bytes after the previous group's, in another
+ * page: the kernels ask for them two groups early. */
+static inline void prefetch_scales(const uint16_t *pairs) {
+    for (int line = 0; line < 4; line++) __builtin_prefetch(pairs + line * 32, 0, 2);
+}
+
 KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE], const int R) {
     const uint8_t *codes = a->packed + tile * a->kp * HALF;
     const int64_t groups = a->kp / a->group;
     const __m512i first_half = transpose_index(0), second_half = transpose_index(16);
     const __m512i nibble = _mm512_set1_epi8(0x0F), low_half = _mm512_set1_epi32(0xFFFF);
     for (int64_t g = 0; g < groups; g++) {
-        /* The next groups' scales lie N * 4 bytes further each, in another page: ask early. */
-        if (g + 2 < groups) {
-            const uint16_t *next = a->scale_zero + ((g + 2) * a->n_pad + tile * TILE) * 2;
-            for (int line = 0; line < 4; line++) __builtin_prefetch(next + line * 32, 0, 2);
-        }
+        if (g + 2 < groups) prefetch_scales(a->scale_zero + ((g + 2) * a->n_pad + tile * TILE) * 2);
         __m512i acc[ROWS_AT_ONCE][4];
         UNROLLED for (int i = 0; i < R; i++)
             UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
         for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
-            __builtin_prefetch(codes + (k + PREFETCH_ROWS) * HALF, 0, 2);
-            __builtin_prefetch(codes + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
-            const __m512i rows01 = _mm512_loadu_si512(codes + k * HALF);
-            const __m512i rows23 = _mm512_loadu_si512(codes + (k + 2) * HALF);
-            const __m512i first = _mm512_permutex2var_epi8(rows01, first_half, rows23);
-            const __m512i second = _mm512_permutex2var_epi8(rows01, second_half, rows23);
+            __m512i first, second;
+            four_rows(codes, k, first_half, second_half, &first, &second);
             /* Rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles): codes 0..15. */
             const __m512i w[4] = {
                 _mm512_and_si512(first, nibble),
@@ -233,24 +242,14 @@ KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float tot
     const __m512i first_half = transpose_index(0), second_half = transpose_index(16);
     const __m512i low_nibble = _mm512_set1_epi8(0x0F), high_nibble = _mm512_set1_epi8((char)0xF0);
     for (int64_t g = 0; g < groups; g++) {
-        if (g + 2 < groups) {
-            const uint16_t *next = q8_scales(a, tile, g + 2);
-            for (int line = 0; line < 4; line++) __builtin_prefetch(next + line * 32, 0, 2);
-        }
+        if (g + 2 < groups) prefetch_scales(q8_scales(a, tile, g + 2));
         __m512i acc[ROWS_AT_ONCE][4];
         UNROLLED for (int i = 0; i < R; i++)
             UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
         for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
-            __builtin_prefetch(high + (k + PREFETCH_ROWS) * HALF, 0, 2);
-            __builtin_prefetch(high + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
-            __builtin_prefetch(low + (k + PREFETCH_ROWS) * HALF, 0, 2);
-            __builtin_prefetch(low + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
-            const __m512i h01 = _mm512_loadu_si512(high + k * HALF), h23 = _mm512_loadu_si512(high + (k + 2) * HALF);
-            const __m512i l01 = _mm512_loadu_si512(low + k * HALF), l23 = _mm512_loadu_si512(low + (k + 2) * HALF);
-            const __m512i h1 = _mm512_permutex2var_epi8(h01, first_half, h23);
-            const __m512i h2 = _mm512_permutex2var_epi8(h01, second_half, h23);
-            const __m512i l1 = _mm512_permutex2var_epi8(l01, first_half, l23);
-            const __m512i l2 = _mm512_permutex2var_epi8(l01, second_half, l23);
+            __m512i h1, h2, l1, l2;
+            four_rows(high, k, first_half, second_half, &h1, &h2);
+            four_rows(low, k, first_half, second_half, &l1, &l2);
             /* u = 16h + l for rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles). */
             const __m512i w[4] = {
                 _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h1, 4), high_nibble), _mm512_and_si512(l1, low_nibble)),
@@ -368,42 +367,37 @@ static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, f
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
                       int64_t n_out, int num_threads) {
-    /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with the halves side by side; the
-     * int4 kernels run over K' = copies * K with x repeated. */
-    const int q8 = copies == 2;
-    const int64_t kp = q8 ? k : k * copies, groups = kp / group;
-    float *xf = malloc((size_t)(m * kp + 2 * m * groups) * sizeof(float) + (size_t)(m * groups) * sizeof(int32_t) +
-                       (size_t)(m * kp));
+    /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side. */
+    const int64_t groups = k / group;
+    float *xf = malloc((size_t)(m * k + 2 * m * groups) * sizeof(float) + (size_t)(m * groups) * sizeof(int32_t) +
+                       (size_t)(m * k));
     if (xf == NULL) return TUILI_NO_MEMORY;
-    float *xsum = xf + m * kp, *sx = xsum + m * groups;
+    float *xsum = xf + m * k, *sx = xsum + m * groups;
     int32_t *xqsum = (int32_t *)(sx + m * groups);
     int8_t *xq = (int8_t *)(xqsum + m * groups);
-    for (int64_t i = 0; i < m; i++) {
-        for (int64_t j = 0; j < kp; j++) {
-            const int64_t at = i * k + j % k;
-            xf[i * kp + j] = x_dtype == TUILI_F32 ? ((const float *)x)[at] : bf16_to_f32(((const uint16_t *)x)[at]);
+    for (int64_t i = 0; i < m * k; i++)
+        xf[i] = x_dtype == TUILI_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
+    for (int64_t at = 0; at < m * groups; at++) { /* row at / groups, group at % groups */
+        const float *xg = xf + at * group;
+        float sum = 0.0f, largest = 0.0f;
+        for (int64_t j = 0; j < group; j++) {
+            sum += xg[j];
+            largest = fmaxf(largest, fabsf(xg[j]));
         }
-        for (int64_t g = 0; g < groups; g++) {
-            const float *xg = xf + i * kp + g * group;
-            float sum = 0.0f, largest = 0.0f;
-            for (int64_t j = 0; j < group; j++) {
-                sum += xg[j];
-                largest = fmaxf(largest, fabsf(xg[j]));
-            }
-            const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-            int32_t qsum = 0;
-            for (int64_t j = 0; j < group; j++) {
-                const int8_t v = (int8_t)lrintf(xg[j] * inverse);
-                xq[i * kp + g * group + j] = v;
-                qsum += v;
-            }
-            xsum[i * groups + g] = sum;
-            sx[i * groups + g] = scale;
-            xqsum[i * groups + g] = qsum;
+        xsum[at] = sum;
+#ifdef VNNI /* x ~ sx * xq, only where VPDPBUSD reads it */
+        const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+        int32_t qsum = 0;
+        for (int64_t j = 0; j < group; j++) {
+            xq[at * group + j] = (int8_t)lrintf(xg[j] * inverse);
+            qsum += xq[at * group + j];
         }
+        sx[at] = largest / 127.0f;
+        xqsum[at] = qsum;
+#endif
     }
-    const int4_args a = {xf, xsum, xq, sx, xqsum, packed, scale_zero, out, out_dtype, q8, m, kp, group, tiles * TILE,
-                         n_out};
+    const int4_args a = {xf, xsum, xq, sx, xqsum, packed, scale_zero, out, out_dtype, copies == 2, m, k, group,
+                         tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t tile = 0; tile < tiles; tile++) {
