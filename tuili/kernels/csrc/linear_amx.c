@@ -11,7 +11,7 @@
  * weight is already an A tile: 16 weight rows, 32 consecutive k each, at a stride of K. So the
  * kernel computes the transposed product out^T = W x^T, with x^T repacked into VNNI B tiles
  * (M x K values, a small copy next to the N x K weight) and each 16 x 16 float32 result tile
- * transposed on the way out.
+ * transposed on the way out (x^T and the results go through 16 x 16 register transposes).
  *
  * Work: the rows of x go in chunks of up to CHUNK_M (their B tiles stay in L2); within a chunk,
  * threads take static ranges of weight row pairs (32 rows: two A tiles), and for each pair run
@@ -26,7 +26,7 @@
 
 #include "common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -67,21 +67,47 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* A 16 x 16 transpose of 32-bit values held in sixteen registers, in four rounds of shuffles. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 /* x rows [m0, m0 + rows) -> VNNI B tiles: vnni[(b * K/2 + p) * 32 + 2 * i + e] = x[m0 + 16b + i][2p + e],
- * zero for rows past the chunk. */
+ * zero for rows past the chunk. A B tile is the transpose of 16 rows' k-pairs taken as 32-bit values. */
 static void pack_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t k, uint16_t *vnni) {
     const int64_t blocks = (rows + TILE - 1) / TILE, pairs = k / 2;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        uint32_t *dst = (uint32_t *)vnni + b * pairs * TILE;
-        for (int i = 0; i < TILE; i++) {
-            const int64_t row = b * TILE + i;
-            if (row < rows) {
-                const uint32_t *src = (const uint32_t *)(x + (m0 + row) * k);
-                for (int64_t p = 0; p < pairs; p++) dst[p * TILE + i] = src[p];
-            } else {
-                for (int64_t p = 0; p < pairs; p++) dst[p * TILE + i] = 0;
+        float *dst = (float *)vnni + b * pairs * TILE;
+        for (int64_t p = 0; p < pairs; p += TILE) {
+            __m512 r[16];
+            for (int i = 0; i < TILE; i++) {
+                const int64_t row = b * TILE + i;
+                r[i] = row < rows ? _mm512_loadu_ps((const float *)(x + (m0 + row) * k) + p) : _mm512_setzero_ps();
             }
+            transpose16(r);
+            for (int q = 0; q < TILE; q++) _mm512_store_ps(dst + (p + q) * TILE, r[q]);
         }
     }
 }
@@ -94,14 +120,29 @@ static inline void store_out(void *out, int out_f32, int64_t at, float y) {
         ((uint16_t *)out)[at] = f32_to_bf16(y);
 }
 
-/* Transposes accumulator tile c (c[n][m], float32) into out rows m0.., columns n0.., adding bias. */
+/* Transposes accumulator tile c (c[n][m], float32) into out rows m0.. (rows_m of them), columns
+ * n0 .. n0 + 15, adding bias; bf16 outputs rounded to nearest even as f32_to_bf16 does. */
 static void store_tile(const float *c, const uint16_t *bias, void *out, int out_f32, int64_t n, int64_t n0,
                        int64_t m0, int64_t rows_m) {
-    for (int64_t i = 0; i < rows_m; i++)
-        for (int j = 0; j < TILE; j++) {
-            const float b = bias ? bf16_to_f32(bias[n0 + j]) : 0.0f;
-            store_out(out, out_f32, (m0 + i) * n + n0 + j, c[j * TILE + i] + b);
+    __m512 r[16];
+    for (int j = 0; j < TILE; j++) r[j] = _mm512_load_ps(c + j * TILE);
+    transpose16(r);
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
+                          : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows_m; i++) {
+        const __m512 y = _mm512_add_ps(r[i], b);
+        if (out_f32) {
+            _mm512_storeu_ps((float *)out + (m0 + i) * n + n0, y);
+        } else {
+            const __m512i u = _mm512_castps_si512(y);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+            const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+            h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + i) * n + n0), _mm512_cvtepi32_epi16(h));
         }
+    }
 }
 
 /* Weight blocks w0 (and w0 + 1 when two) x x blocks b0 (and b0 + 1 when two), over all of K. */
@@ -118,9 +159,10 @@ static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *
     _tile_zero(3);
     for (int64_t j = 0; j < k; j += TILE_K) {
         /* Each of the 32 weight rows is its own stream through memory: ask for each row's line
-         * PREFETCH_STEPS steps ahead (measured 1.3x faster than the hardware prefetchers alone). */
+         * PREFETCH_STEPS steps ahead (measured 1.3x faster than the hardware prefetchers alone).
+         * Only the chunk's first x pair reads them from memory; later pairs find them in L2. */
         const int64_t ahead = j + PREFETCH_STEPS * TILE_K;
-        if (ahead < k) {
+        if (b0 == 0 && ahead < k) {
             for (int r = 0; r < TILE; r++) __builtin_prefetch(wa + r * k + ahead, 0, 2);
             if (two_w)
                 for (int r = 0; r < TILE; r++) __builtin_prefetch(wb + r * k + ahead, 0, 2);
@@ -138,7 +180,7 @@ static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *
             if (two_b) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    float c[TILE * TILE];
+    _Alignas(64) float c[TILE * TILE];
     const int64_t m_a = b0 * TILE, rows_a = rows_m - m_a < TILE ? rows_m - m_a : TILE;
     const int64_t rows_b = rows_m - m_a - TILE < TILE ? rows_m - m_a - TILE : TILE;
     _tile_stored(0, c, 64);
