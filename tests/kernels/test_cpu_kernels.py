@@ -355,17 +355,22 @@ def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
 # Correctness tests of this file and of the kernel files below rerun on libraries built for CPUs
 # with AVX-512 but not its BF16 and VNNI instructions (the dequantizers then round to bfloat16 in
 # integer arithmetic, linear_small widens bf16 to float32 for FMAs, linear_int4 computes in
-# float32), and with AVX2 only (the portable C code everywhere, and no AMX): flags -> pytest -k.
+# float32, paged attention converts bf16 keys to float32), and with AVX2 only (the portable C
+# code everywhere, and no AMX): flags -> pytest -k.
 X86_VARIANTS = {
-    "-mno-avx512bf16 -mno-avx512vnni": "tiles or linear_small or int4 or q8_0 or representable",
+    "-mno-avx512bf16 -mno-avx512vnni": "matches_sdpa or split or tiles or linear_small or int4 or q8_0 "
+    "or representable",
     "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available "
-    "or rms_norm or qk_norm or silu or int4 or q8_0 or representable",
+    "or rms_norm or qk_norm or silu or int4 or q8_0 or representable or argmax",
 }
 VARIANT_FILES = [
     __file__,
     *(
         str(Path(__file__).with_name(f))
-        for f in ("test_linear_small.py", "test_linear_amx.py", "test_elementwise.py", "test_linear_int4.py")
+        for f in (
+            "test_linear_small.py", "test_linear_amx.py", "test_elementwise.py", "test_linear_int4.py",
+            "test_argmax.py",
+        )
     ),
 ]
 

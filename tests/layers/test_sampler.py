@@ -54,6 +54,24 @@ def test_temperature_zero_and_top_k_one_are_argmax():
         assert [t.token_id for t in sampler(logits, rows)] == expected
 
 
+def test_greedy_over_non_finite_logits_and_ties_is_the_same_natively_and_in_torch(monkeypatch):
+    """Plain greedy rows go to the native arg-max where it builds; it must pick what the torch path
+    picks after nan_to_num: the first of tied maxima, +inf as the largest finite value, never NaN."""
+    logits = torch.randn(7, 3001, generator=torch.Generator().manual_seed(5))
+    logits[0, 17] = logits[0, 2900] = 50.0  # a tie: the first wins
+    logits[1, 5] = float("nan")
+    logits[1, 6] = 40.0
+    logits[2, 100] = logits[2, 3000] = float("inf")  # both read as the largest float: the first wins
+    logits[3, :] = float("nan")
+    logits[4, :] = float("-inf")
+    logits[5, 3000] = 60.0  # the maximum in the last, odd element
+    rows = [make_row(temperature=0.0) for _ in range(7)]
+    native = [t.token_id for t in sampler(logits, rows)]
+    monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    assert [t.token_id for t in sampler(logits, rows)] == native
+    assert native[:3] == [17, 6, 100] and native[5] == 3000
+
+
 def test_input_logits_are_left_alone_and_any_float_dtype_works():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     before = logits.clone()

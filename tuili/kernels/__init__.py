@@ -71,6 +71,9 @@ linear_amx(x, weight, bias, out)
     float32, one rounding. Only where `amx_available()`: a CPU with AMX-BF16, a compiler that
     targets it, and an OS that grants the process the tile registers (Linux arch_prctl).
 
+argmax_rows(x)
+    Greedy decoding's pick (csrc/argmax.c): the first index of each float32 row's largest value,
+    NaN read as -inf and +inf as the largest finite float, in one pass over the row.
 rms_norm(x, weight, eps, out, residual=None)
 qk_norm_rope(qkv, num_q_heads, q_weight, k_weight, cos, sin, eps)
 silu_mul(gate_up, out)
@@ -83,6 +86,7 @@ silu_mul(gate_up, out)
 
 from tuili.kernels.cpu import (
     amx_available,
+    argmax_rows,
     available,
     dequantize_int4_tiles,
     dequantize_int8_group_tiles,
@@ -98,6 +102,7 @@ from tuili.kernels.cpu import (
 
 __all__ = [
     "amx_available",
+    "argmax_rows",
     "available",
     "dequantize_int4_tiles",
     "dequantize_int8_group_tiles",

@@ -99,6 +99,8 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i64, i64, i64, i32,  # M, K, copies, tiles, group, n out, threads
     ]  # fmt: skip
     library.tuili_linear_int4.restype = i32
+    library.tuili_argmax_rows.argtypes = [p, i64, i64, p, i32]  # x, rows, n, out, threads
+    library.tuili_argmax_rows.restype = i32
     library.tuili_amx_init.argtypes = []
     library.tuili_amx_init.restype = i32
     library.tuili_linear_amx.argtypes = [
@@ -470,4 +472,16 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     _library().tuili_silu_mul(
         gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPE_CODES[gate_up.dtype], torch.get_num_threads()
     )
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value for x [rows, n] float32, as int64 [rows]: the first
+    one on ties, NaN read as -inf and +inf as the largest finite float (what the sampler's
+    nan_to_num leaves), 0 for a row with nothing above -inf."""
+    x = _check("x", x, (torch.float32,), 2)
+    rows, n = x.shape
+    out = torch.zeros(rows, dtype=torch.int64)
+    if n:
+        _library().tuili_argmax_rows(x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
     return out

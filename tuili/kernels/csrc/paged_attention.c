@@ -102,6 +102,7 @@ typedef struct {
     float m[ROW_TILE];       /* largest score so far (-inf before the first key) */
     float l[ROW_TILE];       /* sum of exp(score - m) */
     int64_t limit[ROW_TILE]; /* the last key position the row may see (causal) */
+    const uint16_t *q_bf16[ROW_TILE]; /* the rows' bf16 queries as given, unscaled (bf16 scores) */
 } rows_t;
 
 static inline void scale_row(float *y, float a, int64_t n) {
@@ -180,6 +181,23 @@ static inline __m512 exp16(__m512 x) {
         UNROLLED for (int b = 0; b < (blocks); b++) _mm512_storeu_ps(acc + d + 16 * b, sum[b]);   \
     }
 
+/* Row r's scores for a chunk (lanes >= keys ignored) folded into its online softmax, and the
+ * chunk's values into its accumulator. vrow[t] for t >= keys may point anywhere readable. */
+static inline void absorb_scores(rows_t *st, int64_t r, __m512 raw, int64_t keys, const float *const *vrow) {
+    const int64_t D = st->head_dim;
+    const __mmask16 valid = (__mmask16)((1u << keys) - 1u);
+    __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), raw);
+    raise_max(st, r, _mm512_reduce_max_ps(scores));
+    __m512 weights = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(st->m[r]))));
+    st->l[r] += _mm512_reduce_add_ps(weights);
+    float p[16];
+    _mm512_storeu_ps(p, weights);
+    float *acc = st->acc + r * D;
+    int64_t d = 0;
+    ACCUMULATE(4)
+    ACCUMULATE(1)
+}
+
 /* One chunk of n <= 16 keys (positions c ..) of one KV head for rows [first, end) of the unit
  * (rows of that head); krow[t], vrow[t] for t >= n point at zeros. Needs D % 16 == 0. */
 static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
@@ -195,19 +213,34 @@ static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t 
             __m512 qd = _mm512_loadu_ps(q + d);
             UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(krow[t] + d), dots[t]);
         }
-        const __mmask16 valid = (__mmask16)((1u << keys) - 1u);
-        __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sum_lanes16(dots));
-        raise_max(st, r, _mm512_reduce_max_ps(scores));
-        __m512 weights = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(st->m[r]))));
-        st->l[r] += _mm512_reduce_add_ps(weights);
-        float p[16];
-        _mm512_storeu_ps(p, weights);
-        float *acc = st->acc + r * D;
-        int64_t d = 0;
-        ACCUMULATE(4)
-        ACCUMULATE(1)
+        absorb_scores(st, r, sum_lanes16(dots), keys, vrow);
     }
 }
+
+#ifdef __AVX512BF16__
+#define HAVE_BF16_SCORES 1
+/* attend_chunk_avx512 for bf16 queries and keys: VDPBF16PS takes 32 of each straight from q and
+ * the cache (exact products, summed in pairs in float32) and the sum is scaled afterwards, so the
+ * keys are never converted, half the instructions of the float32 dot products. Needs D % 32 == 0;
+ * krow[t] for t >= n point at zeros. */
+static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
+                              const uint16_t *const *krow, const float *const *vrow) {
+    const int64_t D = st->head_dim;
+    for (int64_t r = first; r < end; r++) {
+        const int64_t keys = visible_keys(st, r, c, n);
+        if (keys == 0) continue;
+        const uint16_t *q = st->q_bf16[r];
+        __m512 dots[16];
+        UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
+            UNROLLED for (int t = 0; t < 16; t++)
+                dots[t] = _mm512_dpbf16_ps(dots[t], qd, (__m512bh)_mm512_loadu_si512(krow[t] + d));
+        }
+        absorb_scores(st, r, _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)), keys, vrow);
+    }
+}
+#endif
 #endif
 
 /* attend_chunk_avx512 in plain C, for any head size. */
@@ -278,7 +311,13 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
     rows_t st = {.rows = u->heads * head_rows, .head_dim = D, .q = scratch, .acc = scratch + ROW_TILE * D};
     float *kbuf = st.acc + ROW_TILE * D, *vbuf = kbuf + KEY_CHUNK * D, *zeros = vbuf + KEY_CHUNK * D;
     const float *krow[KEY_CHUNK], *vrow[KEY_CHUNK];
+    const uint16_t *krow_bf16[KEY_CHUNK];
     int64_t out_row[ROW_TILE], offsets[KEY_CHUNK];
+#ifdef HAVE_BF16_SCORES
+    const int bf16_scores = a->cache_dtype == TUILI_BF16 && a->q_dtype == TUILI_BF16 && D % 32 == 0;
+#else
+    const int bf16_scores = 0;
+#endif
     const int64_t first_token = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq);
     const int64_t first_pos = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq + 2);
     const size_t q_size = element_size(a->q_dtype), row_bytes = (size_t)D * element_size(a->cache_dtype);
@@ -287,6 +326,7 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
     for (int64_t r = 0; r < st.rows; r++) {
         int64_t query;
         out_row[r] = unit_row(a, u, r, first_token, &query);
+        st.q_bf16[r] = (const uint16_t *)a->q + out_row[r] * D; /* read only when bf16_scores */
         to_f32(st.q + r * D, (const char *)a->q + out_row[r] * D * q_size, a->q_dtype, D);
         scale_row(st.q + r * D, a->scale * (a->k_scale ? a->k_scale[u->first_head + r / head_rows] : 1.0f), D);
         st.limit[r] = first_pos + query;
@@ -322,6 +362,11 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                 const char *k = k_cache + offsets[t] + h * row_bytes, *v = v_cache + offsets[t] + h * row_bytes;
                 if (t >= n) {
                     krow[t] = vrow[t] = zeros;
+                    krow_bf16[t] = (const uint16_t *)zeros;
+                } else if (bf16_scores) { /* keys read in place as bf16, values converted */
+                    krow_bf16[t] = (const uint16_t *)k;
+                    to_f32(vbuf + t * D, v, a->cache_dtype, D);
+                    vrow[t] = vbuf + t * D;
                 } else if (a->cache_dtype == TUILI_F32 && head_rows <= IN_PLACE_MAX_ROWS) { /* read in place */
                     krow[t] = (const float *)k;
                     vrow[t] = (const float *)v;
@@ -332,6 +377,12 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                     vrow[t] = vbuf + t * D;
                 }
             }
+#ifdef HAVE_BF16_SCORES
+            if (bf16_scores) {
+                attend_chunk_bf16(&st, a->scale, h * head_rows, (h + 1) * head_rows, c, n, krow_bf16, vrow);
+                continue;
+            }
+#endif
             attend_chunk(&st, h * head_rows, (h + 1) * head_rows, c, n, krow, vrow);
         }
     }
