@@ -93,6 +93,31 @@ def test_plan_measure_runs_the_engine_and_compares(tmp_path, capsys, monkeypatch
     assert any("host overhead" in note for note in report["notes"])
 
 
+def test_plan_measure_takes_this_machines_rates_again_around_the_runs(tmp_path, capsys, monkeypatch):
+    """Against this machine's saved probe, --measure measures the drifting rates before and after
+    the runs and predicts with their mean; the probe's host overheads are kept."""
+    from tuili.cli import main
+    from tuili.perf.hardware import save_probe
+
+    monkeypatch.setenv("TUILI_CACHE_DIR", str(tmp_path / "cache"))
+    path = checkpoint(tmp_path / "model", tied=True)
+    host = {"decode_step": 3e-4, "decode_layer": 2e-4, "prefill_step": 5e-4, "prefill_layer": 4e-4}
+    # rates far from any real machine's: the refreshed ones must replace them
+    save_probe(HardwareSpec(name="this cpu (probed)", peak_flops={"fp32": 1e9, "bf16": 1e9}, memory_bandwidth=1e6,
+                            memory_bytes=2**33, origin="probe", host_overhead_seconds=host), "cpu")
+    assert main(["plan", "--model", str(path), "--device", "cpu", "--measure", "--dtype", "float32",
+                 "--prompt", "24", "--output", "4", "--batch", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in report["comparisons"]}
+    drift = next(note for note in report["notes"] if note.startswith("rates measured again"))
+    assert "memory read 0.0 GB/s at the probe" in drift
+    # at a real machine's bandwidth the tiny model's roofline is microseconds, not the ~seconds of
+    # 1 MB/s; the host overheads are still added
+    roofline = rows["decode step, roofline alone"]["predicted"]
+    assert 0 < roofline < 1e-2
+    assert rows["decode step"]["predicted"] == pytest.approx(roofline + 3e-4 + 2 * 2e-4)
+
+
 def test_a_packed_copy_of_the_output_matrix_stands_for_it():
     # The embedded GGUF runs packed, and its decode logits read a packed copy of the tied
     # embedding: the bytes the planner takes for the embedding are the copy's, and the runner's

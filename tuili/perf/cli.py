@@ -114,7 +114,15 @@ def run_plan(args: argparse.Namespace) -> int:
 
             if args.config:
                 raise TuiliError("--measure runs the model, so it needs --model (a checkpoint), not --config")
-            report = measure(source, cost, spec, inputs, device, args.dtype)
+            # This machine's own rates drift with its load: take them again around the runs.
+            # A preset or a spec file is a fixed reference and stays as given.
+            refresh = None
+            if spec.origin in ("probe", "estimate"):
+                from tuili.perf.probe import refresh_rates
+
+                def refresh() -> hw.HardwareSpec:
+                    return refresh_rates(spec, device)
+            report = measure(source, cost, spec, inputs, device, args.dtype, refresh)
             print(json.dumps(report.as_dict(), indent=2) if args.json else format_measurement(report))
             return 0
         plan = make_plan(cost, spec, inputs)

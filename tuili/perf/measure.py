@@ -2,8 +2,8 @@
 predictions against what happened, with the error of each.
 
 Two runs, both with random prompt tokens (so the prefix cache never hits):
-  1. one request alone, ``prompt`` tokens, one output token: its time to first token against the
-     plan's TTFT, and its prefill MFU;
+  1. one request alone, ``prompt`` tokens, one output token, TTFT_RUNS times: the median time to
+     first token against the plan's TTFT, and the prefill MFU over the runs;
   2. ``batch`` requests together, ``prompt`` + ``output`` tokens each: every step is timed and
      fed to a UtilizationMeter; each pure decode step is set against the roofline's prediction for
      the same context lengths, and the decode MBU against the predicted one.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -27,9 +28,14 @@ from tuili.perf.formats import canonical_dtype
 from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline
+from tuili.perf.probe import mean_rates
 
 if TYPE_CHECKING:
     import torch
+
+
+TTFT_RUNS = 3  # lone prompts timed; their median is the measured TTFT
+UNSTABLE_RATE_CHANGE = 0.2  # a rate moving more than this between before and after the runs is flagged
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,11 @@ class MeasureReport:
 
 def measure(
     source: ModelSource, cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs, device: str,
-    dtype: str = "auto",
+    dtype: str = "auto", refresh: Callable[[], HardwareSpec] | None = None,
 ) -> MeasureReport:
+    """Run the engine and compare. ``refresh`` (for this machine's own probe) measures the host's
+    drifting rates again: it runs before and after the engine, and the predictions use the mean of
+    the two, so that prediction and measurement see the same machine."""
     from tuili import LLM
     from tuili.engine.runner import kv_bytes_per_block
     from tuili.sampling import SamplingParams
@@ -86,7 +95,9 @@ def measure(
     packed = _packed_compute_dtype(engine.runner.model)
     inputs = replace(inputs, weights=engine_storage(engine.runner.model), kv_dtype=working,
                      compute_dtype=packed or working, packed_linears=packed is not None)
-    roof = Roofline(cost, hardware, inputs)
+    probed = hardware
+    if refresh is not None:
+        hardware = refresh()
     weight_bytes = engine.runner.weight_bytes()
     decode_weight_bytes = engine.runner.decode_weight_bytes()
     kv_per_token = kv_bytes_per_block(engine.model_config, 1, engine.dtype)
@@ -131,11 +142,17 @@ def measure(
 
     run(1, 2, new_meter(), [])  # warm-up: first calls allocate and pick kernels
     prefill_meter = new_meter()
-    ttft = run(1, 1, prefill_meter, [])
+    # The median of a few: one prompt's time swings with the host's load from one run to the next.
+    ttft = sorted(run(1, 1, prefill_meter, []) for _ in range(TTFT_RUNS))[TTFT_RUNS // 2]
     decode_meter, decode_log = new_meter(), []
     run(inputs.batch, inputs.output, decode_meter, decode_log)
     if not decode_log:
         raise TuiliError("the run had no pure decode step to measure: use --output 2 or more")
+    metered = hardware  # the rates the meters' MFU and MBU were taken against
+    if refresh is not None:
+        hardware = mean_rates(metered, refresh())
+        notes.append(_drift_note(probed, metered, hardware, inputs.compute_dtype))
+    roof = Roofline(cost, hardware, inputs)
 
     predicted_steps = [roof.decode(contexts) for contexts, _ in decode_log]
     measured_step = sum(s for _, s in decode_log) / len(decode_log)
@@ -151,7 +168,8 @@ def measure(
         Comparison("TTFT, roofline alone", "s", prefill.roofline, ttft),
         Comparison("prefill MFU", "fraction",
                    prefill.flops / prefill.seconds / hardware.flops(inputs.compute_dtype),
-                   prefill_meter.prefill_mfu or 0.0),
+                   (prefill_meter.prefill_mfu or 0.0) * metered.flops(inputs.compute_dtype)
+                   / hardware.flops(inputs.compute_dtype)),
         Comparison("decode step", "s", predicted_step, measured_step),
         Comparison("decode step, roofline alone", "s", roofline_step, measured_step),
         Comparison("decode MBU", "fraction", predicted_mbu, measured_mbu),
@@ -180,6 +198,22 @@ def measure(
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
         comparisons=comparisons, decode_steps=len(decode_log), notes=notes,
     )
+
+
+def _drift_note(probed: HardwareSpec, before: HardwareSpec, used: HardwareSpec, dtype: str) -> str:
+    """How this machine's rates moved: at its last probe, just before the runs, and the mean of
+    before and after that the predictions use."""
+    after_read = 2 * used.memory_bandwidth - before.memory_bandwidth
+    after_flops = 2 * used.flops(dtype) - before.flops(dtype)
+    note = (f"rates measured again around the runs (the predictions use the mean): memory read "
+            f"{probed.memory_bandwidth / 1e9:.1f} GB/s at the probe, {before.memory_bandwidth / 1e9:.1f} before, "
+            f"{after_read / 1e9:.1f} after; {dtype} matmul {probed.flops(dtype) / 1e12:.2f} TFLOP/s at the probe, "
+            f"{before.flops(dtype) / 1e12:.2f} before, {after_flops / 1e12:.2f} after")
+    moved = max(abs(after_read / before.memory_bandwidth - 1), abs(after_flops / before.flops(dtype) - 1))
+    if moved > UNSTABLE_RATE_CHANGE:
+        note += (f" — the machine's speed moved by {moved:.0%} within the run, so these errors measure that "
+                 f"as much as the model: run again when it is quieter")
+    return note
 
 
 def engine_storage(model: torch.nn.Module) -> CheckpointBytes:

@@ -93,6 +93,44 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
     return spec, results
 
 
+def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
+    """``spec`` (this machine's probe) with the rates that move with the host's load measured
+    again now, as a full probe measures them: memory read bandwidth, large matmuls per dtype,
+    tuili's own linears and its packed int4 kernel. Host overheads and memory size stay. A shared
+    or throttled machine's rates drift by up to 2x within an hour (docs/ruler.md), so `plan
+    --measure` takes them in the same minutes as the engine runs it compares with; ~10 s."""
+    dev = resolve_device(device)
+    sizes = _sizes(dev, quick=False)
+    read = _bandwidth(dev, sizes)[0].value
+    peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, skinny=False)}
+    fresh = _packed_int4(dev, peaks, sizes.seconds_per_item) if spec.int4_kernel_seconds_per_value else []
+    linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
+    return replace(
+        spec,
+        memory_bandwidth=read,
+        peak_flops={**spec.peak_flops, **{d: v for d, v in peaks.items() if d in spec.peak_flops}},
+        **(_int4_fields(fresh) if fresh else {}),
+        **(_linear_fields(linears) if linears else {}),
+    )
+
+
+def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
+    """``a`` with each rate that refresh_rates measures replaced by the mean of ``a``'s and ``b``'s."""
+
+    def mean(x: dict[str, float], y: dict[str, float]) -> dict[str, float]:
+        return {k: (v + y[k]) / 2 if k in y else v for k, v in x.items()}
+
+    return replace(
+        a,
+        memory_bandwidth=(a.memory_bandwidth + b.memory_bandwidth) / 2,
+        peak_flops=mean(a.peak_flops, b.peak_flops),
+        linear_stream_bandwidth=mean(a.linear_stream_bandwidth, b.linear_stream_bandwidth),
+        linear_prefill_flops=mean(a.linear_prefill_flops, b.linear_prefill_flops),
+        int4_kernel_seconds_per_value=(a.int4_kernel_seconds_per_value + b.int4_kernel_seconds_per_value) / 2,
+        int4_dequant_seconds_per_value=(a.int4_dequant_seconds_per_value + b.int4_dequant_seconds_per_value) / 2,
+    )
+
+
 def estimate(device: str = "cpu") -> HardwareSpec:
     """A quick built-in estimate for a machine never probed: a fraction of a second of measuring
     (small buffers, one matmul size), marked origin="estimate" so every report can say so. It
