@@ -150,8 +150,9 @@ def measure(
         raise TuiliError("the run had no pure decode step to measure: use --output 2 or more")
     metered = hardware  # the rates the meters' MFU and MBU were taken against
     if refresh is not None:
-        hardware = mean_rates(metered, refresh())
-        notes.append(_drift_note(probed, metered, hardware, inputs.compute_dtype))
+        after = refresh()
+        hardware = mean_rates(metered, after)
+        notes.append(_drift_note(probed, metered, after, inputs.compute_dtype))
     roof = Roofline(cost, hardware, inputs)
 
     predicted_steps = [roof.decode(contexts) for contexts, _ in decode_log]
@@ -200,16 +201,13 @@ def measure(
     )
 
 
-def _drift_note(probed: HardwareSpec, before: HardwareSpec, used: HardwareSpec, dtype: str) -> str:
-    """How this machine's rates moved: at its last probe, just before the runs, and the mean of
-    before and after that the predictions use."""
-    after_read = 2 * used.memory_bandwidth - before.memory_bandwidth
-    after_flops = 2 * used.flops(dtype) - before.flops(dtype)
+def _drift_note(probed: HardwareSpec, before: HardwareSpec, after: HardwareSpec, dtype: str) -> str:
+    """How this machine's rates moved: at its last probe, just before the runs and just after."""
     note = (f"rates measured again around the runs (the predictions use the mean): memory read "
             f"{probed.memory_bandwidth / 1e9:.1f} GB/s at the probe, {before.memory_bandwidth / 1e9:.1f} before, "
-            f"{after_read / 1e9:.1f} after; {dtype} matmul {probed.flops(dtype) / 1e12:.2f} TFLOP/s at the probe, "
-            f"{before.flops(dtype) / 1e12:.2f} before, {after_flops / 1e12:.2f} after")
-    moved = max(abs(after_read / before.memory_bandwidth - 1), abs(after_flops / before.flops(dtype) - 1))
+            f"{after.memory_bandwidth / 1e9:.1f} after; {dtype} matmul {probed.flops(dtype) / 1e12:.2f} TFLOP/s "
+            f"at the probe, {before.flops(dtype) / 1e12:.2f} before, {after.flops(dtype) / 1e12:.2f} after")
+    moved = max(abs(after.memory_bandwidth / before.memory_bandwidth - 1), abs(after.flops(dtype) / before.flops(dtype) - 1))
     if moved > UNSTABLE_RATE_CHANGE:
         note += (f" — the machine's speed moved by {moved:.0%} within the run, so these errors measure that "
                  f"as much as the model: run again when it is quieter")

@@ -134,13 +134,11 @@ static void store_tile(const float *c, const uint16_t *bias, void *out, int out_
         const __m512 y = _mm512_add_ps(r[i], b);
         if (out_f32) {
             _mm512_storeu_ps((float *)out + (m0 + i) * n + n0, y);
-        } else {
-            const __m512i u = _mm512_castps_si512(y);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-            const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-            h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + i) * n + n0), _mm512_cvtepi32_epi16(h));
+        } else { /* common.h's rounding, which GCC vectorizes over the 16 lanes */
+            float lanes[TILE];
+            _mm512_storeu_ps(lanes, y);
+            uint16_t *row = (uint16_t *)out + (m0 + i) * n + n0;
+            for (int j = 0; j < TILE; j++) row[j] = f32_to_bf16(lanes[j]);
         }
     }
 }

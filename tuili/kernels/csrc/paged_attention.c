@@ -326,9 +326,12 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
     for (int64_t r = 0; r < st.rows; r++) {
         int64_t query;
         out_row[r] = unit_row(a, u, r, first_token, &query);
-        st.q_bf16[r] = (const uint16_t *)a->q + out_row[r] * D; /* read only when bf16_scores */
-        to_f32(st.q + r * D, (const char *)a->q + out_row[r] * D * q_size, a->q_dtype, D);
-        scale_row(st.q + r * D, a->scale * (a->k_scale ? a->k_scale[u->first_head + r / head_rows] : 1.0f), D);
+        if (bf16_scores) { /* scored straight from q, scaled afterwards */
+            st.q_bf16[r] = (const uint16_t *)a->q + out_row[r] * D;
+        } else {
+            to_f32(st.q + r * D, (const char *)a->q + out_row[r] * D * q_size, a->q_dtype, D);
+            scale_row(st.q + r * D, a->scale * (a->k_scale ? a->k_scale[u->first_head + r / head_rows] : 1.0f), D);
+        }
         st.limit[r] = first_pos + query;
         st.m[r] = -INFINITY;
         st.l[r] = 0.0f;
