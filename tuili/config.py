@@ -214,6 +214,7 @@ class EngineConfig:
     hardware: str | None = None  # preset name or spec file for MFU/MBU; None = probed or estimated
     quantization: str | None = None  # "int8" | "int4": quantize the checkpoint's linears at load
     kv_cache_dtype: str = "auto"  # "auto" (the working dtype) or "fp8" (e4m3, per-head scales)
+    enforce_eager: bool = False  # no CPU decode graphs (tuili/engine/decode_graphs.py): every step eager
     seed: int = 0
 
     def validate(self) -> None:

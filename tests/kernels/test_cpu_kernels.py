@@ -236,6 +236,64 @@ def test_paged_attention_rejects_bad_input_naming_the_argument():
         call_with(fp8, k_scale=torch.ones(3))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_queries_read_in_place_from_the_fused_qkv_product(precision):
+    # q as the model passes it: the first heads of each token's [q | k | v] row, tokens apart by
+    # the whole row. Same bits as from a contiguous copy.
+    q_dtype, cache_dtype = PRECISIONS[precision]
+    batch = make_batch(MIXED, 4, 2, 64, 4, q_dtype, cache_dtype)
+    qkv = torch.randn(batch.q.shape[0], 8, 64).to(q_dtype)
+    qkv[:, :4] = batch.q
+    view = qkv[:, :4]
+    assert not view.is_contiguous()
+    from_view = run_kernel(Batch(view, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_info))
+    torch.testing.assert_close(from_view, run_kernel(batch), rtol=0, atol=0, equal_nan=True)
+
+
+def test_queries_whose_heads_are_not_contiguous_are_refused():
+    batch = make_batch([(1, 5)], 4, 2, 64, 4)
+    with pytest.raises(ValueError, match="q must be contiguous"):
+        call_with(batch, q=torch.randn(batch.q.shape[0], 64, 4).transpose(1, 2))
+
+
+# -- writing the KV cache --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_kv_store_writes_each_token_at_its_slot(dtype):
+    # k and v as the model passes them: views into the fused qkv rows. The reference is
+    # index_copy_ on the flattened cache.
+    tokens, kv_heads, head_dim = 5, 2, 16
+    qkv = torch.randn(tokens, 4 + 2 * kv_heads, head_dim).to(dtype)
+    k, v = qkv[:, 4 : 4 + kv_heads], qkv[:, 4 + kv_heads :]
+    k_cache, v_cache = (torch.randn(6, 4, kv_heads, head_dim).to(dtype) for _ in range(2))
+    slots = torch.tensor([3, 0, 23, 9, 10])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for expected, new in ((expected_k, k), (expected_v, v)):
+        expected.view(torch.uint8).view(24, kv_heads, -1).index_copy_(0, slots, new.contiguous().view(torch.uint8))
+    kernels.kv_store(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+
+
+def test_kv_store_rejects_bad_input_and_writes_nothing():
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping: token 1 has slot 12, outside the cache's \[0, 12\)"):
+        kernels.kv_store(k, v, k_cache, v_cache, torch.tensor([0, 12]))
+    with pytest.raises(ValueError, match=r"slot -1"):
+        kernels.kv_store(k, v, k_cache, v_cache, torch.tensor([-1, 2]))
+    assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(ValueError, match=r"k_cache has dtype torch\.bfloat16"):
+        kernels.kv_store(k, v, k_cache.bfloat16(), v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"k_cache has shape \[3, 4, 1, 16\]"):
+        kernels.kv_store(k, v, k_cache.view(3, 4, 1, 16), v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"v has shape \[2, 1, 8\]"):
+        kernels.kv_store(k, v[:, :1], k_cache, v_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"slot_mapping has dtype torch\.int32"):
+        kernels.kv_store(k, v, k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32))
+
+
 # -- dequantizing packed int4 tiles ----------------------------------------------------------------
 
 
@@ -358,10 +416,10 @@ def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
 # float32, paged attention converts bf16 keys to float32), and with AVX2 only (the portable C
 # code everywhere, and no AMX): flags -> pytest -k.
 X86_VARIANTS = {
-    "-mno-avx512bf16 -mno-avx512vnni": "matches_sdpa or split or tiles or linear_small or int4 or q8_0 "
-    "or representable",
+    "-mno-avx512bf16 -mno-avx512vnni": "matches_sdpa or split or fused_qkv or tiles or linear_small or int4 "
+    "or q8_0 or representable",
     "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available "
-    "or rms_norm or qk_norm or silu or int4 or q8_0 or representable or argmax",
+    "or rms_norm or qk_norm or silu or int4 or q8_0 or representable or argmax or fused_qkv or kv_store",
 }
 VARIANT_FILES = [
     __file__,

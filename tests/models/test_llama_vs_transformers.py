@@ -99,24 +99,29 @@ def _hf_greedy(model, ids, steps):
     return ids[-steps:]
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
-def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, attention, monkeypatch):
-    """Both attention paths: the native kernel reading blocks in place (where it builds, as on
-    our machines) and the portable torch path (TUILI_NATIVE_KERNELS=0)."""
+@pytest.mark.parametrize("path", ["graphs", "native-eager", "torch"])
+def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, monkeypatch):
+    """Every way a step runs: the native kernels (where they build, as on our machines) with pure
+    decode steps replayed from CPU graphs, the same kernels called eagerly (enforce_eager), and
+    the portable torch path (TUILI_NATIVE_KERNELS=0)."""
     from tuili import kernels
 
-    if attention == "torch":
+    if path == "torch":
         monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
-    path, hf = checkpoint
+    checkpoint_path, hf = checkpoint
     steps = 32
     llm = LLM(
-        model=str(path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
-        kv_cache_memory=1 << 20,
+        model=str(checkpoint_path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
+        kv_cache_memory=1 << 20, enforce_eager=path == "native-eager",
     )
-    assert llm.engine.runner.native_attention == (attention == "native" and kernels.available())
+    assert llm.engine.runner.native_attention == (path != "torch" and kernels.available())
+    graphs = llm.engine.runner.graphs
+    assert (graphs is not None) == (path == "graphs" and kernels.available())
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
     for ids, out in zip(PROMPTS, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(hf, ids, steps)
         assert out.outputs[0].finish_reason == "length"
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    if graphs is not None:  # the pure decode steps (all four prompts at the end) were replayed
+        assert len(PROMPTS) in graphs.captured_batch_sizes() and not graphs.refused

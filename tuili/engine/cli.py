@@ -53,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                        help="KV cache storage: auto = the working dtype; fp8 = float8 e4m3 with a scale per KV "
                        "head, set from the first keys/values written (half of bf16's bytes, a quarter of fp32's)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly: no CPU decode graphs (replayed kernel calls, see "
+                       "docs/kernels.md)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
 
 
@@ -63,7 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         hardware=args.hardware, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
     )
 
 

@@ -131,7 +131,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
             loaded.model, num_blocks, config.block_size, self.dtype, self.device, self.eos_token_ids, num_host_blocks,
-            self.kv_dtype,
+            self.kv_dtype, max_len, config.enforce_eager,
         )
         self.stats = EngineStats()
         self.meter = self._build_meter(config.hardware)

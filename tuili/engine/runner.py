@@ -11,6 +11,7 @@ from torch import nn
 
 from tuili import kernels
 from tuili.config import ModelConfig
+from tuili.engine.decode_graphs import DecodeGraphs
 from tuili.engine.kv_cache import BlockCopies
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
@@ -38,6 +39,8 @@ class ModelRunner:
         eos_token_ids: set[int],
         num_host_blocks: int = 0,
         kv_dtype: torch.dtype | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -50,6 +53,11 @@ class ModelRunner:
         # Decodes go to the native kernel where it builds (CPU; the torch path everywhere else,
         # and under TUILI_NATIVE_KERNELS=0).
         self.native_attention = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernels.available()
+        # Pure decode steps replay CPU graphs where the native kernels do all their work.
+        self.graphs: DecodeGraphs | None = None
+        if self.native_attention and kv_dtype == dtype and not enforce_eager:
+            max_blocks = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
+            self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers():
             attn.kv_cache = KVCache.allocate(shape, kv_dtype, device)
@@ -92,12 +100,18 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:
         """Run one forward over `batch`; return one sampled token per item whose chunk ends
         its sequence (in batch order)."""
+        if self.graphs is not None and self.graphs.takes(batch):
+            logits = self.graphs.logits(batch)
+            if logits is not None:
+                return self.sampler(logits, [self._row(item.seq) for item in batch])
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         sampling = [item.seq for item in batch if item.samples]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden[sample_index])
+        if len(sampling) < hidden.shape[0]:
+            hidden = hidden[sample_index]
+        logits = self.model.compute_logits(hidden)
         return self.sampler(logits, [self._row(seq) for seq in sampling])
 
     @torch.inference_mode()

@@ -11,7 +11,9 @@ paged_attention(q, k_cache, v_cache, block_tables, seq_info, scale, out, k_scale
     through the block table (no gather, no K/V copy for grouped-query attention).
 
     q, out        [T, Hq, D] float32 or bfloat16 (out has q's dtype). Rows that belong to no
-                  sequence are left untouched; out must not overlap q.
+                  sequence are left untouched; out must not overlap q. out is contiguous; q's
+                  tokens may lie any distance apart (a view into the fused qkv product) as long
+                  as each token's heads are contiguous.
     k_cache,      [num_blocks, block_size, Hkv, D], float32, bfloat16 or float8_e4m3fn;
     v_cache       Hq must be a multiple of Hkv (query head h reads KV head h // (Hq // Hkv)).
     block_tables  [B, max_blocks] int32 or int64: sequence b's key at position p is in block
@@ -29,6 +31,11 @@ paged_attention(q, k_cache, v_cache, block_tables, seq_info, scale, out, k_scale
     are split across threads when there are too few sequences to occupy them (decode at
     batch 1). Agrees with torch's scaled_dot_product_attention on the gathered, dequantized
     cache to float32 rounding.
+
+kv_store(k, v, k_cache, v_cache, slot_mapping)
+    Token t's keys and values (k, v [T, Hkv, D], views into qkv allowed as for q above) written
+    at slot slot_mapping[t] (int64) of the caches, which have k's dtype: a copy, no conversion.
+    All slots are checked first; a bad one raises ValueError and writes nothing.
 
 dequantize_int4_tiles(packed, scale_zero, first_tile, out)
     W^T of tiles first_tile .. first_tile + out.shape[1] // 64 - 1 of an Int4Linear
@@ -90,6 +97,7 @@ from tuili.kernels.cpu import (
     available,
     dequantize_int4_tiles,
     dequantize_int8_group_tiles,
+    kv_store,
     linear_amx,
     linear_int4,
     linear_small,
@@ -106,6 +114,7 @@ __all__ = [
     "available",
     "dequantize_int4_tiles",
     "dequantize_int8_group_tiles",
+    "kv_store",
     "linear_amx",
     "linear_int4",
     "linear_small",

@@ -10,10 +10,12 @@ checked here; the C code checks the values inside the index tensors. Each call r
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -69,7 +71,7 @@ def _loaded() -> build.Build:
 def _declare(library: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     library.tuili_paged_attention.argtypes = [
-        p, i32, i64, i64, i64,  # q, dtype, tokens, heads, head dim
+        p, i32, i64, i64, i64, i64,  # q, dtype, token stride, tokens, heads, head dim
         p, p, i32, i64, i64, i64,  # k/v cache, dtype, blocks, block size, kv heads
         p, p,  # k/v scales
         p, i32, i64, i64,  # block tables, is int64, sequences, max blocks
@@ -77,6 +79,11 @@ def _declare(library: ctypes.CDLL) -> None:
         f32, p, i32, p,  # scale, out, threads, error
     ]  # fmt: skip
     library.tuili_paged_attention.restype = i32
+    library.tuili_kv_store.argtypes = [
+        p, p, i64, p, p, i64,  # k, v, their token stride in bytes, k/v cache, slots
+        p, i64, i64, i32, p,  # slot mapping, tokens, row bytes, threads, error
+    ]  # fmt: skip
+    library.tuili_kv_store.restype = i32
     for name in ("tuili_dequant_int4", "tuili_dequant_int8_group"):
         function = getattr(library, name)
         function.argtypes = [p, i64, p, i32, i64, i64, i64, i64, p, i32, i32]
@@ -108,6 +115,10 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_amx.restype = i32
+    library.tuili_graph_op.argtypes = [i32, ctypes.POINTER(i32)]
+    library.tuili_graph_op.restype = ctypes.c_char_p
+    library.tuili_graph_replay.argtypes = [p, i64, p]
+    library.tuili_graph_replay.restype = i32
 
 
 def _library() -> ctypes.CDLL:
@@ -117,6 +128,33 @@ def _library() -> ctypes.CDLL:
     library = _loaded().library
     assert library is not None
     return library
+
+
+# The calls made while a graph is captured (tuili/kernels/graph.py), else None.
+_recorded: list[tuple[str, tuple[object, ...]]] | None = None
+
+
+def _call(name: str, *args: object) -> int:
+    """Calls kernel `name` of the library with ctypes arguments; while a graph is being
+    captured, also records the call for replay."""
+    status = getattr(_library(), name)(*args)
+    if _recorded is not None:
+        _recorded.append((name, args))
+    return status
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, tuple[object, ...]]]]:
+    """Within the block, every kernel call is also appended, as (function name, ctypes
+    arguments), to the list yielded. Not reentrant: one capture at a time per process."""
+    global _recorded
+    if _recorded is not None:
+        raise RuntimeError("a graph capture is already recording kernel calls")
+    _recorded = calls = []
+    try:
+        yield calls
+    finally:
+        _recorded = None
 
 
 # -- argument checks -----------------------------------------------------------------------------
@@ -137,6 +175,22 @@ def _check(
     ):
         return value
     raise ValueError(_problem(name, value, dtypes, shape))
+
+
+def _check_token_rows(name: str, value: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """`value` as a CPU tensor [tokens, heads, head_dim] of one of `dtypes` whose tokens may lie any
+    distance apart (a view into the fused qkv product) but each hold its heads x head_dim values
+    contiguously; otherwise a ValueError naming the argument."""
+    if isinstance(value, torch.Tensor) and value.dim() == 3 and value.dtype in dtypes and value.is_cpu:
+        tokens, heads, head_dim = value.shape
+        token_stride, head_stride, dim_stride = value.stride()
+        if (
+            (dim_stride == 1 or head_dim == 1)
+            and (head_stride == head_dim or heads == 1)
+            and (token_stride >= heads * head_dim or tokens == 1)
+        ):
+            return value
+    return _check(name, value, dtypes, 3)  # raises: names what is wrong
 
 
 def _problem(name: str, value: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | int) -> str:
@@ -169,7 +223,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its keys in the paged cache; writes
     and returns `out`. See tuili/kernels/__init__.py for the shapes and meaning."""
-    q = _check("q", q, _FLOAT_DTYPES, 3)
+    q = _check_token_rows("q", q, _FLOAT_DTYPES)
     tokens, heads, head_dim = q.shape
     k_cache = _check("k_cache", k_cache, _CACHE_DTYPES, 4)
     num_blocks, block_size, kv_heads, cache_head_dim = k_cache.shape
@@ -194,8 +248,9 @@ def paged_attention(
         k_scale = _check("k_scale", k_scale, (torch.float32,), (kv_heads,))
         v_scale = _check("v_scale", v_scale, (torch.float32,), (kv_heads,))
     error = (ctypes.c_int64 * 3)()
-    status = _library().tuili_paged_attention(
-        q.data_ptr(), _DTYPE_CODES[q.dtype], tokens, heads, head_dim,
+    status = _call(
+        "tuili_paged_attention",
+        q.data_ptr(), _DTYPE_CODES[q.dtype], q.stride(0), tokens, heads, head_dim,
         k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype], num_blocks, block_size, kv_heads,
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
         block_tables.data_ptr(), block_tables.dtype == torch.int64, seqs, max_blocks,
@@ -205,6 +260,37 @@ def paged_attention(
     if status != 0:
         _raise_attention_error(status, error[1], error[2], tokens, num_blocks, max_blocks)
     return out
+
+
+def kv_store(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes token t's keys k[t] and values v[t] ([T, Hkv, D], rows possibly views into the fused
+    qkv product, as for paged_attention's q) at slot slot_mapping[t] (int64 [T]) of the caches
+    ([num_blocks, block_size, Hkv, D], the same dtype as k and v). A slot outside the cache raises
+    ValueError and nothing is written."""
+    k = _check_token_rows("k", k, _CACHE_DTYPES)
+    tokens, kv_heads, head_dim = k.shape
+    v = _check_token_rows("v", v, (k.dtype,))
+    if v.shape != k.shape or v.stride(0) != k.stride(0):
+        raise ValueError(
+            f"v has shape {list(v.shape)} and token stride {v.stride(0)}; expected k's {list(k.shape)} and {k.stride(0)}"
+        )
+    k_cache = _check("k_cache", k_cache, (k.dtype,), 4)
+    if k_cache.shape[2:] != (kv_heads, head_dim):
+        raise ValueError(f"k_cache has shape {list(k_cache.shape)}; expected [blocks, block size, {kv_heads}, {head_dim}]")
+    v_cache = _check("v_cache", v_cache, (k.dtype,), k_cache.shape)
+    slot_mapping = _check("slot_mapping", slot_mapping, (torch.int64,), (tokens,))
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    error = (ctypes.c_int64 * 3)()
+    element = k.element_size()
+    status = _call(
+        "tuili_kv_store",
+        k.data_ptr(), v.data_ptr(), k.stride(0) * element, k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
+        slot_mapping.data_ptr(), tokens, kv_heads * head_dim * element, torch.get_num_threads(), error,
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"slot_mapping: token {error[1]} has slot {error[2]}, outside the cache's [0, {num_slots})")
 
 
 def _raise_attention_error(
@@ -268,7 +354,8 @@ def _dequantize(
         raise ValueError(
             f"tiles {first_tile} .. {first_tile + count - 1} are outside the weight's {tiles} tiles"
         )
-    getattr(_library(), function)(
+    _call(
+        function,
         packed.data_ptr(), k, scale_zero.data_ptr(), _DTYPE_CODES[scale_zero.dtype], scale_zero.shape[1],
         group_size, first_tile, count, out.data_ptr(), _DTYPE_CODES[out.dtype], torch.get_num_threads(),
     )  # fmt: skip
@@ -319,7 +406,8 @@ def linear_int4(
     out = _check("out", out, _FLOAT_DTYPES, 2)
     if out.shape[0] != rows or not 0 < out.shape[1] <= tiles * _TILE_ROWS:
         raise ValueError(f"out has shape {list(out.shape)}; expected [{rows}, 1 .. {tiles * _TILE_ROWS}]")
-    status = _library().tuili_linear_int4(
+    status = _call(
+        "tuili_linear_int4",
         x.data_ptr(), _DTYPE_CODES[x.dtype], packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(),
         _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], torch.get_num_threads(),
     )  # fmt: skip
@@ -357,7 +445,8 @@ def linear_small(
         )
     weight, bias, out = _linear_operands(x, weight, bias, out)
     n = weight.shape[0]
-    status = _library().tuili_linear_small(
+    status = _call(
+        "tuili_linear_small",
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         _DTYPE_CODES[x.dtype], _DTYPE_CODES[out.dtype], rows, n, k, torch.get_num_threads(),
     )  # fmt: skip
@@ -391,7 +480,8 @@ def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     n = weight.shape[0]
     if rows == 0:
         return out
-    status = _library().tuili_linear_amx(
+    status = _call(
+        "tuili_linear_amx",
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         out.dtype == torch.float32, rows, n, k, torch.get_num_threads(),
     )  # fmt: skip
@@ -419,7 +509,8 @@ def rms_norm(
     out = _check("out", out, (x.dtype,), x.shape)
     if residual is not None:
         residual = _check("residual", residual, (x.dtype,), x.shape)
-    _library().tuili_rms_norm(
+    _call(
+        "tuili_rms_norm",
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         rows, dim, eps, _DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )  # fmt: skip
@@ -453,7 +544,8 @@ def qk_norm_rope(
         k_weight = _check("k_weight", k_weight, (qkv.dtype,), (head_dim,))
     cos = _check("cos", cos, (torch.float32,), (tokens, head_dim // 2))
     sin = _check("sin", sin, (torch.float32,), (tokens, head_dim // 2))
-    _library().tuili_qk_norm_rope(
+    _call(
+        "tuili_qk_norm_rope",
         qkv.data_ptr(), None if q_weight is None else q_weight.data_ptr(),
         None if k_weight is None else k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         tokens, num_q_heads, kv_heads, head_dim, eps, _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
@@ -469,7 +561,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise ValueError(f"gate_up has {width} columns; expected gate and up of equal width")
     out = _check("out", out, (gate_up.dtype,), (rows, width // 2))
-    _library().tuili_silu_mul(
+    _call(
+        "tuili_silu_mul",
         gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPE_CODES[gate_up.dtype], torch.get_num_threads()
     )
     return out
@@ -483,5 +576,5 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     rows, n = x.shape
     out = torch.zeros(rows, dtype=torch.int64)
     if n:
-        _library().tuili_argmax_rows(x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+        _call("tuili_argmax_rows", x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
     return out

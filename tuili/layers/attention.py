@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tuili import kernels
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 FP8_HEADROOM = 4.0  # calibrated fp8 scales leave room for values 4x the first ones seen
 
@@ -55,6 +57,9 @@ class KVCache:
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's keys/values ([T, Hkv, D]) at their slots."""
+        if k.dtype == self.key.dtype and k.dtype in _NATIVE_DTYPES and k.is_cpu and kernels.available():
+            kernels.kv_store(k, v, self.key, self.value, slot_mapping)  # k, v read in place: no copies
+            return
         if self.key_scale is not None and self.value_scale is not None:
             if not self.calibrated:
                 self.key_scale.copy_(_fp8_scale(k))
@@ -89,6 +94,7 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # caches kernels.kv_store writes (fp8 quantizes in torch)
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
@@ -172,10 +178,8 @@ def paged_attention(
 
 def _attend_native(q: torch.Tensor, cache: KVCache, paged: PagedBatch, scale: float, out: torch.Tensor) -> torch.Tensor:
     """The native kernel over the decodes' rows of `out` (other rows untouched)."""
-    from tuili import kernels
-
     return kernels.paged_attention(
-        q.contiguous(), cache.key, cache.value, paged.block_tables, paged.seq_info, scale, out,
+        q, cache.key, cache.value, paged.block_tables, paged.seq_info, scale, out,
         cache.key_scale, cache.value_scale,
     )
 

@@ -89,8 +89,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.tables(positions)
+        return self.run_layers(*self.embed(input_ids, positions), meta)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        """The step's lookups: token embeddings and the rotary tables at `positions`."""
+        return self.embed_tokens(input_ids), self.rotary.tables(positions)
+
+    def run_layers(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers and the final norm over embeddings `x`. x may be overwritten."""
+        residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
         return self.norm(x, residual)[0]
@@ -121,6 +128,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        """forward() in two parts, for callers that keep the step's inputs in fixed buffers (CPU
+        graphs): the lookups, then `run_layers` on what they return."""
+        return self.model.embed(input_ids, positions)
+
+    def run_layers(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.run_layers(x, rope, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits; from bf16 weights, unrounded where the native kernels run (linear)."""

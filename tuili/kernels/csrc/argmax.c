@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define LANES 16
 

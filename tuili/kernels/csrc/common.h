@@ -26,6 +26,8 @@ enum tuili_error {
     TUILI_NO_MEMORY = 5,
     TUILI_NO_AMX = 6,    /* the CPU or the OS does not let this process use AMX tiles */
     TUILI_BAD_SHAPE = 7, /* a dimension the kernel cannot take (checked in Python first) */
+    TUILI_BAD_SLOT = 8,  /* a KV cache slot outside [0, num_slots) */
+    TUILI_BAD_PROGRAM = 9, /* a graph program that does not decode (graph.c) */
 };
 
 /* Fused where the hardware fuses (one rounding, faster); elsewhere a plain multiply and add. */

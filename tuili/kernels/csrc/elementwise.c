@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kernels.h"
 
 /* Rows go through float32 buffers, with the dtype test outside the loops so that they vectorize. */
 static void row_load(float *dst, const void *src, int dtype, int64_t n) {

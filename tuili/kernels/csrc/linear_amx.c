@@ -21,10 +21,12 @@
  *
  * AMX needs the kernel's permission to use the tile state (Linux arch_prctl, once per process);
  * tuili_amx_init asks for it and returns 0 only when tiles can be used. */
+#define _GNU_SOURCE /* syscall() from unistd.h, which -std=c11 hides */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>

@@ -33,6 +33,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h"
 
 #define TILE 64
 #define HALF 32

@@ -24,6 +24,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h"
 
 #define MAX_M 8
 #define MAX_UNROLL 4

@@ -1,6 +1,7 @@
 /* Attention of a flat batch of query rows over a paged KV cache, read in place.
  *
- * Shapes (row-major, contiguous): q and out [T, Hq, D]; k_cache and v_cache
+ * Shapes (row-major): q and out [T, Hq, D], out contiguous, q's tokens q_stride elements apart
+ * (a view into the fused qkv product; Hq * D when contiguous); k_cache and v_cache
  * [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_info [B, 3] holding, per
  * sequence, its first row in q, its number of query rows n, and the absolute position p0 of
  * its first query. Query i of a sequence (row first + i) is at position p0 + i and attends
@@ -25,6 +26,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h"
 
 #define KEY_CHUNK 16      /* keys converted and scored at a time */
 #define ROW_TILE 32       /* query rows per unit, over all its KV heads */
@@ -38,6 +40,7 @@
 typedef struct {
     const void *q;
     int q_dtype;
+    int64_t q_stride; /* elements from one token's queries to the next's */
     int64_t num_heads, head_dim;
     const void *k_cache, *v_cache;
     int cache_dtype;
@@ -304,6 +307,12 @@ static inline int64_t unit_row(const attn_args *a, const unit_t *u, int64_t r, i
     return (first_token + *query) * a->num_heads + kv_head * per_kv + row % per_kv;
 }
 
+/* Where a row of out (token * Hq + query head) has its query in q. */
+static inline const char *query_row(const attn_args *a, int64_t out_row) {
+    const int64_t token = out_row / a->num_heads, head = out_row % a->num_heads;
+    return (const char *)a->q + (token * a->q_stride + head * a->head_dim) * (int64_t)element_size(a->q_dtype);
+}
+
 /* Runs one unit. Writes the normalized rows to out, or (split keys) max, sum and unnormalized
  * values per row to partials + u->partial. */
 static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, float *partials) {
@@ -327,9 +336,9 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
         int64_t query;
         out_row[r] = unit_row(a, u, r, first_token, &query);
         if (bf16_scores) { /* scored straight from q, scaled afterwards */
-            st.q_bf16[r] = (const uint16_t *)a->q + out_row[r] * D;
+            st.q_bf16[r] = (const uint16_t *)query_row(a, out_row[r]);
         } else {
-            to_f32(st.q + r * D, (const char *)a->q + out_row[r] * D * q_size, a->q_dtype, D);
+            to_f32(st.q + r * D, query_row(a, out_row[r]), a->q_dtype, D);
             scale_row(st.q + r * D, a->scale * (a->k_scale ? a->k_scale[u->first_head + r / head_rows] : 1.0f), D);
         }
         st.limit[r] = first_pos + query;
@@ -507,14 +516,15 @@ static int64_t plan_units(const attn_args *a, int64_t num_seqs, int64_t max_spli
     return count;
 }
 
-int tuili_paged_attention(const void *q, int q_dtype, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+int tuili_paged_attention(const void *q, int q_dtype, int64_t q_stride, int64_t num_tokens, int64_t num_heads,
+                          int64_t head_dim,
                           const void *k_cache, const void *v_cache, int cache_dtype, int64_t num_blocks,
                           int64_t block_size, int64_t num_kv_heads, const float *k_scale, const float *v_scale,
                           const void *block_tables, int tables_int64, int64_t num_seqs, int64_t max_blocks,
                           const void *seq_info, int seq_info_int64, float scale, void *out, int num_threads,
                           int64_t *error) {
     const attn_args a = {
-        .q = q, .q_dtype = q_dtype, .num_heads = num_heads, .head_dim = head_dim,
+        .q = q, .q_dtype = q_dtype, .q_stride = q_stride, .num_heads = num_heads, .head_dim = head_dim,
         .k_cache = k_cache, .v_cache = v_cache, .cache_dtype = cache_dtype,
         .block_size = block_size, .num_kv_heads = num_kv_heads, .k_scale = k_scale, .v_scale = v_scale,
         .tables = block_tables, .tables_int64 = tables_int64, .max_blocks = max_blocks,

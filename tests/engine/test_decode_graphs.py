@@ -1,0 +1,79 @@
+"""Pure decode steps replayed from CPU graphs (tuili/engine/decode_graphs.py) give exactly what
+the same engine gives eagerly (enforce_eager): the same tokens and the same logprobs, bit for
+bit, as batches shrink and grow; steps a graph cannot replay run eagerly, with the reason kept.
+The transformers reference for the graph path is tests/models/test_llama_vs_transformers.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tuili import LLM, SamplingParams, kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU graphs replay the native kernels")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """Qwen3's features (q/k norms, tied embeddings) in bfloat16, as written by transformers."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.1,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("qwen3") / "bf16"
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def generate(path, prompts, params, **options):
+    llm = LLM(model=str(path), device="cpu", block_size=4, kv_cache_memory=1 << 22, max_model_len=128, **options)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+PROMPTS = [[5, 17, 250, 3, 99], [42], list(range(30, 53)), [7, 7, 7, 200, 201]]
+
+
+@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+def test_graph_steps_equal_eager_steps(tiny_qwen3, quantization):
+    # Different lengths: the decode batch shrinks from 4 to 1 as requests finish, and sampled
+    # with a seed so that logits, not only their argmax, must agree. int4: the tied output
+    # matrix is an int8 copy run by torch's op, so the graph stops before the logits; int8: every
+    # linear is torch's op, so nothing is replayed.
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + 5 * i, logprobs=3) for i in range(4)]
+    options = dict(dtype="bfloat16", quantization=quantization)
+    llm, replayed = generate(tiny_qwen3, PROMPTS, params, **options)
+    _, eager = generate(tiny_qwen3, PROMPTS, params, enforce_eager=True, **options)
+    assert replayed == eager
+    graphs = llm.engine.runner.graphs
+    if quantization == "int8":
+        assert graphs.captured_batch_sizes() == [] and "aten._weight_int8pack_mm" in graphs.refused[4]
+    else:
+        assert graphs.captured_batch_sizes() == [1, 2, 3, 4] and not graphs.refused
+
+
+def test_a_batch_the_native_kernels_do_not_cover_runs_eagerly_and_says_why(tiny_llama):
+    # float32 linears of more than 8 rows run torch's F.linear, which a replay would skip.
+    prompts = [[i + 1, i + 2] for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm, replayed = generate(tiny_llama, prompts, params, dtype="float32")
+    _, eager = generate(tiny_llama, prompts, params, dtype="float32", enforce_eager=True)
+    assert replayed == eager
+    graphs = llm.engine.runner.graphs
+    assert "aten.linear" in graphs.refused[10]
+    assert graphs.captured_batch_sizes() == []
+    small, _ = generate(tiny_llama, prompts[:3], params, dtype="float32")  # 3 rows: native kernels only
+    assert small.engine.runner.graphs.captured_batch_sizes() == [3]
+
+
+def test_graphs_are_off_where_a_step_is_not_all_native_kernels(tiny_llama, monkeypatch):
+    fp8, _ = generate(tiny_llama, PROMPTS, SamplingParams(max_tokens=2), dtype="float32", kv_cache_dtype="fp8")
+    assert fp8.engine.runner.graphs is None  # the fp8 cache is written by torch ops
+    eager, _ = generate(tiny_llama, PROMPTS, SamplingParams(max_tokens=2), dtype="float32", enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    portable, _ = generate(tiny_llama, PROMPTS, SamplingParams(max_tokens=2), dtype="float32")
+    assert portable.engine.runner.graphs is None

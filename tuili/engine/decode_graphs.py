@@ -1,0 +1,159 @@
+"""Pure decode steps on a CPU replayed from graphs (tuili/kernels/graph.py), one per batch size.
+
+A step in which every scheduled sequence adds one token and samples makes the same kernel calls
+on the same shapes every time for a given number of sequences B; only the values in the inputs
+change. The first such step of B sequences is captured: run eagerly while recorded, replayed
+once on the same inputs and kept only if the replay's logits equal the eager ones bit for bit.
+Later steps of B sequences write their inputs (embeddings, rotary tables, slots, block tables,
+positions) into the captured buffers and replay: one native call instead of ten Python-driven
+kernel calls per layer. Everything else runs eagerly: prefills, mixed steps, batch sizes above
+MAX_GRAPH_BATCH, caches the native kernels do not write (fp8), and any batch size whose capture
+was refused (a torch op in the forward, e.g. a float32 model's F.linear beyond the native GEMV's
+rows); the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tuili.engine.scheduler import ScheduledSeq
+from tuili.kernels.graph import Arena, Graph, GraphCaptureError, GraphReplayError, capture
+from tuili.layers.attention import AttentionMetadata, PagedBatch
+from tuili.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Most sequences of a captured step. Beyond a few dozen the step's arithmetic dwarfs the time
+# between kernels, and each batch size captured costs one more eager step and its buffers.
+MAX_GRAPH_BATCH = 64
+
+
+@dataclass
+class _StepBuffers:
+    """The inputs of a B-sequence decode step, at the addresses its graph reads."""
+
+    x: torch.Tensor  # [B, hidden] embeddings (overwritten by the first layer's residual add)
+    cos: torch.Tensor  # [B, 1, head_dim / 2] float32
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32; only each row's used prefix is read
+    seq_info: torch.Tensor  # [B, 3] int32: row b, 1 query, position
+    meta: AttentionMetadata
+
+
+@dataclass
+class _Captured:
+    graph: Graph
+    buffers: _StepBuffers
+    logits_in_graph: bool  # else the graph ends at the final norm and the logits run eagerly
+
+
+class DecodeGraphs:
+    """Captures and replays `model`'s pure decode steps. The caller's conditions: a CPU, the native
+    kernels available, KV caches of the model's dtype, sequences of at most max_blocks_per_seq
+    blocks."""
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, max_blocks_per_seq: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self._arena = Arena()
+        self._graphs: dict[tuple[int, int], _Captured] = {}  # (batch size, threads) -> its graph
+        self.refused: dict[int, str] = {}  # batch size -> why it runs eagerly
+
+    def captured_batch_sizes(self) -> list[int]:
+        return sorted({size for size, _ in self._graphs})
+
+    def takes(self, batch: list[ScheduledSeq]) -> bool:
+        """Whether `batch` is a pure decode step of a size that has, or may get, a graph."""
+        return (
+            0 < len(batch) <= MAX_GRAPH_BATCH
+            and len(batch) not in self.refused
+            and all(item.num_tokens == 1 and item.samples for item in batch)
+            and all(len(item.seq.block_table) <= self.max_blocks_per_seq for item in batch)
+        )
+
+    def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Float32 logits [B, vocab] of a step `takes` accepted, valid until the next call; None
+        when this step must run eagerly instead (its capture was refused, or a kernel refused its
+        inputs, which the eager run then reports by name)."""
+        key = (len(batch), torch.get_num_threads())
+        captured = self._graphs.get(key)
+        if captured is None:
+            return self._capture(batch, key)
+        self._write_inputs(captured.buffers, batch)
+        try:
+            (out,) = captured.graph.replay()
+        except GraphReplayError:
+            return None
+        return out if captured.logits_in_graph else self.model.compute_logits(out)
+
+    def _capture(self, batch: list[ScheduledSeq], key: tuple[int, int]) -> torch.Tensor | None:
+        """Captures the step with its logits, else (an output layer that is not all native
+        kernels, such as torch's int8 op) without them, the logits then computed eagerly."""
+        buffers = self._buffers(len(batch))
+        model = self.model
+        reasons = []
+        for logits_in_graph in (True, False):
+
+            def step(logits_in_graph: bool = logits_in_graph) -> list[torch.Tensor]:
+                hidden = model.run_layers(buffers.x, (buffers.cos, buffers.sin), buffers.meta)
+                return [model.compute_logits(hidden) if logits_in_graph else hidden]
+
+            self._write_inputs(buffers, batch)
+            try:
+                (eager,), graph = capture(step, self._arena)
+                self._write_inputs(buffers, batch)  # the capture overwrote x; the KV writes repeat
+                (replayed,) = graph.replay()
+                if not torch.equal(replayed.view(torch.uint8), eager.view(torch.uint8)):
+                    raise GraphCaptureError("its replay's result differs from the eager run's")
+            except GraphCaptureError as error:
+                reasons.append(str(error))
+                continue
+            self._graphs[key] = _Captured(graph, buffers, logits_in_graph)
+            log.debug("captured a decode graph of %d sequences: %d kernel calls", len(batch), graph.calls)
+            if logits_in_graph:
+                return eager
+            log.info("the logits of decode steps of %d sequences run eagerly: %s", len(batch), reasons[0])
+            return model.compute_logits(eager)
+        self.refused[len(batch)] = reasons[-1]
+        log.info("decode steps of %d sequences run eagerly: %s", len(batch), reasons[-1])
+        return None
+
+    def _buffers(self, batch_size: int) -> _StepBuffers:
+        hidden = self.model.model.embed_tokens.weight
+        half_dim = self.model.model.rotary.cos.shape[1]
+        block_tables = torch.zeros(batch_size, self.max_blocks_per_seq, dtype=torch.int32)
+        seq_info = torch.zeros(batch_size, 3, dtype=torch.int32)
+        seq_info[:, 0] = torch.arange(batch_size)
+        seq_info[:, 1] = 1
+        slot_mapping = torch.zeros(batch_size, dtype=torch.int64)
+        return _StepBuffers(
+            x=hidden.new_empty(batch_size, hidden.shape[1]),
+            cos=torch.empty(batch_size, 1, half_dim),
+            sin=torch.empty(batch_size, 1, half_dim),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_info=seq_info,
+            meta=AttentionMetadata(slot_mapping, [], [], PagedBatch(block_tables, seq_info)),
+        )
+
+    def _write_inputs(self, buffers: _StepBuffers, batch: list[ScheduledSeq]) -> None:
+        bs = self.block_size
+        positions = [item.start for item in batch]
+        tokens = [item.seq.token_ids[item.start] for item in batch]
+        x, (cos, sin) = self.model.embed(torch.tensor(tokens), torch.tensor(positions))
+        buffers.x.copy_(x)
+        buffers.cos.copy_(cos)
+        buffers.sin.copy_(sin)
+        tables = buffers.block_tables.numpy()
+        for row, item in enumerate(batch):
+            table = item.seq.block_table
+            tables[row, : len(table)] = table
+        buffers.slot_mapping.numpy()[:] = [
+            item.seq.block_table[p // bs] * bs + p % bs for item, p in zip(batch, positions, strict=True)
+        ]
+        buffers.seq_info.numpy()[:, 2] = positions
