@@ -4,6 +4,8 @@ would skip is refused at capture; a kernel refusing its inputs during a replay i
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -141,3 +143,14 @@ def test_a_bad_slot_at_replay_is_reported_and_writes_nothing():
     graph.replay()
     assert torch.equal(k_cache.view(8, 2, 8)[[0, 6, 7]], qkv[:, 2:4])
     assert torch.equal(v_cache.view(8, 2, 8)[[0, 6, 7]], qkv[:, 4:6])
+
+
+def test_a_capture_records_only_its_own_threads_calls():
+    weights = make_weights(torch.float32)
+    x, residual = torch.randn(2, DIM), torch.randn(2, DIM)
+    other = threading.Thread(target=mlp_block, args=(torch.randn(2, DIM), torch.randn(2, DIM), weights))
+    with kernels.cpu.recording() as calls:
+        other.start()
+        other.join()
+        mlp_block(x, residual, weights)
+    assert [name for name, _ in calls].count("tuili_linear_small") == 3

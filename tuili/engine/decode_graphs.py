@@ -3,7 +3,7 @@
 A step in which every scheduled sequence adds one token and samples makes the same kernel calls
 on the same shapes every time for a given number of sequences B; only the values in the inputs
 change. The first such step of B sequences is captured: run eagerly while recorded, replayed
-once on the same inputs and kept only if the replay's logits equal the eager ones bit for bit.
+once on the same inputs and kept only if the replay's result equals the eager one bit for bit.
 Later steps of B sequences write their inputs (embeddings, rotary tables, slots, block tables,
 positions) into the captured buffers and replay: one native call instead of ten Python-driven
 kernel calls per layer. Everything else runs eagerly: prefills, mixed steps, batch sizes above

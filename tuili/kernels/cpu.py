@@ -15,6 +15,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -130,31 +131,36 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-# The calls made while a graph is captured (tuili/kernels/graph.py), else None.
-_recorded: list[tuple[str, tuple[object, ...]]] | None = None
+class _Recording(threading.local):
+    """The calls this thread makes while it captures a graph (tuili/kernels/graph.py), else None:
+    per thread, so that another engine's steps on another thread are never recorded."""
+
+    calls: list[tuple[str, tuple[object, ...]]] | None = None
+
+
+_recording = _Recording()
 
 
 def _call(name: str, *args: object) -> int:
-    """Calls kernel `name` of the library with ctypes arguments; while a graph is being
-    captured, also records the call for replay."""
+    """Calls kernel `name` of the library with ctypes arguments; while this thread captures a
+    graph, also records the call for replay."""
     status = getattr(_library(), name)(*args)
-    if _recorded is not None:
-        _recorded.append((name, args))
+    if _recording.calls is not None:
+        _recording.calls.append((name, args))
     return status
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[str, tuple[object, ...]]]]:
-    """Within the block, every kernel call is also appended, as (function name, ctypes
-    arguments), to the list yielded. Not reentrant: one capture at a time per process."""
-    global _recorded
-    if _recorded is not None:
-        raise RuntimeError("a graph capture is already recording kernel calls")
-    _recorded = calls = []
+    """Within the block, every kernel call this thread makes is also appended, as (function
+    name, ctypes arguments), to the list yielded. Not reentrant."""
+    if _recording.calls is not None:
+        raise RuntimeError("this thread is already recording kernel calls for a graph")
+    _recording.calls = calls = []
     try:
         yield calls
     finally:
-        _recorded = None
+        _recording.calls = None
 
 
 # -- argument checks -----------------------------------------------------------------------------
