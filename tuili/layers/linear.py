@@ -15,8 +15,9 @@ They all accumulate in float32 and agree to one rounding of the output. Logits a
 output (`out_dtype`): the native kernels then skip that rounding, so bf16 weights give logits
 without bf16's ties (a rounded logit's 2^-8 relative step is shared by many tokens). The limits
 are the measured crossovers: fp32 GEMV is 1.4-3x faster than F.linear from 1 to 8 rows; in bf16 the GEMV
-is fastest at 1 row, AMX 1.3-2x faster than F.linear from 5 to 64 rows, 1.14x at 128 (a whole
-Qwen3-0.6B-shape prefill), even at 256 and behind from 512 rows (0.9x at 1024).
+is fastest at 1 row, AMX 1.3-2x faster than F.linear from 5 to 64 rows; on whole Qwen3-0.6B-shape
+prefills, 1.16-1.37x at 32-64 tokens, 0.87-1.14x at 128 (three interleaved runs on two days) and
+behind from 192 (0.83-0.93x at 192-256, 0.9x at 1024), where oneDNN's weight reorder pays off.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 from tuili import kernels
 
 NATIVE_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}  # crossovers with F.linear, docs/kernels.md
-AMX_MAX_ROWS = 256
+AMX_MAX_ROWS = 128
 
 
 def linear(
