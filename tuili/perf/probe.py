@@ -11,6 +11,7 @@ this machine can do", which is the only meaningful ceiling for a CPU (no datashe
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -72,7 +73,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         if m.name.startswith("matmul ") and " large" in m.name:
             dtype = m.name.split()[1]
             peaks[dtype] = max(peaks.get(dtype, 0.0), m.value)
-    results += _packed_int4(dev, peaks, sizes.seconds_per_item)
+    results += _packed_int4(dev, peaks, sizes)
     linears = _engine_linears(dev, sizes)
     results += linears
     read = next(m.value for m in results if m.name == "memory read")
@@ -103,7 +104,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     sizes = _sizes(dev, quick=False)
     read = _bandwidth(dev, sizes)[0].value
     peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, skinny=False)}
-    fresh = _packed_int4(dev, peaks, sizes.seconds_per_item) if spec.int4_kernel_seconds_per_value else []
+    fresh = _packed_int4(dev, peaks, sizes) if spec.int4_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     return replace(
         spec,
@@ -220,8 +221,10 @@ def _cycled_matmuls(
     as a model's layers follow each other, the matrices together larger than the caches."""
     elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
     count = max(1, -(-sizes.buffer_bytes // (k * k * elem)))
-    # values do not change a matmul's speed (no denormals here), so a fast fill will do
-    weights = [torch.full((k, k), 0.5, dtype=_TORCH_DTYPES[dtype], device=dev) for _ in range(count)]
+    # Random values, as a model's: AMX tiles multiply a constant or zero matrix 2-3x faster than
+    # random bf16 on the machines of docs/kernels.md. Copies of one matrix fill fast.
+    base = torch.randn(k, k, device=dev).to(_TORCH_DTYPES[dtype])
+    weights = [base.clone() for _ in range(count)]
     out = []
     for m in rows:
         x = torch.randn(m, k, device=dev).to(_TORCH_DTYPES[dtype])
@@ -275,11 +278,14 @@ INT4_KERNEL = "int4 kernel seconds per value"
 INT4_DEQUANT = "int4 dequantization seconds per value"
 
 
-def _packed_int4(dev: torch.device, peaks: dict[str, float], budget: float) -> list[Measurement]:
+def _packed_int4(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> list[Measurement]:
     """Where tuili packs int4 linears (a CPU): the time per weight value of their weight-only
     kernel at one row, and of dequantizing a weight when a matmul has more rows than that kernel
-    takes. Timed through the engine's module (tuili/layers/quant.py) on a 4096 x 1024 weight; the
-    many-row product's time at the measured bf16 peak is taken off the latter (a few percent)."""
+    takes. Timed through the engine's module (tuili/layers/quant.py) on 4096 x 1024 weights; at
+    one row, copies of the module are cycled through, together larger than the caches, as a
+    model's layers follow each other (one weight alone stays in cache and ran twice as fast as a
+    model's decode step reads its packed weights). The many-row product's time at the measured
+    bf16 peak is taken off the dequantization's (a few percent)."""
     if dev.type != "cpu" or "bf16" not in peaks:
         return []
     from tuili.layers.quant import make_linear, quantize_int4
@@ -287,10 +293,17 @@ def _packed_int4(dev: torch.device, peaks: dict[str, float], budget: float) -> l
 
     k, n = 1024, 4096
     module = make_linear(quantize_int4(torch.randn(n, k), 32, torch.bfloat16), None, torch.bfloat16)
+    module_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    streamed = [module] + [copy.deepcopy(module) for _ in range(-(-sizes.buffer_bytes // module_bytes) - 1)]
     out = []
-    for name, rows in ((INT4_KERNEL, 1), (INT4_DEQUANT, PACKED_OP_MAX_ROWS + 1)):
+    for name, rows, modules in ((INT4_KERNEL, 1, streamed), (INT4_DEQUANT, PACKED_OP_MAX_ROWS + 1, [module])):
         x = torch.randn(rows, k, dtype=torch.bfloat16)
-        seconds = _time(lambda x=x: module(x), dev, budget)
+
+        def layers(x: torch.Tensor = x, modules: list[torch.nn.Module] = modules) -> None:
+            for m in modules:
+                m(x)
+
+        seconds = _time(layers, dev, sizes.seconds_per_item) / len(modules)
         product = 0.0 if rows == 1 else 2 * rows * k * n / peaks["bf16"]
         out.append(Measurement(name, max(0.0, seconds - product) / (k * n), "s", seconds))
     return out
