@@ -130,20 +130,23 @@ def models(args: argparse.Namespace) -> list[Model]:
         return lambda: qwen3_06b_gguf(ftype)
 
     hf = qwen3_06b_checkpoint
+    # In run order: the columns a ratio compares run back to back, a precision at a time, so that
+    # the host's drift over the hour (its speed moves by up to 2x) falls between groups rather
+    # than between tuili and its peer.
     qwen = [
         Variant("tuili", "tuili bf16", "16-bit", hf),
-        Variant("tuili", "tuili int8", "8-bit", hf, {"quantization": "int8"}),
-        Variant("tuili", "tuili int4", "4-bit", hf, {"quantization": "int4"}),
-        Variant("tuili", "tuili Q8_0", "8-bit", gguf("Q8_0"), needs_llama=True),
-        Variant("tuili", "tuili Q4_0", "4-bit", gguf("Q4_0"), needs_llama=True),
+        Variant("vllm", "vllm bf16", "16-bit", hf),
         Variant("llama", "llama f16", "16-bit", gguf("f16"), needs_llama=True),
         Variant("llama", "llama bf16", "16-bit", gguf("bf16"), needs_llama=True),
+        Variant("tuili", "tuili Q8_0", "8-bit", gguf("Q8_0"), needs_llama=True),
         Variant("llama", "llama Q8_0", "8-bit", gguf("Q8_0"), needs_llama=True),
+        Variant("tuili", "tuili int8", "8-bit", hf, {"quantization": "int8"}),
+        Variant("tuili", "tuili Q4_0", "4-bit", gguf("Q4_0"), needs_llama=True),
         Variant("llama", "llama Q4_0", "4-bit", gguf("Q4_0"), needs_llama=True),
-        Variant("vllm", "vllm bf16", "16-bit", hf),
+        Variant("tuili", "tuili int4", "4-bit", hf, {"quantization": "int4"}),
     ]
     if args.vllm_eager:
-        qwen.append(Variant("vllm", "vllm bf16 eager", "16-bit", hf, {"enforce_eager": True}))
+        qwen.insert(2, Variant("vllm", "vllm bf16 eager", "16-bit", hf, {"enforce_eager": True}))
     smollm2 = [
         Variant("tuili", "tuili Q4_1", "4-bit", default_model_path),
         Variant("llama", "llama Q4_1", "4-bit", default_model_path),
