@@ -34,8 +34,9 @@ def with_host(**seconds: float) -> HardwareSpec:
 
 
 def plan(config: dict, spec: HardwareSpec, **kw) -> dict:
-    inputs = PlanInputs(weights=weight_format("fp32"), kv_dtype="fp32", compute_dtype="fp32", prompt=256,
-                        output=32, context=288, **kw)
+    options = dict(weights=weight_format("fp32"), kv_dtype="fp32", compute_dtype="fp32", prompt=256, output=32,
+                   context=288)
+    inputs = PlanInputs(**{**options, **kw})
     return make_plan(ModelCost.from_config(config), spec, inputs)
 
 
@@ -211,7 +212,27 @@ def test_probed_linear_rates_are_a_floor_above_the_roofline():
     assert plan(SMOLLM2, slow, packed_linears=True)["decode_step_kernels_seconds"] == 0
 
 
+def test_linear_rates_by_rows_set_the_prefill_floor_at_the_prompts_size():
+    """The engine's linears are slower per FLOP on fewer rows (a per-call weight reorder, another
+    kernel below 128 rows): a prompt's prefill computes at the rate measured nearest its length,
+    interpolated between sizes; a spec saved as JSON keeps the curve."""
+    curve = {64: 0.2e11, 512: 0.6e11}
+    spec = HardwareSpec(**{**CPU.to_dict(), "linear_flops_by_rows": {"fp32": curve}})
+    assert spec.linear_flops("fp32", 1) == spec.linear_flops("fp32", 64) == 0.2e11
+    assert spec.linear_flops("fp32", 288) == pytest.approx(0.4e11)
+    assert spec.linear_flops("fp32", 4096) == 0.6e11 and spec.linear_flops("bf16", 64) is None
+    assert HardwareSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    for prompt, rate in ((64, 0.2e11), (288, 0.4e11), (1024, 0.6e11)):
+        p = plan(QWEN3_06B, spec, prompt=prompt)
+        assert p["prefill_roofline_seconds"] + p["prefill_kernels_seconds"] == pytest.approx(
+            plan(QWEN3_06B, CPU, prompt=prompt)["prefill_roofline_seconds"] * 1e11 / rate, rel=1e-9)  # compute bound
+
+
 def test_bad_linear_rates_in_a_spec_are_named():
+    with pytest.raises(TuiliError, match=r"linear_flops_by_rows\['fp32'\] of 'cpu' has the row count 0"):
+        HardwareSpec(**{**CPU.to_dict(), "linear_flops_by_rows": {"fp32": {0: 1e10}}})
+    with pytest.raises(TuiliError, match=r"linear_flops_by_rows\['fp32'\]: 'x' is not a row count"):
+        HardwareSpec.from_dict({**CPU.to_dict(), "linear_flops_by_rows": {"fp32": {"x": 1e10}}})
     with pytest.raises(TuiliError, match=r"linear_stream_bandwidth for 'fp64'"):
         HardwareSpec(**{**CPU.to_dict(), "linear_stream_bandwidth": {"fp64": 1e10}})
     with pytest.raises(TuiliError, match=r"linear_prefill_flops\['fp32'\]"):

@@ -11,6 +11,7 @@ on an A100 80GB). Bandwidths are decimal (3.35 TB/s = 3.35e12 bytes/s).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -43,6 +44,7 @@ class LinkSpec:
 
 
 ENGINE_PREFILL_ROWS = 512  # the product size of HardwareSpec.linear_prefill_flops
+ENGINE_LINEAR_ROWS = (64, 128, 256, 512)  # the product sizes of HardwareSpec.linear_flops_by_rows
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class HardwareSpec:
     here) stream a weight matrix from memory at one row, and their FLOP/s at a 512-row product
     from memory, as `tuili probe` measured them. The planner's step times do not fall below what
     these allow (the engine's floor above the hardware's roofline); presets have none.
+    ``linear_flops_by_rows``, per dtype: the same FLOP/s at each product size of
+    ENGINE_LINEAR_ROWS, since it depends on the rows: the native AMX kernel takes up to 128 and
+    oneDNN's per-call weight reorder weighs more on fewer rows (docs/ruler.md §4.2).
     """
 
     name: str
@@ -80,6 +85,7 @@ class HardwareSpec:
     int4_dequant_seconds_per_value: float = 0.0
     linear_stream_bandwidth: dict[str, float] = field(default_factory=dict)
     linear_prefill_flops: dict[str, float] = field(default_factory=dict)
+    linear_flops_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -116,10 +122,36 @@ class HardwareSpec:
                         f"hardware {self.name!r} lists {name} for {dtype!r}: expected dtypes among {', '.join(PEAK_DTYPES)}"
                     )
                 _positive(f"{name}[{dtype!r}] of {self.name!r}", value)
+        for dtype, curve in self.linear_flops_by_rows.items():
+            if dtype not in PEAK_DTYPES:
+                raise TuiliError(
+                    f"hardware {self.name!r} lists linear_flops_by_rows for {dtype!r}: expected dtypes among "
+                    f"{', '.join(PEAK_DTYPES)}"
+                )
+            for rows, value in curve.items():
+                if not isinstance(rows, int) or rows < 1:
+                    raise TuiliError(
+                        f"linear_flops_by_rows[{dtype!r}] of {self.name!r} has the row count {rows!r}: expected integers >= 1"
+                    )
+                _positive(f"linear_flops_by_rows[{dtype!r}][{rows}] of {self.name!r}", value)
         if self.interconnect is not None and self.interconnect not in LINKS:
             raise TuiliError(
                 f"hardware {self.name!r} names interconnect {self.interconnect!r}: expected one of {', '.join(LINKS)}"
             )
+
+    def linear_flops(self, dtype: str, rows: int) -> float | None:
+        """FLOP/s of tuili's linears in ``dtype`` at a product of ``rows`` rows: interpolated
+        between the measured sizes (linear_flops_by_rows), the nearest one outside them, else the
+        512-row figure; None where nothing was measured."""
+        curve = sorted(self.linear_flops_by_rows.get(dtype, {}).items())
+        if not curve:
+            return self.linear_prefill_flops.get(dtype)
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        for (low, low_rate), (high, high_rate) in itertools.pairwise(curve):
+            if rows <= high:
+                return low_rate + (high_rate - low_rate) * (rows - low) / (high - low)
+        return curve[-1][1]
 
     def flops(self, dtype: str = "bf16") -> float:
         """Peak FLOP/s for matmuls in ``dtype``; a dtype the device lacks falls back to the 16-bit
@@ -179,7 +211,23 @@ class HardwareSpec:
             **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
                       for k, v in _mapping(where, name, data.get(name)).items()}
                for name in ("linear_stream_bandwidth", "linear_prefill_flops")},
+            linear_flops_by_rows={
+                str(dtype).lower(): {
+                    _rows(f"{where} linear_flops_by_rows[{dtype!r}]", rows):
+                        _number(f"{where} linear_flops_by_rows[{dtype!r}][{rows!r}]", value)
+                    for rows, value in _mapping(where, f"linear_flops_by_rows[{dtype!r}]", curve).items()
+                }
+                for dtype, curve in _mapping(where, "linear_flops_by_rows", data.get("linear_flops_by_rows")).items()
+            },
         )
+
+
+def _rows(where: str, value: object) -> int:
+    """A row count, written as a JSON object key (a string) or a number."""
+    try:
+        return int(str(value))
+    except ValueError:
+        raise TuiliError(f"{where}: {value!r} is not a row count") from None
 
 
 def _mapping(where: str, name: str, value: object) -> dict:

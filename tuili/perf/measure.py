@@ -185,9 +185,13 @@ def measure(
     dtype = inputs.compute_dtype
     if not inputs.packed_linears and dtype in hardware.linear_stream_bandwidth:
         kernels = sum(p.kernels for p in predicted_steps) / len(predicted_steps)
+        curve = sorted(hardware.linear_flops_by_rows.get(dtype, {}).items()) or [
+            (ENGINE_PREFILL_ROWS, hardware.linear_prefill_flops.get(dtype, 0.0))
+        ]
         notes.append(f"tuili's {dtype} linears measured here stream weights at "
                      f"{hardware.linear_stream_bandwidth[dtype] / 1e9:.1f} GB/s at one row and run "
-                     f"{hardware.linear_prefill_flops.get(dtype, 0) / 1e12:.2f} TFLOP/s at {ENGINE_PREFILL_ROWS} rows: "
+                     f"{'/'.join(f'{rate / 1e12:.2f}' for _, rate in curve)} TFLOP/s at "
+                     f"{'/'.join(str(rows) for rows, _ in curve)} rows: "
                      f"+{kernels * 1e3:.2f} ms per decode step, +{prefill.kernels * 1e3:.2f} ms in the prefill "
                      f"above the roofline")
     if inputs.packed_linears:

@@ -123,9 +123,8 @@ class Roofline:
         # an all-reduce after attention and after the MLP of every layer, and one for the embedding
         self.allreduces = 2 * cost.shape.num_layers + 1
         # tuili's own linears as probed here (none for presets): their weight streaming rate at
-        # one row and their FLOP/s at prompt size, each capped by the hardware's figure
+        # one row and their FLOP/s at prompt sizes (linear_flops), each capped by the hardware's figure
         self.stream = min(hardware.linear_stream_bandwidth.get(self.compute_dtype, math.inf), self.bandwidth)
-        self.linear_flops = min(hardware.linear_prefill_flops.get(self.compute_dtype, math.inf), self.peak)
         self._packed: dict[Step, PackedWork | None] = {}
         if inputs.packed_linears:
             by_kind = cost.weight_bytes_by_kind(inputs.weights)
@@ -146,21 +145,27 @@ class Roofline:
     def _roofline(self, flops: float, nbytes: float) -> float:
         return max(flops / self.tp / self.peak, nbytes / self.bandwidth)
 
-    def _engine_floor(self, flops: float, nbytes: float, weight_bytes: float) -> float:
+    def linear_flops(self, rows: int) -> float:
+        """FLOP/s of the engine's linears at products of ``rows`` rows, as probed (capped by the
+        peak; the peak where nothing was measured)."""
+        measured = self.hardware.linear_flops(self.compute_dtype, rows)
+        return self.peak if measured is None else min(measured, self.peak)
+
+    def _engine_floor(self, flops: float, nbytes: float, weight_bytes: float, rows: int) -> float:
         """The step's time at the measured rates of the engine's own linears: the weights at their
-        streaming rate (the rest of the bytes at the hardware's), the FLOPs at their prompt-size
-        rate. Equal to the roofline where the probe measured nothing."""
+        streaming rate (the rest of the bytes at the hardware's), the FLOPs at their rate for
+        products of the step's ``rows``. Equal to the roofline where the probe measured nothing."""
         # The roofline's memory time plus the weights' extra time at the slower rate: exactly the
         # roofline (no rounding left over) where the rates equal the hardware's.
         memory = nbytes / self.bandwidth + weight_bytes * (1 / self.stream - 1 / self.bandwidth)
-        return max(flops / self.tp / self.linear_flops, memory)
+        return max(flops / self.tp / self.linear_flops(rows), memory)
 
     def _step(self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float) -> StepCost:
         overhead = self.overhead(step)
         packed = self._packed_work(step)
         if packed is None:
             roofline = self._roofline(flops, nbytes)
-            kernels = max(0.0, self._engine_floor(flops, nbytes, weight_bytes) - roofline)
+            kernels = max(0.0, self._engine_floor(flops, nbytes, weight_bytes, step.tokens) - roofline)
             return StepCost(flops, nbytes, roofline + kernels + overhead + comm, roofline, overhead, kernels=kernels)
         # The packed linears run in kernels of their own, after one another and the rest: the
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.

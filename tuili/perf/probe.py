@@ -25,7 +25,7 @@ import torch
 
 from tuili.config import resolve_device
 from tuili.errors import TuiliError
-from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec
+from tuili.perf.hardware import ENGINE_LINEAR_ROWS, ENGINE_PREFILL_ROWS, HardwareSpec
 
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_GEMV_K = 512  # a small model's projection: its time is mostly the per-matmul overhead
@@ -118,7 +118,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
 def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
     """``a`` with each rate that refresh_rates measures replaced by the mean of ``a``'s and ``b``'s."""
 
-    def mean(x: dict[str, float], y: dict[str, float]) -> dict[str, float]:
+    def mean(x: dict, y: dict) -> dict:
         return {k: (v + y[k]) / 2 if k in y else v for k, v in x.items()}
 
     return replace(
@@ -127,6 +127,9 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
         peak_flops=mean(a.peak_flops, b.peak_flops),
         linear_stream_bandwidth=mean(a.linear_stream_bandwidth, b.linear_stream_bandwidth),
         linear_prefill_flops=mean(a.linear_prefill_flops, b.linear_prefill_flops),
+        linear_flops_by_rows={
+            dtype: mean(curve, b.linear_flops_by_rows.get(dtype, {})) for dtype, curve in a.linear_flops_by_rows.items()
+        },
         int4_kernel_seconds_per_value=(a.int4_kernel_seconds_per_value + b.int4_kernel_seconds_per_value) / 2,
         int4_dequant_seconds_per_value=(a.int4_dequant_seconds_per_value + b.int4_dequant_seconds_per_value) / 2,
     )
@@ -321,7 +324,7 @@ def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     k, out = sizes.skinny_k, []
     for dtype in sizes.skinny_dtypes:
         elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
-        for rows, t, count in _cycled_matmuls(dtype, dev, sizes, k, (1, ENGINE_PREFILL_ROWS), linear):
+        for rows, t, count in _cycled_matmuls(dtype, dev, sizes, k, (1, *ENGINE_LINEAR_ROWS), linear):
             name = f"{ENGINE_LINEAR} {dtype} {rows}x{k}x{k}"
             if rows == 1:
                 out.append(Measurement(f"{name} weight read", k * k * elem * count / t, "B/s", t))
@@ -330,12 +333,17 @@ def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     return out
 
 
-def _linear_fields(linears: list[Measurement]) -> dict[str, dict[str, float]]:
-    stream, prefill = {}, {}
+def _linear_fields(linears: list[Measurement]) -> dict[str, dict]:
+    stream: dict[str, float] = {}
+    by_rows: dict[str, dict[int, float]] = {}
     for m in linears:
-        dtype = m.name.removeprefix(ENGINE_LINEAR).split()[0]
-        (stream if m.name.endswith("weight read") else prefill)[dtype] = m.value
-    return {"linear_stream_bandwidth": stream, "linear_prefill_flops": prefill}
+        dtype, shape = m.name.removeprefix(ENGINE_LINEAR).split()[:2]
+        if m.name.endswith("weight read"):
+            stream[dtype] = m.value
+        else:
+            by_rows.setdefault(dtype, {})[int(shape.split("x")[0])] = m.value
+    prefill = {dtype: curve[ENGINE_PREFILL_ROWS] for dtype, curve in by_rows.items() if ENGINE_PREFILL_ROWS in curve}
+    return {"linear_stream_bandwidth": stream, "linear_prefill_flops": prefill, "linear_flops_by_rows": by_rows}
 
 
 def _int4_fields(results: list[Measurement]) -> dict[str, float]:
