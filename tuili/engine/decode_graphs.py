@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tuili.engine.kv_cache import slot
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.kernels.graph import Arena, Graph, GraphCaptureError, GraphReplayError, capture
 from tuili.layers.attention import AttentionMetadata, PagedBatch
@@ -154,6 +155,6 @@ class DecodeGraphs:
             table = item.seq.block_table
             tables[row, : len(table)] = table
         buffers.slot_mapping.numpy()[:] = [
-            item.seq.block_table[p // bs] * bs + p % bs for item, p in zip(batch, positions, strict=True)
+            slot(item.seq.block_table, p, bs) for item, p in zip(batch, positions, strict=True)
         ]
         buffers.seq_info.numpy()[:, 2] = positions

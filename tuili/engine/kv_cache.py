@@ -32,6 +32,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def slot(block_table: list[int], position: int, block_size: int) -> int:
+    """Where the KV of a sequence's token at ``position`` lives in the pool: block * block_size + offset."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def block_digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
     payload = b",".join(str(t).encode() for t in tokens)
     return hashlib.sha256(parent + b"|" + payload).digest()

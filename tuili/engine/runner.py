@@ -12,7 +12,7 @@ from torch import nn
 from tuili import kernels
 from tuili.config import ModelConfig
 from tuili.engine.decode_graphs import DecodeGraphs
-from tuili.engine.kv_cache import BlockCopies
+from tuili.engine.kv_cache import BlockCopies, blocks_for, slot
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
@@ -56,7 +56,7 @@ class ModelRunner:
         # Pure decode steps replay CPU graphs where the native kernels do all their work.
         self.graphs: DecodeGraphs | None = None
         if self.native_attention and kv_dtype == dtype and not enforce_eager:
-            max_blocks = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
+            max_blocks = blocks_for(max_model_len or cfg.max_position_embeddings, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers():
@@ -188,7 +188,7 @@ class ModelRunner:
             span = range(start, start + n)
             positions.extend(span)
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            slots.extend(slot(table, p, bs) for p in span)
             if item.samples:
                 sample_index.append(len(input_ids) - 1)
             if n == 1:
