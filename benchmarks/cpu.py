@@ -7,10 +7,13 @@ SmolLM2-135M-Instruct Q4_1 GGUF (tuili and llama.cpp).
 Rows, all in tokens/s with `--threads` threads per engine:
   prefill 512   one prompt of 512 random token ids
   decode bB     B sequences decoding at once after 128-token prompts (64 steps timed)
-tuili and vLLM run the same script, benchmarks/cpu_worker.py, each engine in a fresh process;
-decode rate = B x 64 / (time for 65 output tokens - time for 1), so the prefills are not
-counted. llama.cpp measures itself: `llama-bench` (prefill: -p 512 -n 0; decode b1: -p 0 -n 64
--d 128; best repetition) and `llama-batched-bench` (-npp 128 -ntg 64 -npl 16,32: its S_TG).
+The columns of one precision run in lockstep: tuili and vLLM stay loaded side by side, each in
+a process of its own running benchmarks/cpu_worker.py (the same script for both), and each of
+the `repeat` repetitions of a row takes one sample of every column in turn, so that all of them
+see the same phases of a host whose speed drifts. The best sample counts. Decode rate = B x 64 /
+(time for 65 output tokens - time for 1), so the prefills are not counted. llama.cpp measures
+itself, one repetition per call: `llama-bench` (prefill: -p 512 -n 0; decode b1: -p 0 -n 64
+-d 128) and `llama-batched-bench` (-npp 128 -ntg 64 -npl B: its S_TG).
 
 Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit),
 MBU of tuili's batch-1 decode and MFU of its prefill against this machine's probe, and the
@@ -27,12 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -130,9 +137,7 @@ def models(args: argparse.Namespace) -> list[Model]:
         return lambda: qwen3_06b_gguf(ftype)
 
     hf = qwen3_06b_checkpoint
-    # In run order: the columns a ratio compares run back to back, a precision at a time, so that
-    # the host's drift over the hour (its speed moves by up to 2x) falls between groups rather
-    # than between tuili and its peer.
+    # A precision's columns run in lockstep (run_lockstep), the precisions in this order.
     qwen = [
         Variant("tuili", "tuili bf16", "16-bit", hf),
         Variant("vllm", "vllm bf16", "16-bit", hf),
@@ -181,36 +186,213 @@ MBU_GOAL, MFU_GOAL = 0.70, 0.50
 
 
 # ---- running the engines ----------------------------------------------------------------------
+#
+# The host's speed drifts by up to 3x within minutes. Columns that run one after the other can
+# each land on a different phase, so the columns of one precision run in lockstep instead: tuili
+# and vLLM stay loaded in worker processes side by side, llama.cpp's tools start per call, and
+# each repetition of a row takes one sample of every column in turn. The best sample counts.
 
 
-def run_variant(variant: Variant, model: Model, threads: int) -> Column:
-    column = Column(variant.engine, variant.label, variant.precision)
-    missing = missing_peer(variant)
-    if missing:
-        column.note = f"skipped: {missing}"
-        return column
-    column.busy_cores = busy_cores()
-    start = time.perf_counter()
-    print(f"[cpu.py] {variant.label} on {model.name} ...", file=sys.stderr, flush=True)
-    path = variant.source()
-    if variant.engine == "llama":
+@dataclass(frozen=True)
+class Row:
+    label: str
+    batch: int  # sequences; 0 for the prefill row
+    prompt: int
+    tokens: int  # decode steps timed (0 for prefill)
+
+
+def row_shapes(sizes: Sizes) -> list[Row]:
+    return [Row(sizes.prefill_row, 0, sizes.prefill, 0),
+            *(Row(sizes.decode_row(b), b, sizes.prompt, sizes.decode) for b in sizes.batches)]
+
+
+class Runner:
+    """One column's engine, sampled one row at a time."""
+
+    def __init__(self, column: Column) -> None:
+        self.column = column
+
+    def warm(self, row: Row) -> None:
+        """Anything to run once, untimed, before a row's samples (compilation, buffer growth)."""
+
+    def sample(self, row: Row) -> None:
+        raise NotImplementedError
+
+    def finish(self, sizes: Sizes) -> None:
+        """Turns the samples into the column's rates."""
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerRunner(Runner):
+    """tuili or vLLM, loaded once in a cpu_worker.py process. Prefill P: P / the best time of one
+    prompt with max_tokens=1. Decode bB: B x N / (best time with N + 1 output tokens - best time
+    with 1), so that the B prefills and the first token are taken out."""
+
+    def __init__(self, column: Column, variant: Variant, path: Path, model: Model, threads: int) -> None:
+        super().__init__(column)
+        self.times: dict[tuple[int, int, int], list[float]] = {}
+        self.log = tempfile.TemporaryFile("w+")  # the worker's stderr, for the tail of a crash
+        self.process = start_worker(variant, path, model, threads, self.log)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        marker, payload = self._next()
+        if marker == "READY":
+            column.facts = payload
+        else:
+            self.fail(payload)
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.startswith(("READY ", "TIMED ", "ERROR ")):
+                self.lines.put(line)
+        self.lines.put(None)
+
+    def _next(self) -> tuple[str, dict]:
         try:
-            column.rates = llama_cpp_rates(path, model.sizes, threads)
+            line = self.lines.get(timeout=WORKER_TIMEOUT)
+        except queue.Empty:
+            return "ERROR", {"error": f"no answer within {WORKER_TIMEOUT} s"}
+        if line is None:
+            status = self.process.wait()
+            self.log.seek(0)
+            tail = "\n".join(self.log.read().splitlines()[-30:])
+            return "ERROR", {"error": f"the worker exited with status {status}", "traceback": tail}
+        marker, payload = line.split(" ", 1)
+        return marker, json.loads(payload)
+
+    def fail(self, payload: dict) -> None:
+        kind = "pending" if "pending" in payload else "error"
+        self.column.note = f"{kind}: {payload.get(kind)}"
+        if payload.get("traceback"):
+            print(payload["traceback"], file=sys.stderr)
+        self.close()
+
+    def time(self, batch: int, prompt: int, max_tokens: int, keep: bool = True) -> None:
+        if self.column.note:
+            return
+        self.process.stdin.write(json.dumps([batch, prompt, max_tokens]) + "\n")
+        self.process.stdin.flush()
+        marker, payload = self._next()
+        if marker != "TIMED":
+            self.fail(payload)
+        elif keep:
+            self.times.setdefault((batch, prompt, max_tokens), []).append(payload["seconds"])
+
+    def calls(self, row: Row) -> list[tuple[int, int, int]]:
+        if row.batch == 0:
+            return [(1, row.prompt, 1)]
+        return [(row.batch, row.prompt, row.tokens + 1), (row.batch, row.prompt, 1)]
+
+    def warm(self, row: Row) -> None:
+        for call in self.calls(row):
+            self.time(*call, keep=False)
+
+    def sample(self, row: Row) -> None:
+        for call in self.calls(row):
+            self.time(*call)
+
+    def finish(self, sizes: Sizes) -> None:
+        noisy = []
+        for row in row_shapes(sizes):
+            best = [min(self.times.get(call, [float("inf")])) for call in self.calls(row)]
+            if row.batch == 0 and best[0] < float("inf"):
+                self.column.rates[row.label] = row.prompt / best[0]
+            elif row.batch and best[0] < float("inf") and best[1] < float("inf"):
+                if best[0] > best[1]:
+                    self.column.rates[row.label] = row.batch * row.tokens / (best[0] - best[1])
+                else:  # timing noise larger than the decode steps (a --quick run on a busy machine)
+                    noisy.append(row.label)
+        if noisy and not self.column.note:
+            self.column.note = f"noise: {', '.join(noisy)} took no longer than the prefill alone; use more tokens"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+class LlamaRunner(Runner):
+    """llama.cpp measuring itself, one repetition per call: `llama-bench` (prefill: -p P -n 0;
+    decode b1: -p 0 -n N -d prompt) and `llama-batched-bench` (-npp prompt -ntg N -npl B: its
+    S_TG). The best repetition counts."""
+
+    def __init__(self, column: Column, path: Path, threads: int) -> None:
+        super().__init__(column)
+        self.path, self.threads = path, threads
+
+    def sample(self, row: Row) -> None:
+        if self.column.note:
+            return
+        try:
+            rate = self.rate(row)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            column.note = f"error: {e}"
-    else:
-        result = run_worker(variant, path, model, threads)
-        column.rates = result.get("rates", {})
-        column.facts = {k: v for k, v in result.items() if k not in ("rates", "noisy", "error", "traceback", "pending")}
-        if result.get("noisy"):
-            column.note = f"noise: {', '.join(result['noisy'])} took no longer than the prefill alone; use more tokens"
-        if "pending" in result:
-            column.note = f"pending: {result['pending']}"
-        elif "error" in result:
-            column.note = f"error: {result['error']}"
-            print(result.get("traceback", ""), file=sys.stderr)
-    print(f"[cpu.py] {variant.label}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    return column
+            self.column.note = f"error: {e}"
+            return
+        self.column.rates[row.label] = max(self.column.rates.get(row.label, 0.0), rate)
+
+    def rate(self, row: Row) -> float:
+        if row.batch <= 1:
+            common = ["-m", str(self.path), "-t", str(self.threads), "--repack", "0", "-r", "1", "-o", "json"]
+            shape = ["-p", str(row.prompt), "-n", "0"] if row.batch == 0 else \
+                ["-p", "0", "-n", str(row.tokens), "-d", str(row.prompt)]
+            (run,) = json.loads(llama_tool("llama-bench", [*common, *shape]))  # one test per call
+            return max(run.get("samples_ts") or [run["avg_ts"]])
+        context = row.batch * (row.prompt + row.tokens) + 256  # it skips a batch that does not fit
+        args = ["-m", str(self.path), "-c", str(context), "-b", str(context), "-npp", str(row.prompt),
+                "-ntg", str(row.tokens), "-npl", str(row.batch), "-t", str(self.threads),
+                "-tb", str(self.threads), "-nr", "--output-format", "jsonl"]
+        for line in llama_tool("llama-batched-bench", args).splitlines():
+            if line.startswith("{") and '"speed_tg"' in line:
+                return json.loads(line)["speed_tg"]
+        raise RuntimeError(f"llama-batched-bench printed no result for -npl {row.batch}")
+
+
+def run_lockstep(variants: list[Variant], model: Model, threads: int) -> list[Column]:
+    """The variants' columns, every row sampled `repeat` times, a sample of each column in turn."""
+    columns = [Column(v.engine, v.label, v.precision) for v in variants]
+    runners: list[Runner] = []
+    start = time.perf_counter()
+    print(f"[cpu.py] {', '.join(v.label for v in variants)} on {model.name}, in lockstep ...",
+          file=sys.stderr, flush=True)
+    for variant, column in zip(variants, columns, strict=True):
+        missing = missing_peer(variant)
+        if missing:
+            column.note = f"skipped: {missing}"
+        elif variant.engine == "llama":
+            runners.append(LlamaRunner(column, variant.source(), threads))
+        else:
+            runners.append(WorkerRunner(column, variant, variant.source(), model, threads))
+    try:
+        for row in row_shapes(model.sizes):
+            for runner in runners:
+                runner.warm(row)
+            for _ in range(model.sizes.repeat):
+                for runner in runners:
+                    runner.column.busy_cores = max(runner.column.busy_cores, settle())
+                    runner.sample(row)
+        for runner in runners:
+            runner.finish(model.sizes)
+    finally:
+        for runner in runners:
+            runner.close()
+    print(f"[cpu.py] done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return columns
+
+
+def settle(limit_s: float = 5.0) -> float:
+    """Waits (up to `limit_s`) until other processes leave the cores idle: an idle worker's
+    threads may still spin for a moment after its last call. Returns the cores found busy."""
+    deadline = time.perf_counter() + limit_s
+    busy = busy_cores(0.2)
+    while busy > BUSY_WARNING and time.perf_counter() < deadline:
+        busy = busy_cores(0.2)
+    return busy
 
 
 def missing_peer(variant: Variant) -> str:
@@ -222,8 +404,8 @@ def missing_peer(variant: Variant) -> str:
     return ""
 
 
-def run_worker(variant: Variant, path: Path, model: Model, threads: int) -> dict:
-    """tuili or vLLM in a fresh process running cpu_worker.py; its JSON result."""
+def start_worker(variant: Variant, path: Path, model: Model, threads: int, log: IO[str]) -> subprocess.Popen:
+    """tuili or vLLM loading `path` in a cpu_worker.py process of its own."""
     sizes = model.sizes
     longest = max(sizes.prefill, sizes.prompt + sizes.decode + 1)
     options = {
@@ -243,50 +425,10 @@ def run_worker(variant: Variant, path: Path, model: Model, threads: int) -> dict
         python = str(VLLM_PYTHON)
         options |= {"skip_tokenizer_init": True, "seed": 0}  # the random checkpoint has no tokenizer
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    tasks = [["prefill", sizes.prefill], *(["decode", b, sizes.prompt, sizes.decode] for b in sizes.batches)]
     job = {"engine": variant.engine, "model": str(path), "options": options, "vocab": model.vocab,
-           "threads": threads, "repeat": sizes.repeat, "tasks": tasks}
-    try:
-        done = subprocess.run([python, str(WORKER), json.dumps(job)], capture_output=True, text=True, env=env,
-                              timeout=WORKER_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {WORKER_TIMEOUT} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-    return {"error": f"the worker exited with status {done.returncode} and no result", "traceback": tail}
-
-
-def llama_cpp_rates(path: Path, sizes: Sizes, threads: int) -> dict[str, float]:
-    """llama.cpp's own measurements of `path`: tokens/s per row (best repetition)."""
-    common = ["-m", str(path), "-t", str(threads), "--repack", "0", "-r", str(sizes.repeat), "-o", "json"]
-    rates = {}
-    runs = llama_tool("llama-bench", [*common, "-p", str(sizes.prefill), "-n", "0"])
-    rates[sizes.prefill_row] = best_llama_bench_rate(json.loads(runs))
-    runs = llama_tool("llama-bench", [*common, "-p", "0", "-n", str(sizes.decode), "-d", str(sizes.prompt)])
-    rates[sizes.decode_row(1)] = best_llama_bench_rate(json.loads(runs))
-    batches = [b for b in sizes.batches if b > 1]
-    if batches:
-        context = max(batches) * (sizes.prompt + sizes.decode) + 256  # it skips a batch that does not fit
-        args = ["-m", str(path), "-c", str(context), "-b", str(context), "-npp", str(sizes.prompt),
-                "-ntg", str(sizes.decode), "-npl", ",".join(map(str, batches)), "-t", str(threads),
-                "-tb", str(threads), "-nr", "--output-format", "jsonl"]
-        for _ in range(sizes.repeat):  # one pass per call; the best of `repeat` counts
-            for line in llama_tool("llama-batched-bench", args).splitlines():
-                if line.startswith("{") and '"speed_tg"' in line:
-                    row = json.loads(line)
-                    key = sizes.decode_row(row["pl"])
-                    rates[key] = max(rates.get(key, 0.0), row["speed_tg"])
-        missing = [b for b in batches if sizes.decode_row(b) not in rates]
-        if missing:
-            raise RuntimeError(f"llama-batched-bench printed no result for -npl {missing}")
-    return rates
-
-
-def best_llama_bench_rate(runs: list[dict]) -> float:
-    (run,) = runs  # one test per call
-    return max(run.get("samples_ts") or [run["avg_ts"]])
+           "threads": threads, "prefill": sizes.prefill}
+    return subprocess.Popen([python, str(WORKER), json.dumps(job)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=log, text=True, env=env)
 
 
 def llama_tool(name: str, args: list[str]) -> str:
@@ -420,10 +562,13 @@ def main() -> None:
     report = {"machine": machine(), "hardware": spec.to_dict(), "threads": args.threads, "quick": args.quick,
               "models": {}}
     for model in chosen:
+        chosen_variants = [v for v in model.variants
+                           if args.only in (None, v.engine) and (args.columns is None or v.label in args.columns)]
+        precisions = dict.fromkeys(v.precision for v in chosen_variants)
         columns = [
-            run_variant(v, model, args.threads)
-            for v in model.variants
-            if args.only in (None, v.engine) and (args.columns is None or v.label in args.columns)
+            column
+            for precision in precisions
+            for column in run_lockstep([v for v in chosen_variants if v.precision == precision], model, args.threads)
         ]
         if not columns:
             continue
