@@ -30,6 +30,6 @@ def test_causal_attention_matches_the_written_out_softmax(monkeypatch, grouped_q
     k = torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype)
     v = torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
-    out = attention._attend_causal(q, k, v, scale)
+    out = attention.causal_attention(q, k, v, scale)
     assert out.shape == (length, heads, head_dim) and out.dtype == dtype
     torch.testing.assert_close(out.double(), reference(q, k, v, scale), atol=tolerance, rtol=tolerance)

@@ -9,6 +9,7 @@ import pytest
 from tuili.cli import main
 from tuili.errors import TuiliError
 from tuili.perf.hardware import (
+    ENGINE_ATTENTION_TOKENS,
     LINKS,
     PRESETS,
     HardwareSpec,
@@ -138,6 +139,9 @@ def test_probe_quick_measures_saves_and_is_used(capsys):
     assert "host overhead decode_layer" in out
     # this CPU runs packed int4 linears
     assert spec.int4_kernel_seconds_per_value > 0 and spec.int4_dequant_seconds_per_value > 0
+    # the engine's causal prompt attention, per prompt length, in the dtype --quick measures
+    assert set(spec.attention_flops_by_tokens["fp32"]) == set(ENGINE_ATTENTION_TOKENS)
+    assert "engine attention fp32 1024 tokens" in out
 
 
 def test_probe_of_a_missing_gpu_is_a_clear_error(capsys):

@@ -229,11 +229,32 @@ def test_linear_rates_by_rows_set_the_prefill_floor_at_the_prompts_size():
 
 
 def test_bad_linear_rates_in_a_spec_are_named():
-    with pytest.raises(TuiliError, match=r"linear_flops_by_rows\['fp32'\] of 'cpu' has the row count 0"):
+    with pytest.raises(TuiliError, match=r"linear_flops_by_rows\['fp32'\] of 'cpu' has the size 0"):
         HardwareSpec(**{**CPU.to_dict(), "linear_flops_by_rows": {"fp32": {0: 1e10}}})
-    with pytest.raises(TuiliError, match=r"linear_flops_by_rows\['fp32'\]: 'x' is not a row count"):
+    with pytest.raises(TuiliError, match=r"linear_flops_by_rows\['fp32'\]: 'x' is not a whole number"):
         HardwareSpec.from_dict({**CPU.to_dict(), "linear_flops_by_rows": {"fp32": {"x": 1e10}}})
     with pytest.raises(TuiliError, match=r"linear_stream_bandwidth for 'fp64'"):
         HardwareSpec(**{**CPU.to_dict(), "linear_stream_bandwidth": {"fp64": 1e10}})
     with pytest.raises(TuiliError, match=r"linear_prefill_flops\['fp32'\]"):
         HardwareSpec(**{**CPU.to_dict(), "linear_prefill_flops": {"fp32": -1.0}})
+
+
+def test_a_prompts_attention_is_charged_at_its_own_measured_rate():
+    """Attention runs well below the linears' rate: its FLOPs (the causal half) take their own
+    probed rate at the prompt's length, the rest of the prefill the linears'; decode steps and
+    specs without the curve are untouched, and a spec saved as JSON keeps it."""
+    curve = {64: 0.1e11, 1024: 0.3e11}
+    spec = HardwareSpec(**{**CPU.to_dict(), "attention_flops_by_tokens": {"fp32": curve}})
+    assert spec.attention_flops("fp32", 544) == pytest.approx(0.2e11) and spec.attention_flops("bf16", 64) is None
+    assert HardwareSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    attention = ModelCost.from_config(QWEN3_06B).prefill_attention_flops(0, 544)
+    assert 0 < attention < ModelCost.from_config(QWEN3_06B).prefill_flops(0, 544)
+    base, measured = plan(QWEN3_06B, CPU, prompt=544), plan(QWEN3_06B, spec, prompt=544)
+    assert base["prefill_kernels_seconds"] == 0
+    assert measured["prefill_kernels_seconds"] == pytest.approx(attention / 0.2e11 - attention / 1e11, rel=1e-9)
+    assert measured["decode_step_seconds"] == base["decode_step_seconds"]
+    # packed int4 linears keep their own terms and add the attention's
+    packed = plan(QWEN3_06B, spec, prompt=544, packed_linears=True)
+    assert packed["prefill_kernels_seconds"] == pytest.approx(attention / 0.2e11 - attention / 1e11, rel=1e-9)
+    with pytest.raises(TuiliError, match=r"attention_flops_by_tokens\['fp32'\] of 'cpu' has the size 0"):
+        HardwareSpec(**{**CPU.to_dict(), "attention_flops_by_tokens": {"fp32": {0: 1e10}}})

@@ -163,13 +163,13 @@ def paged_attention(
         if group.token_index.shape[0] == q.shape[0]:  # a pure decode step: rows already in order
             return _attend(q, cache, group, scale)
     if len(meta.spans) == 1 and not meta.groups and meta.paged is None:  # one fresh prompt chunk
-        return _attend_causal(q, k, v, scale)
+        return causal_attention(q, k, v, scale)
     result = q.new_empty(q.shape)
     if meta.paged is not None:
         _attend_native(q, cache, meta.paged, scale, result)
     for span in meta.spans:
         rows = slice(span.first, span.first + span.length)
-        result[rows] = _attend_causal(q[rows], k[rows], v[rows], scale)
+        result[rows] = causal_attention(q[rows], k[rows], v[rows], scale)
     for group in meta.groups:
         valid = group.token_valid.reshape(-1)
         result[group.token_index.reshape(-1)[valid]] = _attend(q[group.token_index], cache, group, scale)[valid]
@@ -184,7 +184,7 @@ def _attend_native(q: torch.Tensor, cache: KVCache, paged: PagedBatch, scale: fl
     )
 
 
-def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's L tokens over themselves: [L, H, D] -> [L, Hq, D].
     SDPA's fused causal kernel runs without a mask tensor; it takes 4-D input only (3-D falls
     back to the unfused math path, several times slower). On CPU its grouped-query mode reads

@@ -119,6 +119,12 @@ class ModelCost:
         flops = length * self._token_flops + self._attn_flops_per_key * self._keys_attended(start, length)
         return round(flops + (self._lm_head_flops if logits else 0))
 
+    def prefill_attention_flops(self, start: int, length: int) -> int:
+        """The part of prefill_flops that is attention over the keys (scores and weighted values)."""
+        _check_count("start", start, 0)
+        _check_count("length", length, 1)
+        return self._attn_flops_per_key * self._keys_attended(start, length)
+
     def decode_flops(self, context_lens: Sequence[int]) -> int:
         """FLOPs of one decode step: one new token per sequence, each at its context length
         (which includes the new token)."""

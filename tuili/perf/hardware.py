@@ -45,6 +45,9 @@ class LinkSpec:
 
 ENGINE_PREFILL_ROWS = 512  # the product size of HardwareSpec.linear_prefill_flops
 ENGINE_LINEAR_ROWS = (64, 128, 256, 512)  # the product sizes of HardwareSpec.linear_flops_by_rows
+ENGINE_ATTENTION_TOKENS = (64, 256, 1024)  # the prompt lengths of HardwareSpec.attention_flops_by_tokens
+# HardwareSpec's measured curves: a FLOP/s per dtype at each size (rows of a product, tokens of a prompt)
+CURVES = ("linear_flops_by_rows", "attention_flops_by_tokens")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,10 @@ class HardwareSpec:
     ``linear_flops_by_rows``, per dtype: the same FLOP/s at each product size of
     ENGINE_LINEAR_ROWS, since it depends on the rows: the native AMX kernel takes up to 128 and
     oneDNN's per-call weight reorder weighs more on fewer rows (docs/ruler.md §4.2).
+    ``attention_flops_by_tokens``, per dtype: the FLOP/s of tuili's causal prompt attention
+    (tuili/layers/attention.py) at each prompt length of ENGINE_ATTENTION_TOKENS, its FLOPs
+    counted as the cost model counts them (the causal half only). It runs several times below the
+    linears' rate, so a prompt's attention is charged at its own rate.
     """
 
     name: str
@@ -86,6 +93,7 @@ class HardwareSpec:
     linear_stream_bandwidth: dict[str, float] = field(default_factory=dict)
     linear_prefill_flops: dict[str, float] = field(default_factory=dict)
     linear_flops_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
+    attention_flops_by_tokens: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -122,18 +130,19 @@ class HardwareSpec:
                         f"hardware {self.name!r} lists {name} for {dtype!r}: expected dtypes among {', '.join(PEAK_DTYPES)}"
                     )
                 _positive(f"{name}[{dtype!r}] of {self.name!r}", value)
-        for dtype, curve in self.linear_flops_by_rows.items():
-            if dtype not in PEAK_DTYPES:
-                raise TuiliError(
-                    f"hardware {self.name!r} lists linear_flops_by_rows for {dtype!r}: expected dtypes among "
-                    f"{', '.join(PEAK_DTYPES)}"
-                )
-            for rows, value in curve.items():
-                if not isinstance(rows, int) or rows < 1:
+        for name in CURVES:
+            for dtype, curve in getattr(self, name).items():
+                if dtype not in PEAK_DTYPES:
                     raise TuiliError(
-                        f"linear_flops_by_rows[{dtype!r}] of {self.name!r} has the row count {rows!r}: expected integers >= 1"
+                        f"hardware {self.name!r} lists {name} for {dtype!r}: expected dtypes among "
+                        f"{', '.join(PEAK_DTYPES)}"
                     )
-                _positive(f"linear_flops_by_rows[{dtype!r}][{rows}] of {self.name!r}", value)
+                for size, value in curve.items():
+                    if not isinstance(size, int) or size < 1:
+                        raise TuiliError(
+                            f"{name}[{dtype!r}] of {self.name!r} has the size {size!r}: expected integers >= 1"
+                        )
+                    _positive(f"{name}[{dtype!r}][{size}] of {self.name!r}", value)
         if self.interconnect is not None and self.interconnect not in LINKS:
             raise TuiliError(
                 f"hardware {self.name!r} names interconnect {self.interconnect!r}: expected one of {', '.join(LINKS)}"
@@ -143,15 +152,14 @@ class HardwareSpec:
         """FLOP/s of tuili's linears in ``dtype`` at a product of ``rows`` rows: interpolated
         between the measured sizes (linear_flops_by_rows), the nearest one outside them, else the
         512-row figure; None where nothing was measured."""
-        curve = sorted(self.linear_flops_by_rows.get(dtype, {}).items())
-        if not curve:
-            return self.linear_prefill_flops.get(dtype)
-        if rows <= curve[0][0]:
-            return curve[0][1]
-        for (low, low_rate), (high, high_rate) in itertools.pairwise(curve):
-            if rows <= high:
-                return low_rate + (high_rate - low_rate) * (rows - low) / (high - low)
-        return curve[-1][1]
+        curve = self.linear_flops_by_rows.get(dtype)
+        return _interpolate(curve, rows) if curve else self.linear_prefill_flops.get(dtype)
+
+    def attention_flops(self, dtype: str, tokens: int) -> float | None:
+        """FLOP/s of tuili's causal attention over a ``tokens``-token prompt in ``dtype``
+        (attention_flops_by_tokens, interpolated); None where nothing was measured."""
+        curve = self.attention_flops_by_tokens.get(dtype)
+        return _interpolate(curve, tokens) if curve else None
 
     def flops(self, dtype: str = "bf16") -> float:
         """Peak FLOP/s for matmuls in ``dtype``; a dtype the device lacks falls back to the 16-bit
@@ -211,23 +219,33 @@ class HardwareSpec:
             **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
                       for k, v in _mapping(where, name, data.get(name)).items()}
                for name in ("linear_stream_bandwidth", "linear_prefill_flops")},
-            linear_flops_by_rows={
+            **{name: {
                 str(dtype).lower(): {
-                    _rows(f"{where} linear_flops_by_rows[{dtype!r}]", rows):
-                        _number(f"{where} linear_flops_by_rows[{dtype!r}][{rows!r}]", value)
-                    for rows, value in _mapping(where, f"linear_flops_by_rows[{dtype!r}]", curve).items()
+                    _size(f"{where} {name}[{dtype!r}]", size): _number(f"{where} {name}[{dtype!r}][{size!r}]", value)
+                    for size, value in _mapping(where, f"{name}[{dtype!r}]", curve).items()
                 }
-                for dtype, curve in _mapping(where, "linear_flops_by_rows", data.get("linear_flops_by_rows")).items()
-            },
+                for dtype, curve in _mapping(where, name, data.get(name)).items()
+            } for name in CURVES},
         )
 
 
-def _rows(where: str, value: object) -> int:
-    """A row count, written as a JSON object key (a string) or a number."""
+def _interpolate(curve: dict[int, float], size: int) -> float:
+    """The rate at ``size``: linear between the measured sizes, the nearest one outside them."""
+    points = sorted(curve.items())
+    if size <= points[0][0]:
+        return points[0][1]
+    for (low, low_rate), (high, high_rate) in itertools.pairwise(points):
+        if size <= high:
+            return low_rate + (high_rate - low_rate) * (size - low) / (high - low)
+    return points[-1][1]
+
+
+def _size(where: str, value: object) -> int:
+    """A curve's size (rows, tokens), written as a JSON object key (a string) or a number."""
     try:
         return int(str(value))
     except ValueError:
-        raise TuiliError(f"{where}: {value!r} is not a row count") from None
+        raise TuiliError(f"{where}: {value!r} is not a whole number") from None
 
 
 def _mapping(where: str, name: str, value: object) -> dict:

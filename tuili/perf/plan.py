@@ -151,21 +151,36 @@ class Roofline:
         measured = self.hardware.linear_flops(self.compute_dtype, rows)
         return self.peak if measured is None else min(measured, self.peak)
 
-    def _engine_floor(self, flops: float, nbytes: float, weight_bytes: float, rows: int) -> float:
-        """The step's time at the measured rates of the engine's own linears: the weights at their
-        streaming rate (the rest of the bytes at the hardware's), the FLOPs at their rate for
-        products of the step's ``rows``. Equal to the roofline where the probe measured nothing."""
+    def attention_flops(self, tokens: int) -> float:
+        """FLOP/s of the engine's causal attention over a ``tokens``-token prompt, as probed
+        (capped by the peak); the linears' rate at that many rows where nothing was measured."""
+        measured = self.hardware.attention_flops(self.compute_dtype, tokens)
+        return self.linear_flops(tokens) if measured is None else min(measured, self.peak)
+
+    def _engine_floor(self, flops: float, nbytes: float, weight_bytes: float, rows: int, attention: float) -> float:
+        """The step's time at the measured rates of the engine's own kernels: the weights at their
+        linears' streaming rate (the rest of the bytes at the hardware's), the ``attention`` FLOPs
+        of a prompt at the attention's rate and the other FLOPs at the linears' rate for products of
+        the step's ``rows``. Equal to the roofline where the probe measured nothing."""
         # The roofline's memory time plus the weights' extra time at the slower rate: exactly the
         # roofline (no rounding left over) where the rates equal the hardware's.
         memory = nbytes / self.bandwidth + weight_bytes * (1 / self.stream - 1 / self.bandwidth)
-        return max(flops / self.tp / self.linear_flops(rows), memory)
+        linear_rate = self.linear_flops(rows)
+        attention_rate = self.attention_flops(rows) if attention else linear_rate
+        if attention_rate == linear_rate:
+            compute = flops / linear_rate
+        else:
+            compute = (flops - attention) / linear_rate + attention / attention_rate
+        return max(compute / self.tp, memory)
 
-    def _step(self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float) -> StepCost:
+    def _step(
+        self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float, attention: float = 0.0
+    ) -> StepCost:
         overhead = self.overhead(step)
         packed = self._packed_work(step)
         if packed is None:
             roofline = self._roofline(flops, nbytes)
-            kernels = max(0.0, self._engine_floor(flops, nbytes, weight_bytes, step.tokens) - roofline)
+            kernels = max(0.0, self._engine_floor(flops, nbytes, weight_bytes, step.tokens, attention) - roofline)
             return StepCost(flops, nbytes, roofline + kernels + overhead + comm, roofline, overhead, kernels=kernels)
         # The packed linears run in kernels of their own, after one another and the rest: the
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
@@ -175,7 +190,11 @@ class Roofline:
             self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * hw.int4_kernel_seconds_per_value
         )
         dequant = packed.dequantized * hw.int4_dequant_seconds_per_value
-        return StepCost(flops, nbytes, roofline + dequant + overhead + comm, roofline, overhead, dequant)
+        # a prompt's attention, below the peak at its own measured rate
+        kernels = max(0.0, attention / self.attention_flops(step.tokens) - attention / self.peak) / self.tp
+        return StepCost(
+            flops, nbytes, roofline + dequant + kernels + overhead + comm, roofline, overhead, dequant, kernels
+        )
 
     def prefill(self, start: int, length: int) -> StepCost:
         """One request's prefill chunk alone (its KV written once, the weights read once). Its ops
@@ -186,7 +205,8 @@ class Roofline:
         weights = cost.decode_weight_bytes(self.inputs.weights, length, tp)
         nbytes = weights + self.kv_token_device * length
         comm = self.allreduces * allreduce_seconds(length * self.hidden_bytes, tp, self.link) if tp > 1 else 0.0
-        return self._step(flops, nbytes, weights, Step(prefill=True, tokens=length), comm)
+        attention = cost.prefill_attention_flops(start, length)
+        return self._step(flops, nbytes, weights, Step(prefill=True, tokens=length), comm, attention)
 
     def sequence_bytes(self, context: int) -> float:
         """Per device, one decoding sequence's KV reads plus its state read and written back."""

@@ -25,7 +25,13 @@ import torch
 
 from tuili.config import resolve_device
 from tuili.errors import TuiliError
-from tuili.perf.hardware import ENGINE_LINEAR_ROWS, ENGINE_PREFILL_ROWS, HardwareSpec
+from tuili.perf.hardware import (
+    CURVES,
+    ENGINE_ATTENTION_TOKENS,
+    ENGINE_LINEAR_ROWS,
+    ENGINE_PREFILL_ROWS,
+    HardwareSpec,
+)
 
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_GEMV_K = 512  # a small model's projection: its time is mostly the per-matmul overhead
@@ -75,7 +81,8 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
             peaks[dtype] = max(peaks.get(dtype, 0.0), m.value)
     results += _packed_int4(dev, peaks, sizes)
     linears = _engine_linears(dev, sizes)
-    results += linears
+    attention = _engine_attention(dev, sizes)
+    results += linears + attention
     read = next(m.value for m in results if m.name == "memory read")
     spec = HardwareSpec(
         name=f"{_device_name(dev)} (probed)",
@@ -86,6 +93,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         origin="probe",
         **_int4_fields(results),
         **_linear_fields(linears),
+        **_attention_fields(attention),
     )
     host = _host_overheads(dev, spec, quick)
     results += host
@@ -106,12 +114,14 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, skinny=False)}
     fresh = _packed_int4(dev, peaks, sizes) if spec.int4_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
+    attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
     return replace(
         spec,
         memory_bandwidth=read,
         peak_flops={**spec.peak_flops, **{d: v for d, v in peaks.items() if d in spec.peak_flops}},
         **(_int4_fields(fresh) if fresh else {}),
         **(_linear_fields(linears) if linears else {}),
+        **(_attention_fields(attention) if attention else {}),
     )
 
 
@@ -127,9 +137,8 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
         peak_flops=mean(a.peak_flops, b.peak_flops),
         linear_stream_bandwidth=mean(a.linear_stream_bandwidth, b.linear_stream_bandwidth),
         linear_prefill_flops=mean(a.linear_prefill_flops, b.linear_prefill_flops),
-        linear_flops_by_rows={
-            dtype: mean(curve, b.linear_flops_by_rows.get(dtype, {})) for dtype, curve in a.linear_flops_by_rows.items()
-        },
+        **{name: {dtype: mean(curve, getattr(b, name).get(dtype, {})) for dtype, curve in getattr(a, name).items()}
+           for name in CURVES},
         int4_kernel_seconds_per_value=(a.int4_kernel_seconds_per_value + b.int4_kernel_seconds_per_value) / 2,
         int4_dequant_seconds_per_value=(a.int4_dequant_seconds_per_value + b.int4_dequant_seconds_per_value) / 2,
     )
@@ -344,6 +353,36 @@ def _linear_fields(linears: list[Measurement]) -> dict[str, dict]:
             by_rows.setdefault(dtype, {})[int(shape.split("x")[0])] = m.value
     prefill = {dtype: curve[ENGINE_PREFILL_ROWS] for dtype, curve in by_rows.items() if ENGINE_PREFILL_ROWS in curve}
     return {"linear_stream_bandwidth": stream, "linear_prefill_flops": prefill, "linear_flops_by_rows": by_rows}
+
+
+ENGINE_ATTENTION = "engine attention"
+ATTENTION_HEADS = (16, 8, 128)  # query heads, KV heads, head dim: a small model's (Qwen3-0.6B's)
+
+
+def _engine_attention(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    """tuili's causal attention of a fresh prompt over itself (tuili/layers/attention.py), as a
+    prefill runs it in every layer, at the prompt lengths of ENGINE_ATTENTION_TOKENS; FLOPs
+    counted as the cost model counts them, 4 x heads x head dim per key a query attends."""
+    from tuili.layers.attention import causal_attention
+
+    heads, kv_heads, head_dim = ATTENTION_HEADS
+    out = []
+    for dtype in sizes.skinny_dtypes:
+        for tokens in ENGINE_ATTENTION_TOKENS:
+            q, k, v = (torch.randn(tokens, h, head_dim, device=dev).to(_TORCH_DTYPES[dtype])
+                       for h in (heads, kv_heads, kv_heads))
+            t = _time(lambda q=q, k=k, v=v: causal_attention(q, k, v, head_dim**-0.5), dev, sizes.seconds_per_item)
+            flops = 4 * heads * head_dim * tokens * (tokens + 1) // 2
+            out.append(Measurement(f"{ENGINE_ATTENTION} {dtype} {tokens} tokens", flops / t, "FLOP/s", t))
+    return out
+
+
+def _attention_fields(attention: list[Measurement]) -> dict[str, dict]:
+    curves: dict[str, dict[int, float]] = {}
+    for m in attention:
+        dtype, tokens = m.name.removeprefix(ENGINE_ATTENTION).split()[:2]
+        curves.setdefault(dtype, {})[int(tokens)] = m.value
+    return {"attention_flops_by_tokens": curves}
 
 
 def _int4_fields(results: list[Measurement]) -> dict[str, float]:
