@@ -24,6 +24,8 @@ def test_causal_attention_matches_the_written_out_softmax(monkeypatch, grouped_q
     if grouped_query_kernel and not attention._SDPA_GQA:
         pytest.skip("this torch has no grouped-query SDPA; the repeat path is tested by the other case")
     monkeypatch.setattr(attention, "_SDPA_GQA", grouped_query_kernel)
+    # SDPA's paths: tests/kernels/test_prompt_attention.py checks the native kernel bf16 takes
+    monkeypatch.setattr(attention, "_native_prompt_attention", lambda q, k, v: False)
     generator = torch.Generator().manual_seed(0)
     length, head_dim = 37, 64
     q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)

@@ -78,6 +78,15 @@ linear_amx(x, weight, bias, out)
     float32, one rounding. Only where `amx_available()`: a CPU with AMX-BF16, a compiler that
     targets it, and an OS that grants the process the tile registers (Linux arch_prctl).
 
+prompt_attention(q, k, v, scale, out)
+    Causal attention of one prompt over itself (a prefill chunk from position 0) on AMX tiles,
+    flash-attention style: q [T, Hq, D], k and v [T, Hkv, D], out [T, Hq, D], all bfloat16; q, k
+    and v may be views into the qkv product (each token's heads contiguous), out is contiguous.
+    D a multiple of 32 up to 256; query head h reads KV head h // (Hq // Hkv). Scores as float32
+    sums of bf16 products, an online softmax in float32, the probabilities rounded to bf16 for
+    the product with v (as torch's CPU flash attention does), float32 accumulation, one
+    rounding. Only where `amx_available()`.
+
 argmax_rows(x)
     Greedy decoding's pick (csrc/argmax.c): the first index of each float32 row's largest value,
     NaN read as -inf and +inf as the largest finite float, in one pass over the row.
@@ -102,6 +111,7 @@ from tuili.kernels.cpu import (
     linear_int4,
     linear_small,
     paged_attention,
+    prompt_attention,
     qk_norm_rope,
     rms_norm,
     silu_mul,
@@ -119,6 +129,7 @@ __all__ = [
     "linear_int4",
     "linear_small",
     "paged_attention",
+    "prompt_attention",
     "qk_norm_rope",
     "rms_norm",
     "silu_mul",

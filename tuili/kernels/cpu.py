@@ -35,7 +35,8 @@ _LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is
 
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
-_AMX_K_MULTIPLE = 32  # TILE_K of csrc/linear_amx.c
+_AMX_K_MULTIPLE = 32  # TILE_K of csrc/amx.h
+_PROMPT_ATTENTION_MAX_HEAD_DIM = 256  # MAX_HEAD_DIM of csrc/prompt_attention.c
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -116,6 +117,11 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_amx.restype = i32
+    library.tuili_prompt_attention.argtypes = [
+        p, p, p, i64, i64,  # q, k, v, q's token stride, k's and v's token stride
+        i64, i64, i64, i64, f32, p, i32,  # tokens, heads, KV heads, head dim, scale, out, threads
+    ]  # fmt: skip
+    library.tuili_prompt_attention.restype = i32
     library.tuili_graph_op.argtypes = [i32, ctypes.POINTER(i32)]
     library.tuili_graph_op.restype = ctypes.c_char_p
     library.tuili_graph_replay.argtypes = [p, i64, p]
@@ -458,6 +464,43 @@ def linear_small(
     )  # fmt: skip
     if status == _NO_MEMORY:  # only without AVX512-BF16: x widened to float32 first
         raise MemoryError("linear_small could not allocate a float32 copy of x")
+    return out
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one prompt over itself on AMX tiles, all bfloat16: q [T, Hq, D], k and
+    v [T, Hkv, D] (views into the qkv product allowed; k and v with the same token stride), D a
+    multiple of 32 up to 256, Hkv dividing Hq; writes and returns out [T, Hq, D] (contiguous).
+    Check amx_available() first."""
+    q = _check_token_rows("q", q, (torch.bfloat16,))
+    tokens, heads, head_dim = q.shape
+    k = _check_token_rows("k", k, (torch.bfloat16,))
+    if k.shape[0] != tokens or k.shape[2] != head_dim or k.shape[1] == 0 or heads % k.shape[1]:
+        raise ValueError(
+            f"k has shape {list(k.shape)}; expected [{tokens}, KV heads, {head_dim}] with KV heads dividing {heads}"
+        )
+    v = _check_token_rows("v", v, (torch.bfloat16,))
+    if v.shape != k.shape or (tokens > 1 and v.stride(0) != k.stride(0)):
+        raise ValueError(f"v has shape {list(v.shape)} and strides {v.stride()}; expected k's, {list(k.shape)} and {k.stride()}")
+    if head_dim % _AMX_K_MULTIPLE or head_dim > _PROMPT_ATTENTION_MAX_HEAD_DIM:
+        raise ValueError(
+            f"prompt_attention takes a head dim that is a multiple of {_AMX_K_MULTIPLE} up to "
+            f"{_PROMPT_ATTENTION_MAX_HEAD_DIM}, got {head_dim}"
+        )
+    if not scale > 0:  # the kernel scales each row's largest score, not every score, for its max
+        raise ValueError(f"scale must be positive, got {scale!r}")
+    out = _check("out", out, (torch.bfloat16,), q.shape)
+    if tokens == 0:
+        return out
+    status = _call(
+        "tuili_prompt_attention",
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
+        tokens, heads, k.shape[1], head_dim, scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == _NO_MEMORY:
+        raise MemoryError(f"prompt_attention could not allocate the repacked keys and values ({tokens} tokens)")
+    if status == _NO_AMX:
+        raise RuntimeError("this process may not use AMX tiles; check amx_available() first")
     return out
 
 

@@ -186,11 +186,15 @@ def _attend_native(q: torch.Tensor, cache: KVCache, paged: PagedBatch, scale: fl
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's L tokens over themselves: [L, H, D] -> [L, Hq, D].
-    SDPA's fused causal kernel runs without a mask tensor; it takes 4-D input only (3-D falls
-    back to the unfused math path, several times slower). On CPU its grouped-query mode reads
-    each KV head for its query heads (measured 1.2-1.4x faster than repeating K/V at 512
-    tokens); elsewhere K/V are repeated per query head, a small copy next to the L^2 work, which
-    every fused GPU kernel takes."""
+    In bf16 on a CPU with AMX, tuili's kernel (kernels.prompt_attention, 2.3-2.8x SDPA's speed
+    at 512-2048 tokens, docs/kernels.md) reads q, k and v in place from the qkv product.
+    Otherwise SDPA's fused causal kernel runs without a mask tensor; it takes 4-D input only
+    (3-D falls back to the unfused math path, several times slower). On CPU its grouped-query
+    mode reads each KV head for its query heads (measured 1.2-1.4x faster than repeating K/V at
+    512 tokens); elsewhere K/V are repeated per query head, a small copy next to the L^2 work,
+    which every fused GPU kernel takes."""
+    if _native_prompt_attention(q, k, v):
+        return kernels.prompt_attention(q, k, v, scale, q.new_empty(q.shape))
     per_kv = q.shape[1] // k.shape[1]
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]
     k, v = k.to(q.dtype), v.to(q.dtype)
@@ -201,6 +205,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         k, v = (t.repeat_interleave(per_kv, dim=1) for t in (k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def _native_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether kernels.prompt_attention takes these (bf16 on a CPU with AMX, its head dims, each
+    token's heads contiguous as the qkv product's views are, k and v a token apart alike)."""
+    head_dim = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k, v))
+        and k.stride(0) == v.stride(0)
+        and kernels.amx_available()
+    )
 
 
 def _attend(padded_q: torch.Tensor, cache: KVCache, group: AttentionGroup, scale: float) -> torch.Tensor:

@@ -25,18 +25,15 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "common.h"
 #include "kernels.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
-#include <immintrin.h>
+#ifdef HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX 1
 #endif
 
-#define TILE 16     /* rows of a tile, and float32 columns of an accumulator */
-#define TILE_K 32   /* bf16 values in a tile row of 64 bytes */
 #define CHUNK_M 128 /* rows of x per chunk: its B tiles, 128 x K bf16, stay in L2 */
 #define PREFETCH_STEPS 2
 
@@ -48,25 +45,6 @@ int tuili_amx_init(void) {
     static int status = -1;
     if (status < 0) status = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : 1;
     return status;
-}
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* tmm0..3: accumulators C[weight block a][x block b] at 2a + b; tmm4, 5: weight tiles; tmm6, 7:
- * x tiles. Every tile is 16 rows of 64 bytes. */
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = TILE;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 /* A 16 x 16 transpose of 32-bit values held in sixteen registers, in four rounds of shuffles. */
