@@ -186,8 +186,8 @@ def _attend_native(q: torch.Tensor, cache: KVCache, paged: PagedBatch, scale: fl
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's L tokens over themselves: [L, H, D] -> [L, Hq, D].
-    In bf16 on a CPU with AMX, tuili's kernel (kernels.prompt_attention, 2.3-2.8x SDPA's speed
-    at 512-2048 tokens, docs/kernels.md) reads q, k and v in place from the qkv product.
+    In bf16 on a CPU with AMX, tuili's kernel (kernels.prompt_attention, 1.2-1.6x SDPA's speed
+    at 256-2048 tokens, docs/kernels.md) reads q, k and v in place from the qkv product.
     Otherwise SDPA's fused causal kernel runs without a mask tensor; it takes 4-D input only
     (3-D falls back to the unfused math path, several times slower). On CPU its grouped-query
     mode reads each KV head for its query heads (measured 1.2-1.4x faster than repeating K/V at
