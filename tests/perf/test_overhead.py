@@ -12,7 +12,7 @@ from tuili.errors import TuiliError
 from tuili.perf.cost import ModelCost
 from tuili.perf.formats import weight_format
 from tuili.perf.hardware import HardwareSpec, current_hardware, load_spec_file, preset, save_probe
-from tuili.perf.overhead import HOST_KEYS
+from tuili.perf.overhead import HOST_KEYS, Step, packed_work
 from tuili.perf.plan import PlanInputs, make_plan
 
 # SmolLM2-135M's shape (its config.json): 30 Llama layers, 9 heads over 3 KV heads, tied embeddings
@@ -258,3 +258,19 @@ def test_a_prompts_attention_is_charged_at_its_own_measured_rate():
     assert packed["prefill_kernels_seconds"] == pytest.approx(attention / 0.2e11 - attention / 1e11, rel=1e-9)
     with pytest.raises(TuiliError, match=r"attention_flops_by_tokens\['fp32'\] of 'cpu' has the size 0"):
         HardwareSpec(**{**CPU.to_dict(), "attention_flops_by_tokens": {"fp32": {0: 1e10}}})
+
+
+def test_a_packed_prefill_multiplies_its_dequantized_tiles_at_the_linears_measured_rate():
+    """A many-row step of packed linears dequantizes them into tiles that go through the same
+    matmuls as dense linears: those FLOPs take the linears' measured rate, not the peak (and, with
+    no attention curve, so does the attention); a decode step's packed kernel keeps its own term."""
+    spec = HardwareSpec(**{**CPU.to_dict(), "linear_flops_by_rows": {"fp32": {64: 0.5e11, 1024: 0.5e11}}})
+    cost = ModelCost.from_config(QWEN3_06B)
+    work = packed_work(cost.shape, Step(prefill=True, tokens=544, packed=True))
+    assert work is not None and work.dequantized
+    packed_flops = 2 * 544 * work.values
+    attention = cost.prefill_attention_flops(0, 544)
+    p = plan(QWEN3_06B, spec, prompt=544, packed_linears=True)
+    slower = 1 / 0.5e11 - 1 / 1e11
+    assert p["prefill_kernels_seconds"] == pytest.approx((packed_flops + attention) * slower, rel=1e-9)
+    assert p["decode_step_kernels_seconds"] == 0

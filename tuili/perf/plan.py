@@ -190,8 +190,11 @@ class Roofline:
             self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * hw.int4_kernel_seconds_per_value
         )
         dequant = packed.dequantized * hw.int4_dequant_seconds_per_value
-        # a prompt's attention, below the peak at its own measured rate
+        # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the
+        # dequantized tiles of a many-row step through the same matmuls as dense linears (§4.2).
         kernels = max(0.0, attention / self.attention_flops(step.tokens) - attention / self.peak) / self.tp
+        if packed.dequantized:
+            kernels += max(0.0, packed_flops / self.linear_flops(step.tokens) - packed_flops / self.peak) / self.tp
         return StepCost(
             flops, nbytes, roofline + dequant + kernels + overhead + comm, roofline, overhead, dequant, kernels
         )
