@@ -110,7 +110,7 @@ class Column:
     rates: dict[str, float] = field(default_factory=dict)  # row -> tokens/s
     note: str = ""  # why figures are missing: pending, skipped, error
     facts: dict = field(default_factory=dict)  # tuili's weight and KV bytes, prefill FLOPs
-    busy_cores: float = 0.0  # cores other processes kept busy just before it ran
+    busy_cores: float = 0.0  # the most cores other processes kept busy before one of its samples
 
 
 @dataclass(frozen=True)
@@ -497,7 +497,7 @@ def print_model(model: Model, columns: list[Column], spec: HardwareSpec) -> None
         if "compilation" in c.facts:
             print(f"  {c.label}: compilation {c.facts['compilation']}")
         if c.busy_cores > BUSY_WARNING:
-            print(f"  {c.label}: other processes kept {c.busy_cores:.1f} cores busy as it started: not comparable")
+            print(f"  {c.label}: other processes kept {c.busy_cores:.1f} cores busy before a sample: not comparable")
 
     tuili_cols = [c for c in columns if c.engine == "tuili" and c.rates]
     if tuili_cols:

@@ -497,10 +497,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
         tokens, heads, k.shape[1], head_dim, scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if status == _NO_MEMORY:
-        raise MemoryError(f"prompt_attention could not allocate the repacked keys and values ({tokens} tokens)")
-    if status == _NO_AMX:
-        raise RuntimeError("this process may not use AMX tiles; check amx_available() first")
+    _check_amx_status(status, f"the repacked keys and values ({tokens} tokens)")
     return out
 
 
@@ -534,11 +531,17 @@ def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         out.dtype == torch.float32, rows, n, k, torch.get_num_threads(),
     )  # fmt: skip
+    _check_amx_status(status, f"the repacked copy of x ({rows} x {k})")
+    return out
+
+
+def _check_amx_status(status: int, repacked: str) -> None:
+    """The errors an AMX kernel returns, raised: it could not allocate `repacked`, or the process
+    may not use the tiles."""
     if status == _NO_MEMORY:
-        raise MemoryError(f"linear_amx could not allocate the repacked copy of x ({rows} x {k})")
+        raise MemoryError(f"could not allocate {repacked}")
     if status == _NO_AMX:
         raise RuntimeError("this process may not use AMX tiles; check amx_available() first")
-    return out
 
 
 _MAX_NORM_DIM = 16384  # MAX_DIM of csrc/elementwise.c

@@ -114,9 +114,7 @@ class ModelCost:
 
         ``logits``: the chunk ends the prompt, so the lm_head runs for its last token.
         """
-        _check_count("start", start, 0)
-        _check_count("length", length, 1)
-        flops = length * self._token_flops + self._attn_flops_per_key * self._keys_attended(start, length)
+        flops = length * self._token_flops + self.prefill_attention_flops(start, length)
         return round(flops + (self._lm_head_flops if logits else 0))
 
     def prefill_attention_flops(self, start: int, length: int) -> int:

@@ -192,12 +192,16 @@ class Roofline:
         dequant = packed.dequantized * hw.int4_dequant_seconds_per_value
         # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the
         # dequantized tiles of a many-row step through the same matmuls as dense linears (§4.2).
-        kernels = max(0.0, attention / self.attention_flops(step.tokens) - attention / self.peak) / self.tp
+        kernels = self._below_peak(attention, self.attention_flops(step.tokens))
         if packed.dequantized:
-            kernels += max(0.0, packed_flops / self.linear_flops(step.tokens) - packed_flops / self.peak) / self.tp
+            kernels += self._below_peak(packed_flops, self.linear_flops(step.tokens))
         return StepCost(
             flops, nbytes, roofline + dequant + kernels + overhead + comm, roofline, overhead, dequant, kernels
         )
+
+    def _below_peak(self, flops: float, rate: float) -> float:
+        """Seconds per device that ``flops`` take at ``rate`` beyond their time at the peak."""
+        return max(0.0, flops / rate - flops / self.peak) / self.tp
 
     def prefill(self, start: int, length: int) -> StepCost:
         """One request's prefill chunk alone (its KV written once, the weights read once). Its ops

@@ -205,7 +205,7 @@ static void attend_unit(unit_scratch *u, const uint16_t *q, int64_t q_stride, co
         u->m[r] = -INFINITY;
     }
     memset(u->l, 0, sizeof u->l);
-    memset(u->o, 0, sizeof u->o);
+    memset(u->o, 0, sizeof(float) * BLOCK * (size_t)(D + QO_PAD));
     /* key blocks 0 .. qb (the diagonal one last), SUPER / BLOCK at a time */
     for (int64_t first = 0; first <= qb; first += SUPER / BLOCK) {
         const int64_t count = qb + 1 - first < SUPER / BLOCK ? qb + 1 - first : SUPER / BLOCK;
