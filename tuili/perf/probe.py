@@ -125,6 +125,39 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     )
 
 
+@dataclass(frozen=True)
+class Reading:
+    """What a Gauge read at one moment."""
+
+    read_bandwidth: float  # B/s
+    bf16_flops: float  # FLOP/s
+
+
+class Gauge:
+    """The two rates a roofline is drawn against, memory read bandwidth and the bf16 matmul peak,
+    measured as `probe` measures them (the same buffer and matmul sizes) but in about
+    3 x ``budget_s`` with the buffers allocated once, so that a benchmark can read the machine
+    right before and after each sample. On a host whose speed switches between states within
+    seconds (docs/benchmarks.md), a sample is compared with the rates of its own moment."""
+
+    def __init__(self, device: str = "cpu", budget_s: float = 0.1) -> None:
+        self.dev = resolve_device(device)
+        sizes = _sizes(self.dev, quick=False)
+        n = sizes.buffer_bytes // 4 // 1024 * 1024
+        self.buffer = torch.ones(n, dtype=torch.float32, device=self.dev)
+        self.vector = torch.ones(1024, dtype=torch.float32, device=self.dev)
+        self.a = torch.randn(sizes.matmul_n, sizes.matmul_n, device=self.dev).to(torch.bfloat16)
+        self.b = torch.randn(sizes.matmul_n, sizes.matmul_n, device=self.dev).to(torch.bfloat16)
+        self.budget_s = budget_s
+
+    def __call__(self) -> Reading:
+        matrix = self.buffer.view(-1, 1024)
+        t_read = min(_time(lambda: self.buffer.sum(), self.dev, self.budget_s),
+                     _time(lambda: torch.mv(matrix, self.vector), self.dev, self.budget_s))
+        t_mm = _time(lambda: self.a @ self.b, self.dev, self.budget_s)
+        return Reading(self.buffer.numel() * 4 / t_read, 2 * self.a.shape[0] ** 3 / t_mm)
+
+
 def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
     """``a`` with each rate that refresh_rates measures replaced by the mean of ``a``'s and ``b``'s."""
 
