@@ -162,3 +162,20 @@ def test_decode_matmul_overhead_and_rate_fit_the_probe_points():
                 "matmul fp32 skinny 1x2048x2048 seconds per matmul": overhead + large / rate}
     assert fit_gemv(measured, "fp32") == pytest.approx((overhead, rate))
     assert fit_gemv(measured, "bf16") is None
+
+
+def test_gauge_reads_memory_beyond_the_caches_and_the_bf16_peak():
+    from tuili.perf.probe import Gauge, _last_level_cache_bytes
+
+    gauge = Gauge("cpu", budget_s=0.02)
+    # the probe's buffer: at least twice the last-level cache, so DRAM is what it reads
+    assert gauge.buffer.numel() * 4 >= min(2 * _last_level_cache_bytes(), 256 << 20)
+    first, second = gauge(), gauge()
+    for reading in (first, second):
+        assert 1e8 < reading.read_bandwidth < 1e13  # 100 MB/s .. 10 TB/s
+        assert 1e8 < reading.bf16_flops < 1e16
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(TuiliError, match="no CUDA GPU"):
+            Gauge("cuda")
