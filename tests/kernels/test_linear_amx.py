@@ -115,12 +115,12 @@ def test_linear_amx_any_thread_count_gives_the_same_bits(threads):
 
 @needs_amx
 def test_each_row_is_independent_of_the_others():
-    """A row's result does not depend on the batch around it: the same bits at 1, 16, 40 and 300
-    rows (three chunks of x)."""
-    x, weight, _ = make_inputs(300, 64, 256, False)
+    """A row's result does not depend on the batch around it: the same bits at 1, 16, 40, 300 and
+    600 rows (two and three chunks of x)."""
+    x, weight, _ = make_inputs(600, 64, 256, False)
     alone = torch.empty(1, 64, dtype=torch.bfloat16)
     kernels.linear_amx(x[7:8].contiguous(), weight, None, alone)
-    for rows in (16, 40, 300):
+    for rows in (16, 40, 300, 600):
         out = torch.empty(rows, 64, dtype=torch.bfloat16)
         kernels.linear_amx(x[:rows].contiguous(), weight, None, out)
         assert torch.equal(out[7], alone[0])

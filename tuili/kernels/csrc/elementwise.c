@@ -13,7 +13,8 @@
  *   silu_mul:      y = round(silu(g)) * u   (silu(g) = g / (1 + exp(-g)) in float32)
  *
  * where round is to the tensor's dtype (nothing for float32) and products of two stored values
- * are rounded once. All tensors are row-major and contiguous; rows are split among threads. */
+ * are rounded once. All tensors are row-major and contiguous. Threads take rows a few at a time
+ * as they free up (a core of a shared machine may run 3x slower for seconds, linear_amx.c). */
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__FMA__)
 #include <immintrin.h>
@@ -21,6 +22,8 @@
 
 #include "common.h"
 #include "kernels.h"
+
+#define ROWS_PER_GRAB 4
 
 /* Rows go through float32 buffers, with the dtype test outside the loops so that they vectorize. */
 static void row_load(float *dst, const void *src, int dtype, int64_t n) {
@@ -145,13 +148,13 @@ int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out,
         row_load(w, weight, dtype, dim);
 #ifdef FAST_BF16
         if (dtype == TUILI_BF16 && dim % 16 == 0) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, ROWS_PER_GRAB)
             for (int64_t row = 0; row < rows; row++)
                 rms_norm_row_bf16((const uint16_t *)x + row * dim, residual ? (uint16_t *)residual + row * dim : NULL,
                                   w, (uint16_t *)out + row * dim, dim, eps, buf);
         } else
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, ROWS_PER_GRAB)
         for (int64_t row = 0; row < rows; row++) {
             row_load(buf, (const char *)x + row * dim * size, dtype, dim);
             if (residual) {
@@ -186,14 +189,14 @@ int tuili_qk_norm_rope(void *qkv, const void *q_weight, const void *k_weight, co
         }
 #ifdef FAST_BF16
         if (dtype == TUILI_BF16 && head_dim % 32 == 0 && head_dim <= 256) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, ROWS_PER_GRAB)
             for (int64_t t = 0; t < tokens; t++)
                 for (int64_t h = 0; h < rotated; h++)
                     qk_head_bf16((uint16_t *)qkv + (t * heads + h) * head_dim, q_weight ? (h < q_heads ? qw : kw) : NULL,
                                  cos + t * half, sin + t * half, head_dim, eps);
         } else
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, ROWS_PER_GRAB)
         for (int64_t t = 0; t < tokens; t++) {
             const float *c = cos + t * half, *s = sin + t * half;
             for (int64_t h = 0; h < rotated; h++) {
@@ -220,7 +223,7 @@ int tuili_qk_norm_rope(void *qkv, const void *q_weight, const void *k_weight, co
 int tuili_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype, int num_threads) {
     const size_t size = dtype == TUILI_BF16 ? 2 : 4;
     const int64_t chunks = (inter + SILU_CHUNK - 1) / SILU_CHUNK;
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, ROWS_PER_GRAB) collapse(2)
     for (int64_t row = 0; row < rows; row++) {
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const int64_t first = chunk * SILU_CHUNK, n = inter - first < SILU_CHUNK ? inter - first : SILU_CHUNK;

@@ -14,10 +14,14 @@
  * transposed on the way out (x^T and the results go through 16 x 16 register transposes).
  *
  * Work: the rows of x go in chunks of up to CHUNK_M (their B tiles stay in L2); within a chunk,
- * threads take static ranges of weight row pairs (32 rows: two A tiles), and for each pair run
- * over the chunk's row-of-x pairs (two B tiles) with four accumulator tiles. A decode (M <= 16)
- * is one chunk and one B tile: the weight streams from memory once, at memory speed.
- * N % 16 leftover weight rows go through plain float32 dot products.
+ * threads take weight row pairs (32 rows: two A tiles) a few at a time as they free up, and for
+ * each pair run over the chunk's row-of-x pairs (two B tiles) with four accumulator tiles.
+ * Handing out work dynamically, not in equal static ranges, is what makes a product fast on a
+ * shared or hybrid machine: on the VMs of docs/kernels.md each core's matmul rate drops 3x for
+ * a few seconds at a time, independently of the other, and a static split waits for the slow
+ * one. Every output is still computed by one thread in one order, so the bits do not depend on
+ * the schedule. A decode (M <= 16) is one chunk and one B tile: the weight streams from memory
+ * once, at memory speed. N % 16 leftover weight rows go through plain float32 dot products.
  *
  * AMX needs the kernel's permission to use the tile state (Linux arch_prctl, once per process);
  * tuili_amx_init asks for it and returns 0 only when tiles can be used. */
@@ -34,8 +38,9 @@
 #include <unistd.h>
 #endif
 
-#define CHUNK_M 128 /* rows of x per chunk: its B tiles, 128 x K bf16, stay in L2 */
+#define CHUNK_M 256 /* rows of x per chunk: its B tiles, 256 x K bf16, stay in L2 */
 #define PREFETCH_STEPS 2
+#define PAIRS_PER_GRAB 4 /* weight row pairs a thread takes at a time, prefetching the next of its own */
 
 #ifdef HAVE_AMX
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -77,7 +82,7 @@ static inline void transpose16(__m512 r[16]) {
  * zero for rows past the chunk. A B tile is the transpose of 16 rows' k-pairs taken as 32-bit values. */
 static void pack_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t k, uint16_t *vnni) {
     const int64_t blocks = (rows + TILE - 1) / TILE, pairs = k / 2;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
     for (int64_t b = 0; b < blocks; b++) {
         float *dst = (float *)vnni + b * pairs * TILE;
         for (int64_t p = 0; p < pairs; p += TILE) {
@@ -90,6 +95,17 @@ static void pack_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t k, uint1
             for (int q = 0; q < TILE; q++) _mm512_store_ps(dst + (p + q) * TILE, r[q]);
         }
     }
+}
+
+/* common.h's f32_to_bf16 on sixteen lanes (round to nearest even, NaN kept quiet): the same
+ * bits, in a handful of instructions. The scalar loop cost a third of a 512 x 1024 product. */
+static inline __m256i bf16x16(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
 /* Stores out[i][j] (row-major, N columns): bf16, or float32 when out_f32. */
@@ -114,19 +130,31 @@ static void store_tile(const float *c, const uint16_t *bias, void *out, int out_
         const __m512 y = _mm512_add_ps(r[i], b);
         if (out_f32) {
             _mm512_storeu_ps((float *)out + (m0 + i) * n + n0, y);
-        } else { /* common.h's rounding, which GCC vectorizes over the 16 lanes */
-            float lanes[TILE];
-            _mm512_storeu_ps(lanes, y);
-            uint16_t *row = (uint16_t *)out + (m0 + i) * n + n0;
-            for (int j = 0; j < TILE; j++) row[j] = f32_to_bf16(lanes[j]);
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + i) * n + n0), bf16x16(y));
         }
     }
+}
+
+/* Brings the next weight row pair toward L2 while the current one is multiplied by several x
+ * pairs: `per_step` of its cache lines per k step, spread so they arrive before they are needed
+ * and without a burst. The first pair of a thread's grab, and every pair of a decode (one x
+ * pair), prefetch their own rows a few steps ahead instead. */
+typedef struct {
+    const uint16_t *rows; /* the next pair's first row */
+    int64_t k, lines, done, per_step;
+} prefetcher;
+
+static inline void prefetch_next(prefetcher *p) {
+    const int64_t per_row = p->k / TILE_K;
+    for (int64_t q = 0; q < p->per_step && p->done < p->lines; q++, p->done++)
+        __builtin_prefetch(p->rows + (p->done / per_row) * p->k + (p->done % per_row) * TILE_K, 0, 2);
 }
 
 /* Weight blocks w0 (and w0 + 1 when two) x x blocks b0 (and b0 + 1 when two), over all of K. */
 static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *bias, void *out, int out_f32,
                        int64_t n, int64_t k, int64_t w0, int two_w, int64_t b0, int two_b, int64_t m0,
-                       int64_t rows_m) {
+                       int64_t rows_m, int prefetch_own, prefetcher *next) {
     const int64_t pairs = k / 2;
     const int64_t stride_w = k * 2;
     const uint16_t *wa = w + w0 * TILE * k, *wb = wa + TILE * k;
@@ -137,10 +165,11 @@ static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *
     _tile_zero(3);
     for (int64_t j = 0; j < k; j += TILE_K) {
         /* Each of the 32 weight rows is its own stream through memory: ask for each row's line
-         * PREFETCH_STEPS steps ahead (measured 1.3x faster than the hardware prefetchers alone).
-         * Only the chunk's first x pair reads them from memory; later pairs find them in L2. */
+         * PREFETCH_STEPS steps ahead (measured 1.3x faster than the hardware prefetchers alone),
+         * unless the previous pair of this grab prefetched these rows. */
         const int64_t ahead = j + PREFETCH_STEPS * TILE_K;
-        if (b0 == 0 && ahead < k) {
+        if (next != NULL) prefetch_next(next);
+        if (prefetch_own && ahead < k) {
             for (int r = 0; r < TILE; r++) __builtin_prefetch(wa + r * k + ahead, 0, 2);
             if (two_w)
                 for (int r = 0; r < TILE; r++) __builtin_prefetch(wb + r * k + ahead, 0, 2);
@@ -194,11 +223,18 @@ int tuili_linear_amx(const void *x_, const void *weight_, const void *bias_, voi
             const int64_t rows_m = m - m0 < CHUNK_M ? m - m0 : CHUNK_M;
             const int64_t x_blocks = (rows_m + TILE - 1) / TILE;
             pack_x(x, m0, rows_m, k, vnni); /* ends with the implicit barrier of omp for */
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, PAIRS_PER_GRAB)
             for (int64_t p = 0; p < w_pairs; p++) {
                 const int two_w = 2 * p + 1 < w_blocks;
+                const int64_t x_pairs = (x_blocks + 1) / 2;
+                const int64_t next_rows = 2 * p + 2 >= w_blocks ? 0 : (2 * p + 3 < w_blocks ? 2 : 1) * TILE;
+                const int64_t lines = next_rows * (k / TILE_K), steps = x_pairs * (k / TILE_K);
+                prefetcher next = {w + (2 * p + 2) * TILE * k, k, lines, 0, (lines + steps - 1) / steps};
+                const int first_of_grab = p % PAIRS_PER_GRAB == 0, last_of_grab = (p + 1) % PAIRS_PER_GRAB == 0;
                 for (int64_t b = 0; b < x_blocks; b += 2)
-                    tile_block(w, vnni, bias, out, out_f32, n, k, 2 * p, two_w, b, b + 1 < x_blocks, m0, rows_m);
+                    tile_block(w, vnni, bias, out, out_f32, n, k, 2 * p, two_w, b, b + 1 < x_blocks, m0, rows_m,
+                               b == 0 && (x_pairs == 1 || first_of_grab),
+                               x_pairs > 1 && !last_of_grab ? &next : NULL);
             }
             /* The last TILE - 1 or fewer weight rows, one float32 dot product at a time. */
 #pragma omp for schedule(static) collapse(2)
