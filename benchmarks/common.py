@@ -10,12 +10,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from tuili.perf.hardware import HardwareSpec
 
 CACHE = Path(os.environ.get("TUILI_BENCH_CACHE", Path.home() / ".cache" / "tuili-bench"))
 
@@ -111,19 +107,6 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str, Path]:
             sys.exit(f"tuili serve did not start:\n{log.read_text()}")
         time.sleep(0.2)
     return process, match.group(1), log
-
-
-def hardware_spec(name_or_path: str | None = None, quick: bool = False) -> HardwareSpec:
-    """The HardwareSpec to judge MFU and MBU against: a spec file or preset when named, else a
-    fresh `tuili probe` of this machine (--quick: a few seconds, and a bf16 peak measured at a
-    small matmul, so an underestimate)."""
-    from tuili.perf.hardware import current_hardware
-    from tuili.perf.probe import probe
-
-    if name_or_path:
-        return current_hardware("cpu", name_or_path)
-    spec, _ = probe("cpu", quick=quick)
-    return spec
 
 
 LLAMA_CPP = CACHE / "llama.cpp"  # built by benchmarks/build_peers.sh llama

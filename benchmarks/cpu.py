@@ -55,7 +55,6 @@ from common import (  # noqa: E402
     LLAMA_CPP,
     QWEN3_06B,
     busy_cores,
-    hardware_spec,
     machine,
     qwen3_06b_checkpoint,
     qwen3_06b_gguf,
@@ -64,7 +63,7 @@ from common import (  # noqa: E402
 import tuili  # noqa: E402
 from tuili.models.default_model import default_model_path  # noqa: E402
 from tuili.models.gguf import open_gguf  # noqa: E402
-from tuili.perf.hardware import HardwareSpec  # noqa: E402
+from tuili.perf.hardware import HardwareSpec, current_hardware  # noqa: E402
 from tuili.perf.probe import Gauge, Reading  # noqa: E402
 
 WORKER = Path(__file__).parent / "cpu_worker.py"
@@ -656,7 +655,7 @@ def main() -> None:
         parser.error(f"unknown column(s) {unknown}; the columns are: {', '.join(sorted(known))}")
 
     torch.set_num_threads(args.threads)
-    spec = hardware_spec(args.hardware) if args.hardware else None
+    spec = current_hardware("cpu", args.hardware) if args.hardware else None
     gauge = Gauge()
     print(f"machine: {machine()}")
     if spec:

@@ -143,17 +143,13 @@ class Gauge:
     def __init__(self, device: str = "cpu", budget_s: float = 0.1) -> None:
         self.dev = resolve_device(device)
         sizes = _sizes(self.dev, quick=False)
-        n = sizes.buffer_bytes // 4 // 1024 * 1024
-        self.buffer = torch.ones(n, dtype=torch.float32, device=self.dev)
-        self.vector = torch.ones(1024, dtype=torch.float32, device=self.dev)
+        self.buffer = _read_buffer(self.dev, sizes)
         self.a = torch.randn(sizes.matmul_n, sizes.matmul_n, device=self.dev).to(torch.bfloat16)
         self.b = torch.randn(sizes.matmul_n, sizes.matmul_n, device=self.dev).to(torch.bfloat16)
         self.budget_s = budget_s
 
     def __call__(self) -> Reading:
-        matrix = self.buffer.view(-1, 1024)
-        t_read = min(_time(lambda: self.buffer.sum(), self.dev, self.budget_s),
-                     _time(lambda: torch.mv(matrix, self.vector), self.dev, self.budget_s))
+        t_read = _read_seconds(self.buffer, self.dev, self.budget_s)
         t_mm = _time(lambda: self.a @ self.b, self.dev, self.budget_s)
         return Reading(self.buffer.numel() * 4 / t_read, 2 * self.a.shape[0] ** 3 / t_mm)
 
@@ -220,20 +216,26 @@ def _time(fn: Callable[[], object], dev: torch.device, budget: float) -> float:
     return best
 
 
-def _bandwidth(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
-    n = sizes.buffer_bytes // 4 // 1024 * 1024  # whole rows of the matrix view below
-    src = torch.ones(n, dtype=torch.float32, device=dev)
-    dst = torch.empty_like(src)
-    # A sum reads every byte once and does almost no arithmetic: the read rate decode depends on.
-    # A matrix-vector product reads the same bytes the way a decode step does and is faster on
-    # some CPUs than the reduction; the better of the two is what the memory can deliver.
+def _read_buffer(dev: torch.device, sizes: _Sizes) -> torch.Tensor:
+    """The float32 buffer the read bandwidth is measured over: whole rows of _read_seconds's view."""
+    return torch.ones(sizes.buffer_bytes // 4 // 1024 * 1024, dtype=torch.float32, device=dev)
+
+
+def _read_seconds(src: torch.Tensor, dev: torch.device, budget: float) -> float:
+    """Best time to read every byte of ``src`` once. A sum reads every byte once and does almost
+    no arithmetic: the read rate decode depends on. A matrix-vector product reads the same bytes
+    the way a decode step does and is faster on some CPUs than the reduction; the better of the
+    two is what the memory can deliver."""
     matrix, vector = src.view(-1, 1024), torch.ones(1024, dtype=torch.float32, device=dev)
-    t_read = min(
-        _time(lambda: src.sum(), dev, sizes.seconds_per_item),
-        _time(lambda: torch.mv(matrix, vector), dev, sizes.seconds_per_item),
-    )
+    return min(_time(lambda: src.sum(), dev, budget), _time(lambda: torch.mv(matrix, vector), dev, budget))
+
+
+def _bandwidth(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    src = _read_buffer(dev, sizes)
+    dst = torch.empty_like(src)
+    t_read = _read_seconds(src, dev, sizes.seconds_per_item)
     t_copy = _time(lambda: dst.copy_(src), dev, sizes.seconds_per_item)
-    nbytes = n * 4
+    nbytes = src.numel() * 4
     return [
         Measurement("memory read", nbytes / t_read, "B/s", t_read),
         Measurement("memory copy", 2 * nbytes / t_copy, "B/s", t_copy),  # read + write

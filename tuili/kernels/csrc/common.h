@@ -1,5 +1,6 @@
-/* Shared by the tuili CPU kernels: element types, error codes, conversions to and from float32,
- * a vectorizable exp, and the multiply-add used in inner loops.
+/* Shared by the tuili CPU kernels: element types, error codes, conversions to and from float32
+ * (and, on AVX-512, the bf16 rounding of sixteen lanes), a vectorizable exp, and the multiply-add
+ * used in inner loops.
  *
  * Plain C11 that GCC and Clang auto-vectorize at -O3; no torch headers. The library is compiled
  * with -ffp-contract=off, so `a * b + c` rounds twice exactly as PyTorch's separate multiply and
@@ -57,6 +58,20 @@ static inline uint16_t f32_to_bf16(float f) {
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return (f != f) ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
 }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* f32_to_bf16 on sixteen lanes: to nearest even, NaN kept quiet; the same bits. */
+static inline __m256i narrow_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
 
 /* float8 e4m3fn (bias 7, no infinities, S.1111.111 = NaN). Exponent and mantissa are placed
  * in float32's low exponent bits and the result is multiplied by 2^(127 - 7): this maps normal

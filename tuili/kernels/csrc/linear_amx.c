@@ -97,17 +97,6 @@ static void pack_x(const uint16_t *x, int64_t m0, int64_t rows, int64_t k, uint1
     }
 }
 
-/* common.h's f32_to_bf16 on sixteen lanes (round to nearest even, NaN kept quiet): the same
- * bits, in a handful of instructions. The scalar loop cost a third of a 512 x 1024 product. */
-static inline __m256i bf16x16(__m512 y) {
-    const __m512i u = _mm512_castps_si512(y);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
-
 /* Stores out[i][j] (row-major, N columns): bf16, or float32 when out_f32. */
 static inline void store_out(void *out, int out_f32, int64_t at, float y) {
     if (out_f32)
@@ -130,8 +119,8 @@ static void store_tile(const float *c, const uint16_t *bias, void *out, int out_
         const __m512 y = _mm512_add_ps(r[i], b);
         if (out_f32) {
             _mm512_storeu_ps((float *)out + (m0 + i) * n + n0, y);
-        } else {
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + i) * n + n0), bf16x16(y));
+        } else { /* sixteen lanes at once: a scalar loop here cost a third of a 512 x 1024 product */
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + i) * n + n0), narrow_bf16(y));
         }
     }
 }
