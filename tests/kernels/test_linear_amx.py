@@ -1,4 +1,6 @@
-"""tuili.kernels.linear_amx (bf16 x @ weight.T + bias on AMX tiles) against the product in float64.
+"""The AMX linears against the product in float64: tuili.kernels.linear_amx (bf16 x @ weight.T +
+bias, the weight row-major) and linear_packed (the weight laid out once as AMX B tiles, its GEMV
+at 1-4 rows included), and the PackedLinear module that holds such a weight.
 
 Tolerance: AMX's TDPBF16PS multiplies bf16 pairs exactly and accumulates in float32; the kernel
 adds 32-value slices of K into one float32 accumulator per output, then the bias, so each
@@ -15,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tuili import kernels
-from tuili.layers.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, linear
+from tuili.layers.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, Linear, PackedLinear, linear, pack_linears
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -152,3 +155,130 @@ def test_linear_takes_amx_between_the_gemv_and_onednn(monkeypatch):
         linear(torch.randn(rows, 32).bfloat16(), weight)
     linear(torch.randn(8, 48).bfloat16(), torch.randn(64, 48).bfloat16())  # K not a multiple of 32: oneDNN
     assert calls == [NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS]
+
+
+# -- linear_packed and PackedLinear -------------------------------------------------------------
+
+
+def test_pack_weight_lays_out_16_row_panels_of_k_pairs():
+    weight = torch.arange(48 * 64, dtype=torch.float32).reshape(48, 64).bfloat16()
+    packed = kernels.pack_weight(weight)
+    assert packed.shape == (3, 32, 16, 2) and packed.is_contiguous()
+    for b, p, c, e in [(0, 0, 0, 0), (0, 0, 0, 1), (1, 5, 3, 1), (2, 31, 15, 0)]:
+        assert packed[b, p, c, e] == weight[16 * b + c, 2 * p + e]
+    assert torch.equal(kernels.unpack_weight(packed), weight)
+    with pytest.raises(ValueError, match=r"weight has shape \[40, 64\]; packing takes N a multiple of 16"):
+        kernels.pack_weight(weight[:40])
+
+
+# Rows: the GEMV's 1-4, then AMX tiles: a partial tile, a ragged pair, an odd number of tiles,
+# more than one chunk of 256 with a ragged end. N: whole panel pairs, an odd panel count.
+@needs_amx
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 48, 131, 300])
+def test_linear_packed_matches_float64(m, with_bias):
+    for n, k in [(64, 32), (48, 96), (16, 64), (144, 576)]:
+        x, weight, bias = make_inputs(m, n, k, with_bias, seed=m * n + k)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        assert kernels.linear_packed(x, kernels.pack_weight(weight), bias, out) is out
+        assert_matches_float64(x, weight, bias, out)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 4, 5, 33])
+def test_linear_packed_into_float32_skips_only_the_last_rounding(m):
+    x, weight, bias = make_inputs(m, 144, 576, True, seed=m)
+    packed = kernels.pack_weight(weight)
+    wide = torch.full((m, 144), float("nan"))
+    narrow = torch.full((m, 144), float("nan"), dtype=torch.bfloat16)
+    kernels.linear_packed(x, packed, bias, wide)
+    kernels.linear_packed(x, packed, bias, narrow)
+    assert_matches_float64(x, weight, bias, wide)
+    assert torch.equal(wide.bfloat16(), narrow)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [3, 40, 300])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_linear_packed_any_thread_count_gives_the_same_bits(m, threads):
+    x, weight, bias = make_inputs(m, 112, 128, True, seed=threads)
+    packed = kernels.pack_weight(weight)
+    reference = torch.empty(m, 112, dtype=torch.bfloat16)
+    kernels.linear_packed(x, packed, bias, reference)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.empty_like(reference)
+        kernels.linear_packed(x, packed, bias, out)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(out, reference)
+
+
+@needs_amx
+def test_each_row_is_independent_of_the_others_within_a_path():
+    """The same bits for row 2 at 3 and 4 rows (the GEMV) and for row 7 at 8, 16, 40, 300 and 600
+    rows (AMX: one partial tile, pairs, two and three chunks of x)."""
+    x, weight, _ = make_inputs(600, 64, 256, False)
+    packed = kernels.pack_weight(weight)
+
+    def run(rows: int) -> torch.Tensor:
+        out = torch.empty(rows, 64, dtype=torch.bfloat16)
+        return kernels.linear_packed(x[:rows].contiguous(), packed, None, out)
+
+    assert torch.equal(run(3)[2], run(4)[2])
+    alone = run(8)[7]
+    for rows in (16, 40, 300, 600):
+        assert torch.equal(run(rows)[7], alone)
+
+
+def test_linear_packed_rejects_bad_input_naming_the_argument():
+    x, weight, bias = make_inputs(2, 16, 64, True)
+    packed = kernels.pack_weight(weight)
+    out = torch.empty(2, 16, dtype=torch.bfloat16)
+    bad = [
+        (r"x has 48 columns; linear_packed takes a multiple of 32", (x[:, :48].contiguous(), packed, bias, out)),
+        (r"x has dtype torch\.float32; expected torch\.bfloat16", (x.float(), packed, bias, out)),
+        (r"packed has shape \[1, 16, 16, 2\]; expected \[N / 16, 32, 16, 2\]", (x, packed[:, :16].contiguous(), bias, out)),
+        (r"packed has dtype torch\.float32", (x, packed.float(), bias, out)),
+        (r"bias has shape \[15\]; expected \[16\]", (x, packed, bias[:15], out)),
+        (r"out has shape \[2, 15\]; expected \[2, 16\]", (x, packed, bias, out[:, :15].contiguous())),
+    ]
+    for message, args in bad:
+        with pytest.raises(ValueError, match=message):
+            kernels.linear_packed(*args)
+
+
+@needs_amx
+def test_pack_linears_replaces_the_linears_it_can_hold():
+    layers = torch.nn.ModuleDict({
+        "proj": Linear(64, 48, bias=True),  # packable
+        "odd_k": Linear(40, 48, bias=False),  # K not a multiple of 32
+        "inner": torch.nn.ModuleDict({"proj": Linear(32, 16, bias=False)}),
+    }).bfloat16()
+    fp32 = Linear(64, 48).float()
+    layers["wide"] = fp32  # float32 weights stay
+    weights = {name: m.weight.detach().clone() for name, m in layers.named_modules() if isinstance(m, Linear)}
+    assert pack_linears(layers) == 2
+    assert isinstance(layers["proj"], PackedLinear) and isinstance(layers["inner"]["proj"], PackedLinear)
+    assert layers["odd_k"].__class__ is Linear and layers["wide"] is fp32
+    assert torch.equal(layers["proj"].weight(), weights["proj"])
+    assert torch.equal(layers["inner"]["proj"].weight(), weights["inner.proj"])
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_packed_linear_equals_its_product_with_and_without_the_kernels(rows, monkeypatch):
+    torch.manual_seed(rows)
+    dense = Linear(96, 80, bias=True).bfloat16()
+    packed = PackedLinear(dense.weight, dense.bias)
+    x = torch.randn(2, rows, 96).bfloat16()
+    out = packed(x)
+    assert out.shape == (2, rows, 80) and out.dtype == torch.bfloat16
+    assert_matches_float64(x.reshape(-1, 96), dense.weight, dense.bias, out.reshape(-1, 80))
+    wide = packed(x, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), out)
+    monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")  # switched off after load: torch on the row-major weight
+    assert torch.equal(packed(x), F.linear(x, dense.weight, dense.bias))
+    with pytest.raises(ValueError, match="input has 95 features, this layer expects 96"):
+        packed(x[..., :95])

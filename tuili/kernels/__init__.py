@@ -78,6 +78,16 @@ linear_amx(x, weight, bias, out)
     float32, one rounding. Only where `amx_available()`: a CPU with AMX-BF16, a compiler that
     targets it, and an OS that grants the process the tile registers (Linux arch_prctl).
 
+linear_packed(x, packed, bias, out)
+pack_weight(weight), unpack_weight(packed)
+    The same product with the weight packed once (pack_weight) into the layout AMX reads as a B
+    tile: [N / 16, K / 2, 16, 2], element [b, p, c, e] = weight[16 b + c, 2 p + e], N a multiple
+    of 16, K of 32; any number of rows of x [M, K], all bfloat16 (out may be float32, then
+    unrounded). Each panel of 16 weight rows is one contiguous stream. Up to 4 rows: AVX512-BF16
+    dot products on 16 outputs at a time; more: AMX tiles, x read in place, work handed out as
+    threads free up. A row's result does not depend on the other rows or on M within each of
+    the two paths. Only where `amx_available()`.
+
 prompt_attention(q, k, v, scale, out)
     Causal attention of one prompt over itself (a prefill chunk from position 0) on AMX tiles,
     flash-attention style: q [T, Hq, D], k and v [T, Hkv, D], out [T, Hq, D], all bfloat16; q, k
@@ -109,13 +119,16 @@ from tuili.kernels.cpu import (
     kv_store,
     linear_amx,
     linear_int4,
+    linear_packed,
     linear_small,
+    pack_weight,
     paged_attention,
     prompt_attention,
     qk_norm_rope,
     rms_norm,
     silu_mul,
     unavailable_reason,
+    unpack_weight,
 )
 
 __all__ = [
@@ -127,11 +140,14 @@ __all__ = [
     "kv_store",
     "linear_amx",
     "linear_int4",
+    "linear_packed",
     "linear_small",
+    "pack_weight",
     "paged_attention",
     "prompt_attention",
     "qk_norm_rope",
     "rms_norm",
     "silu_mul",
+    "unpack_weight",
     "unavailable_reason",
 ]

@@ -36,6 +36,7 @@ _LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
 _AMX_K_MULTIPLE = 32  # TILE_K of csrc/amx.h
+_PACKED_N_MULTIPLE = 16  # panel rows of csrc/linear_packed.c
 _PROMPT_ATTENTION_MAX_HEAD_DIM = 256  # MAX_HEAD_DIM of csrc/prompt_attention.c
 
 
@@ -117,6 +118,8 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_amx.restype = i32
+    library.tuili_linear_packed.argtypes = library.tuili_linear_amx.argtypes  # packed weight for weight
+    library.tuili_linear_packed.restype = i32
     library.tuili_prompt_attention.argtypes = [
         p, p, p, i64, i64,  # q, k, v, q's token stride, k's and v's token stride
         i64, i64, i64, i64, f32, p, i32,  # tokens, heads, KV heads, head dim, scale, out, threads
@@ -532,6 +535,47 @@ def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         out.dtype == torch.float32, rows, n, k, torch.get_num_threads(),
     )  # fmt: skip
     _check_amx_status(status, f"the repacked copy of x ({rows} x {k})")
+    return out
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (N a multiple of 16, K of 32) in linear_packed's layout: [N / 16, K / 2,
+    16, 2], element [b, p, c, e] = weight[16 b + c, 2 p + e]. A new tensor; the same bytes."""
+    n, k = weight.shape
+    if n % _PACKED_N_MULTIPLE or k % _AMX_K_MULTIPLE:
+        raise ValueError(
+            f"weight has shape {[n, k]}; packing takes N a multiple of {_PACKED_N_MULTIPLE} and K of {_AMX_K_MULTIPLE}"
+        )
+    return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """pack_weight's inverse: the row-major [N, K] weight (a new tensor)."""
+    panels, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(panels * 16, pairs * 2)
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ W.T + bias for any number of rows of x [M, K], W given packed by pack_weight
+    ([N / 16, K / 2, 16, 2]), bias [N] or None, out [M, N], all bfloat16 (out may be float32,
+    then unrounded); writes and returns `out`. Check amx_available() first."""
+    x = _check("x", x, (torch.bfloat16,), 2)
+    rows, k = x.shape
+    if k % _AMX_K_MULTIPLE:
+        raise ValueError(f"x has {k} columns; linear_packed takes a multiple of {_AMX_K_MULTIPLE}")
+    packed = _check("packed", packed, (torch.bfloat16,), 4)
+    if tuple(packed.shape[1:]) != (k // 2, 16, 2):
+        raise ValueError(f"packed has shape {list(packed.shape)}; expected [N / 16, {k // 2}, 16, 2] (x has {k} columns)")
+    n = packed.shape[0] * 16
+    if bias is not None:
+        bias = _check("bias", bias, (torch.bfloat16,), (n,))
+    out = _check("out", out, (torch.bfloat16, torch.float32), (rows, n))
+    status = _call(
+        "tuili_linear_packed",
+        x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        out.dtype == torch.float32, rows, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    _check_amx_status(status, f"a padded copy of x's last rows (16 x {k})")
     return out
 
 

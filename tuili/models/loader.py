@@ -16,6 +16,7 @@ from torch import nn
 
 from tuili.config import ModelConfig
 from tuili.errors import CheckpointError
+from tuili.layers.linear import pack_linears
 from tuili.models.llama import LlamaForCausalLM
 from tuili.tokenizer import Tokenizer
 
@@ -66,7 +67,11 @@ def load_model(
     `quantization` ("int8" | "int4") quantizes the checkpoint's linears at load (a GGUF file is
     dequantized first); otherwise, when `packed_dtype` is given, a GGUF file's Q4_0, Q4_1 and Q8_0
     linears are kept as stored. Packed linears compute in `packed_dtype` (default: `dtype`).
-    With no quantization and no packed_dtype every weight is dequantized to `dtype`."""
+    With no quantization and no packed_dtype every weight is dequantized to `dtype`.
+
+    On a CPU with AMX, the decoder layers' bf16 linears are then laid out once for the AMX
+    kernel (tuili/layers/linear.py PackedLinear); the logits keep reading the row-major matrix
+    (a tied one is also the token lookup's table)."""
     path = resolve_model_path(model)
     if quantization is not None:
         from tuili.layers.quant import check_quantization_method
@@ -79,6 +84,10 @@ def load_model(
         loaded = _load_hf_dir(path, dtype, device, max_positions)
     if quantization is not None:
         _quantize(loaded, quantization, packed_dtype or dtype)
+    if device.type == "cpu":
+        packed = pack_linears(loaded.model.model.layers)
+        if packed:
+            logger.info("laid out %d bf16 linears for AMX tiles (PackedLinear)", packed)
     return loaded
 
 

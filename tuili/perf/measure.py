@@ -222,11 +222,12 @@ def engine_storage(model: torch.nn.Module) -> CheckpointBytes:
     """The bytes the engine's model holds per kind of weight (tuili/perf/shapes.py KINDS): its
     parameters and its quantized linears' codes and scales, each storage once (a tied embedding
     is one tensor); a packed copy of the output matrix in that matrix's place."""
+    from tuili.layers.linear import PackedLinear
     from tuili.layers.quant import QuantizedLinear
 
     tensors = list(model.named_parameters())
     for name, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, PackedLinear)):
             tensors += [(f"{name}.{b}", t) for b, t in module.named_buffers()]
     if getattr(model, "packed_logits", None) is not None:
         # A packed copy of the output matrix serves the logits of prefills and of decode steps

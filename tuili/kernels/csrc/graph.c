@@ -18,6 +18,7 @@ enum graph_op {
     OP_RMS_NORM,
     OP_QK_NORM_ROPE,
     OP_SILU_MUL,
+    OP_LINEAR_PACKED,
     OP_COUNT
 };
 
@@ -33,6 +34,7 @@ static const struct {
     [OP_RMS_NORM] = {"tuili_rms_norm", 9},
     [OP_QK_NORM_ROPE] = {"tuili_qk_norm_rope", 12},
     [OP_SILU_MUL] = {"tuili_silu_mul", 6},
+    [OP_LINEAR_PACKED] = {"tuili_linear_packed", 9},
 };
 
 /* The name and argument count of graph op `op`, or NULL past the last one: how Python learns
@@ -66,6 +68,8 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
         return tuili_qk_norm_rope(P(0), P(1), P(2), P(3), P(4), a[5], a[6], a[7], a[8], F(9), I(10), I(11));
     case OP_SILU_MUL:
         return tuili_silu_mul(P(0), P(1), a[2], a[3], I(4), I(5));
+    case OP_LINEAR_PACKED:
+        return tuili_linear_packed(P(0), P(1), P(2), P(3), I(4), a[5], a[6], a[7], I(8));
     default:
         return TUILI_BAD_PROGRAM;
     }
