@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -262,16 +263,17 @@ def _matmuls(
 
 def _cycled_matmuls(
     dtype: str, dev: torch.device, sizes: _Sizes, k: int, rows: tuple[int, ...],
-    matmul: Callable[[torch.Tensor, torch.Tensor], object],
+    matmul: Callable[[torch.Tensor, Any], object], prepare: Callable[[torch.Tensor], Any] | None = None,
 ) -> list[tuple[int, float, int]]:
     """(rows, best seconds, matrices) of `matmul(x, w)` over one k x k weight matrix after another,
-    as a model's layers follow each other, the matrices together larger than the caches."""
+    as a model's layers follow each other, the matrices together larger than the caches; each w
+    the matrix as `prepare` turns it into (a module holding it in a kernel's layout), if given."""
     elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
     count = max(1, -(-sizes.buffer_bytes // (k * k * elem)))
     # Random values, as a model's: AMX tiles multiply a constant or zero matrix 2-3x faster than
     # random bf16 on the machines of docs/kernels.md. Copies of one matrix fill fast.
     base = torch.randn(k, k, device=dev).to(_TORCH_DTYPES[dtype])
-    weights = [base.clone() for _ in range(count)]
+    weights = [base.clone() if prepare is None else prepare(base) for _ in range(count)]
     out = []
     for m in rows:
         x = torch.randn(m, k, device=dev).to(_TORCH_DTYPES[dtype])
@@ -360,15 +362,21 @@ ENGINE_LINEAR = "engine linear"
 
 
 def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
-    """tuili's own dense linear (tuili/layers/linear.py: native GEMV or AMX kernels where they
-    run, else F.linear) as the engine calls it: one row, and a 512-row prompt chunk, times weight
-    matrices cycled through from memory."""
-    from tuili.layers.linear import linear
+    """tuili's own dense linear as the engine's decoder layers run it (tuili/layers/linear.py: a
+    PackedLinear where the loader packs bf16 weights, else `linear`: native GEMV or AMX kernels
+    where they run, else F.linear): one row, and prompt chunks of ENGINE_LINEAR_ROWS, times
+    weight matrices cycled through from memory."""
+    from tuili.layers.linear import PackedLinear, linear, packs
 
     k, out = sizes.skinny_k, []
     for dtype in sizes.skinny_dtypes:
         elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
-        for rows, t, count in _cycled_matmuls(dtype, dev, sizes, k, (1, *ENGINE_LINEAR_ROWS), linear):
+        sample = torch.empty(k, k, dtype=_TORCH_DTYPES[dtype], device=dev)
+        if packs(sample, None):
+            matmul, prepare = (lambda x, module: module(x)), (lambda w: PackedLinear(w, None))
+        else:
+            matmul, prepare = linear, None
+        for rows, t, count in _cycled_matmuls(dtype, dev, sizes, k, (1, *ENGINE_LINEAR_ROWS), matmul, prepare):
             name = f"{ENGINE_LINEAR} {dtype} {rows}x{k}x{k}"
             if rows == 1:
                 out.append(Measurement(f"{name} weight read", k * k * elem * count / t, "B/s", t))
