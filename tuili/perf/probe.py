@@ -439,6 +439,7 @@ HOST_PREFIX = "host overhead "
 _HOST_VARIANTS = (("", "llama", None), ("packed_", "llama", "int4"), ("qk_norm", "qwen3", None))
 _TOY_LAYERS = (1, 4)
 _TOY_PROMPT = 64  # tokens: a fresh prompt chunk past the packed kernel's rows, as real prompts are
+_TOY_REQUESTS = 8  # timed requests per toy engine (one more warms it up)
 
 
 def _host_overheads(dev: torch.device, spec: HardwareSpec, quick: bool) -> list[Measurement]:
@@ -461,9 +462,12 @@ def _host_overheads(dev: torch.device, spec: HardwareSpec, quick: bool) -> list[
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec.to_dict()))
         for prefix, family, quantization in variants:
+            # 8 requests each: with 3 (--quick, before) a layer's decode cost, tens of microseconds
+            # (the slope between two engines' best steps), came out zero in 1 run of 10 on a
+            # shared VM; with 8, in none of 15. The toy steps take ~0.3 ms, so this costs little.
             seconds = {
                 layers: _toy_step_seconds(_toy_checkpoint(Path(tmp) / f"{prefix}{family}-{layers}", family, layers),
-                                          dev, quantization, spec_file, 3 if quick else 6)
+                                          dev, quantization, spec_file, _TOY_REQUESTS)
                 for layers in _TOY_LAYERS
             }
             for i, kind in enumerate(("decode", "prefill")):
