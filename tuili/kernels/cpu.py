@@ -521,21 +521,12 @@ def linear_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """out = x @ weight.T + bias for any number of rows of x [M, K] (K a multiple of 32), weight
     [N, K], bias [N] or None, out [M, N], all bfloat16 (float32 accumulation on AMX tiles; out
     may be float32 too, then unrounded); writes and returns `out`. Check amx_available() first."""
-    x = _check("x", x, (torch.bfloat16,), 2)
-    rows, k = x.shape
-    if k % _AMX_K_MULTIPLE:
-        raise ValueError(f"x has {k} columns; linear_amx takes a multiple of {_AMX_K_MULTIPLE}")
+    x = _check_amx_x("linear_amx", x)
     weight, bias, out = _linear_operands(x, weight, bias, out)
-    n = weight.shape[0]
+    rows, k = x.shape
     if rows == 0:
         return out
-    status = _call(
-        "tuili_linear_amx",
-        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        out.dtype == torch.float32, rows, n, k, torch.get_num_threads(),
-    )  # fmt: skip
-    _check_amx_status(status, f"the repacked copy of x ({rows} x {k})")
-    return out
+    return _amx_product("tuili_linear_amx", x, weight, bias, out, f"the repacked copy of x ({rows} x {k})")
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -559,10 +550,8 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """out = x @ W.T + bias for any number of rows of x [M, K], W given packed by pack_weight
     ([N / 16, K / 2, 16, 2]), bias [N] or None, out [M, N], all bfloat16 (out may be float32,
     then unrounded); writes and returns `out`. Check amx_available() first."""
-    x = _check("x", x, (torch.bfloat16,), 2)
+    x = _check_amx_x("linear_packed", x)
     rows, k = x.shape
-    if k % _AMX_K_MULTIPLE:
-        raise ValueError(f"x has {k} columns; linear_packed takes a multiple of {_AMX_K_MULTIPLE}")
     packed = _check("packed", packed, (torch.bfloat16,), 4)
     if tuple(packed.shape[1:]) != (k // 2, 16, 2):
         raise ValueError(f"packed has shape {list(packed.shape)}; expected [N / 16, {k // 2}, 16, 2] (x has {k} columns)")
@@ -570,12 +559,28 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if bias is not None:
         bias = _check("bias", bias, (torch.bfloat16,), (n,))
     out = _check("out", out, (torch.bfloat16, torch.float32), (rows, n))
+    return _amx_product("tuili_linear_packed", x, packed, bias, out, f"a padded copy of x's last rows (16 x {k})")
+
+
+def _check_amx_x(kernel: str, x: torch.Tensor) -> torch.Tensor:
+    """x for an AMX product: bf16 [M, K] with K a multiple of one tile's 32 values."""
+    x = _check("x", x, (torch.bfloat16,), 2)
+    if x.shape[1] % _AMX_K_MULTIPLE:
+        raise ValueError(f"x has {x.shape[1]} columns; {kernel} takes a multiple of {_AMX_K_MULTIPLE}")
+    return x
+
+
+def _amx_product(
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, scratch: str
+) -> torch.Tensor:
+    """Runs an AMX linear on checked operands (`weight` in the kernel's layout, out [M, N]); its
+    errors raised, naming the `scratch` it allocates."""
+    rows, n = out.shape
     status = _call(
-        "tuili_linear_packed",
-        x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        out.dtype == torch.float32, rows, n, k, torch.get_num_threads(),
+        kernel, x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        out.dtype == torch.float32, rows, n, x.shape[1], torch.get_num_threads(),
     )  # fmt: skip
-    _check_amx_status(status, f"a padded copy of x's last rows (16 x {k})")
+    _check_amx_status(status, scratch)
     return out
 
 

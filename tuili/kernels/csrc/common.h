@@ -62,6 +62,11 @@ static inline uint16_t f32_to_bf16(float f) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+/* Sixteen bf16 values at p, exactly, as float32 lanes. */
+static inline __m512 widen_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* f32_to_bf16 on sixteen lanes: to nearest even, NaN kept quiet; the same bits. */
 static inline __m256i narrow_bf16(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);

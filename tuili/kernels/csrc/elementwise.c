@@ -67,10 +67,6 @@ static void norm_row(float *buf, const float *w, int64_t dim, float eps, int dty
  * dot_lanes16 takes them (sixteen fused lanes, added in order), products rounded once. */
 #define FAST_BF16 1
 
-static inline __m512 widen_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 static inline __m512 widen_narrowed(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }

@@ -112,9 +112,7 @@ static void store_tile(const float *c, const uint16_t *bias, void *out, int out_
     __m512 r[16];
     for (int j = 0; j < TILE; j++) r[j] = _mm512_load_ps(c + j * TILE);
     transpose16(r);
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
-                          : _mm512_setzero_ps();
+    const __m512 b = bias ? widen_bf16(bias + n0) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows_m; i++) {
         const __m512 y = _mm512_add_ps(r[i], b);
         if (out_f32) {

@@ -51,9 +51,7 @@
 
 /* 16 lanes of bf16 (the bias at n0) widened to float32, or zeros. */
 static inline __m512 load_bias(const uint16_t *bias, int64_t n0) {
-    if (bias == NULL) return _mm512_setzero_ps();
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(bias + n0));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bias == NULL ? _mm512_setzero_ps() : widen_bf16(bias + n0);
 }
 
 /* out[row][n0 .. n0 + 15] = y + bias, rounded to bf16 unless out_f32. */
