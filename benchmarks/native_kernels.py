@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from tuili import kernels
-from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache
-from tuili.layers.attention import paged_attention as torch_paged_attention
+from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, TorchAttention
 from tuili.layers.quant import Int8GroupWeight, make_linear, quantize_int4
+from tuili.platform import Platform
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import best_time  # noqa: E402
@@ -107,7 +107,7 @@ class Case:
         return AttentionMetadata(slots, [group], [])
 
     def torch_path(self) -> torch.Tensor:
-        return torch_paged_attention(self.q, self.k, self.v, self.cache, self.meta, self.scale)
+        return TorchAttention().forward(self.q, self.k, self.v, self.cache, self.meta, self.scale)
 
     def kernel(self) -> torch.Tensor:
         c = self.cache
@@ -163,8 +163,8 @@ def bench_dequant(args: argparse.Namespace) -> None:
             torch.randint(-128, 128, (3072, k), dtype=torch.int8), torch.rand(3072, k // 32) / 1e3, 32
         )
         for name, module, function in (
-            ("int4", make_linear(quantize_int4(w, 32)), kernels.dequantize_int4_tiles),
-            ("q8_0", make_linear(q8_0), kernels.dequantize_int8_group_tiles),
+            ("int4", make_linear(quantize_int4(w, 32), platform=Platform.detect()), kernels.dequantize_int4_tiles),
+            ("q8_0", make_linear(q8_0, platform=Platform.detect()), kernels.dequantize_int8_group_tiles),
         ):
             tiles = max(1, (1 << 19) // k // 64)  # as Int4Linear._tiled: ~1 MiB of bf16
             out = torch.empty(k, tiles * 64, dtype=torch.bfloat16)

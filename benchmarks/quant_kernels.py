@@ -29,6 +29,10 @@ from tuili.layers.quant import (
 sys.path.insert(0, str(Path(__file__).parent))
 from common import best_time  # noqa: E402
 
+from tuili.platform import Platform  # noqa: E402
+
+HERE = Platform.detect()
+
 
 def forced(module: QuantizedLinear, kernel: str, x: torch.Tensor) -> Callable[[], object]:
     """A call of one kernel, whatever `kernel_for` would choose for these rows."""
@@ -53,9 +57,9 @@ def main() -> None:
         w_bf16 = w.bfloat16()
         q8_0 = Int8GroupWeight(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32) * 1e-3, 32)
         modules = {
-            "int8": make_linear(quantize_int8(w)),
-            "int4": make_linear(quantize_int4(w, 32)),
-            "q8_0": make_linear(q8_0),
+            "int8": make_linear(quantize_int8(w), platform=HERE),
+            "int4": make_linear(quantize_int4(w, 32), platform=HERE),
+            "q8_0": make_linear(q8_0, platform=HERE),
         }
         print(f"\nweight {n}x{k} (out x in)")
         print(f"{'rows':>5} " + " ".join(f"{c:>11}" for c in columns))

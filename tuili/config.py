@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
+from tuili.platform import Platform
 
 # Architectures (as config.json's "architectures" names them) that tuili's Llama-family
 # network runs, and what each one changes in that network.
@@ -164,10 +165,11 @@ def packed_compute_dtype(requested: str | torch.dtype | None, device: torch.devi
     return torch.bfloat16
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, platform: Platform) -> torch.dtype:
     """The working dtype. "auto": fp16 on GPUs without bf16 (V100), bf16 on newer GPUs; on a CPU
     bf16 where it has bf16 arithmetic (AVX512-BF16 or AMX) and tuili's kernels run, else fp32
     (PyTorch's own bf16 linear reads weights at decode shapes slower than fp32: docs/kernels.md)."""
+    device = platform.device
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise TuiliError(f"dtype={dtype} is not supported: expected float32, bfloat16 or float16")
@@ -175,23 +177,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype in (None, "auto"):
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16_arithmetic() else torch.float32
+        return torch.bfloat16 if platform.bf16_arithmetic else torch.float32
     if dtype not in _DTYPES:
         raise TuiliError(f"dtype={dtype!r} is not supported: expected auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
 
 
-def cpu_has_bf16_arithmetic() -> bool:
-    """Whether bf16 is this CPU's fast dtype: bf16 dot products in hardware (AVX512-BF16 or AMX,
-    as PyTorch's cpuinfo reports them) and tuili's native kernels, whose GEMV and AMX products
-    stream bf16 weights near the memory bandwidth."""
-    from tuili import kernels
-
-    has_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    hardware = (has_bf16 is not None and has_bf16()) or (has_amx is not None and has_amx())
-    return hardware and kernels.available()
-
+# Quantizations of float checkpoints at load (tuili/models/weights.py).
+QUANTIZATION_METHODS = ("int8", "int4")
 
 # KV cache storage: the working dtype, or float8 e4m3 with per-head scales ("fp8" as in vLLM).
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -230,9 +223,9 @@ class EngineConfig:
             raise TuiliError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: expected one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        if self.quantization is not None:
-            from tuili.layers.quant import check_quantization_method
-
-            check_quantization_method(self.quantization)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise TuiliError(
+                f"quantization {self.quantization!r} is not supported: expected one of {', '.join(QUANTIZATION_METHODS)}"
+            )
         if not isinstance(self.kv_offload_memory, int) or self.kv_offload_memory < 0:
             raise TuiliError(f"kv_offload_memory={self.kv_offload_memory!r} is invalid: expected bytes >= 0")

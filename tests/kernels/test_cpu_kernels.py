@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tuili import kernels
 from tuili.kernels import build
 from tuili.layers.quant import Int8GroupWeight, make_linear, quantize_int4
+from tuili.platform import Platform
 
 FP8 = torch.float8_e4m3fn
 
@@ -303,7 +304,7 @@ def test_int4_tiles_equal_the_torch_dequantization(group_size, compute_dtype):
     # 100 rows: two tiles of 64, the second one padded with zero weights.
     generator = torch.Generator().manual_seed(group_size)
     weight = torch.randn(100, 256, generator=generator) * torch.rand(100, 1, generator=generator)
-    module = make_linear(quantize_int4(weight, group_size, compute_dtype), None, compute_dtype)
+    module = make_linear(quantize_int4(weight, group_size, compute_dtype), None, compute_dtype, platform=Platform.detect())
     expected = module.dequantize()  # [100, 256] float32
     for out_dtype in (torch.float32, torch.bfloat16):
         w_t = kernels.dequantize_int4_tiles(
@@ -323,7 +324,7 @@ def test_int8_group_tiles_rebuild_q8_0_exactly(compute_dtype):
     q = torch.randint(-128, 128, (130, 96), dtype=torch.int8, generator=generator)
     scale = torch.rand(130, 3, generator=generator) * 1e-2
     weight = Int8GroupWeight(q, scale.to(compute_dtype).float(), 32)
-    module = make_linear(weight, None, compute_dtype)
+    module = make_linear(weight, None, compute_dtype, platform=Platform.detect())
     expected = weight.dequantize()  # s * q, one float32 rounding
     if compute_dtype == torch.bfloat16:  # the module's own dequantization is then exact as well
         assert torch.equal(module.dequantize(), expected)
@@ -336,7 +337,7 @@ def test_int8_group_tiles_rebuild_q8_0_exactly(compute_dtype):
 
 
 def test_dequantizers_reject_bad_input_naming_the_argument():
-    module = make_linear(quantize_int4(torch.randn(128, 64), 32))
+    module = make_linear(quantize_int4(torch.randn(128, 64), 32), platform=Platform.detect())
     packed, scale_zero = module.packed, module.scale_zero
     out = torch.empty(64, 128, dtype=torch.bfloat16)
     bad = [

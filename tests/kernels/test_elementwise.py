@@ -8,6 +8,8 @@ value sits near a rounding boundary), rarely."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -15,6 +17,9 @@ from tuili import kernels
 from tuili.layers.activation import silu_and_mul
 from tuili.layers.norm import RMSNorm
 from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
+from tuili.platform import Platform
+
+HERE = Platform.detect()
 
 
 @pytest.fixture(autouse=True)
@@ -24,10 +29,17 @@ def native_kernels_enabled(monkeypatch):
 
 
 def torch_path(monkeypatch, fn):
-    """fn() with the native kernels disabled (the torch code of tuili/layers)."""
-    with monkeypatch.context() as m:
-        m.setenv("TUILI_NATIVE_KERNELS", "0")
-        return fn()
+    """fn(platform) on the portable platform (the torch code of tuili/layers)."""
+    return fn(Platform.portable())
+
+
+def portable(norms):
+    """The same norm modules (one, or a tuple), computing on the portable platform."""
+    if norms is None or isinstance(norms, tuple):
+        return norms and tuple(portable(n) for n in norms)
+    twin = copy.copy(norms)
+    twin.platform = Platform.portable()
+    return twin
 
 
 def assert_close_to_torch(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -45,12 +57,12 @@ def assert_close_to_torch(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dim", [1024, 576, 7])
 def test_rms_norm_and_the_fused_residual_add(dtype, dim, monkeypatch):
     generator = torch.Generator().manual_seed(dim)
-    norm = RMSNorm(dim, 1e-6).to(dtype)
+    norm = RMSNorm(dim, 1e-6, HERE).to(dtype)
     norm.weight.data = torch.randn(dim, generator=generator).to(dtype)
     x = (torch.randn(3, 5, dim, generator=generator) * 4).to(dtype)
     residual = torch.randn(3, 5, dim, generator=generator).to(dtype)
-    assert_close_to_torch(norm(x), torch_path(monkeypatch, lambda: norm(x)))
-    expected_out, expected_sum = torch_path(monkeypatch, lambda: norm(x, residual.clone()))
+    assert_close_to_torch(norm(x), torch_path(monkeypatch, lambda p: portable(norm)(x)))
+    expected_out, expected_sum = torch_path(monkeypatch, lambda p: portable(norm)(x, residual.clone()))
     got_out, got_sum = norm(x, residual.clone())
     assert torch.equal(got_sum, expected_sum)  # one rounding of the same sum
     assert_close_to_torch(got_out, expected_out)
@@ -63,13 +75,13 @@ def test_qk_norm_and_rotary(dtype, qk_norm, monkeypatch):
     heads, kv_heads, head_dim, tokens = 6, 2, 64, 9
     norms = None
     if qk_norm:
-        norms = (RMSNorm(head_dim, 1e-6).to(dtype), RMSNorm(head_dim, 1e-6).to(dtype))
+        norms = (RMSNorm(head_dim, 1e-6, HERE).to(dtype), RMSNorm(head_dim, 1e-6, HERE).to(dtype))
         for n in norms:
             n.weight.data = torch.randn(head_dim, generator=generator).to(dtype)
     tables = RotaryEmbedding(head_dim, 4096, 10000.0, None).tables(torch.randint(0, 4096, (tokens,), generator=generator))
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
-    expected = torch_path(monkeypatch, lambda: norm_and_rotate(qkv.clone(), heads, kv_heads, norms, tables))
-    got = norm_and_rotate(qkv.clone(), heads, kv_heads, norms, tables)
+    expected = torch_path(monkeypatch, lambda p: norm_and_rotate(qkv.clone(), heads, kv_heads, portable(norms), tables, p))
+    got = norm_and_rotate(qkv.clone(), heads, kv_heads, norms, tables, HERE)
     for g, e in zip(got, expected, strict=True):
         assert_close_to_torch(g.contiguous(), e.contiguous())
     assert torch.equal(got[2], qkv[:, heads + kv_heads :])  # v untouched
@@ -80,7 +92,7 @@ def test_silu_and_mul(dtype, monkeypatch):
     generator = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(4, 3, 2 * 1500, generator=generator) * 6).to(dtype)  # both signs, past exp's range
     gate_up[0, 0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
-    assert_close_to_torch(silu_and_mul(gate_up), torch_path(monkeypatch, lambda: silu_and_mul(gate_up)))
+    assert_close_to_torch(silu_and_mul(gate_up, HERE), torch_path(monkeypatch, lambda p: silu_and_mul(gate_up, p)))
 
 
 def test_elementwise_kernels_reject_bad_input_naming_the_argument():

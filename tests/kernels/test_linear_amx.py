@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from tuili import kernels
-from tuili.layers.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, Linear, PackedLinear, linear, pack_linears
+from tuili.layers.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, AmxLinear, Linear, amx_holds, linear
+from tuili.platform import Platform
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -152,12 +153,12 @@ def test_linear_takes_amx_between_the_gemv_and_onednn(monkeypatch):
     monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a[0].shape[0]) or original(*a))
     weight = torch.randn(64, 32).bfloat16()
     for rows in (1, NATIVE_MAX_ROWS[torch.bfloat16], NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
-        linear(torch.randn(rows, 32).bfloat16(), weight)
-    linear(torch.randn(8, 48).bfloat16(), torch.randn(64, 48).bfloat16())  # K not a multiple of 32: oneDNN
+        linear(torch.randn(rows, 32).bfloat16(), weight, platform=Platform.detect())
+    linear(torch.randn(8, 48).bfloat16(), torch.randn(64, 48).bfloat16(), platform=Platform.detect())  # K not a multiple of 32: oneDNN
     assert calls == [NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS]
 
 
-# -- linear_packed and PackedLinear -------------------------------------------------------------
+# -- linear_packed and AmxLinear ---------------------------------------------------------------
 
 
 def test_pack_weight_lays_out_16_row_panels_of_k_pairs():
@@ -250,35 +251,31 @@ def test_linear_packed_rejects_bad_input_naming_the_argument():
 
 
 @needs_amx
-def test_pack_linears_replaces_the_linears_it_can_hold():
-    layers = torch.nn.ModuleDict({
-        "proj": Linear(64, 48, bias=True),  # packable
-        "odd_k": Linear(40, 48, bias=False),  # K not a multiple of 32
-        "inner": torch.nn.ModuleDict({"proj": Linear(32, 16, bias=False)}),
-    }).bfloat16()
-    fp32 = Linear(64, 48).float()
-    layers["wide"] = fp32  # float32 weights stay
-    weights = {name: m.weight.detach().clone() for name, m in layers.named_modules() if isinstance(m, Linear)}
-    assert pack_linears(layers) == 2
-    assert isinstance(layers["proj"], PackedLinear) and isinstance(layers["inner"]["proj"], PackedLinear)
-    assert layers["odd_k"].__class__ is Linear and layers["wide"] is fp32
-    assert torch.equal(layers["proj"].weight(), weights["proj"])
-    assert torch.equal(layers["inner"]["proj"].weight(), weights["inner.proj"])
+def test_amx_holds_the_linears_the_layout_takes():
+    """The weight plan's test for an AmxLinear: bf16 on a CPU with AMX, N a multiple of 16, K of
+    32; the layer then holds the same weight, laid out."""
+    here, portable = Platform.detect(), Platform.portable()
+    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+    assert amx_holds(weight, bias, here) and amx_holds(weight[:16, :32], None, here)
+    assert not amx_holds(weight, bias, portable)  # no AMX on the portable platform
+    assert not amx_holds(weight[:, :40], None, here)  # K not a multiple of 32
+    assert not amx_holds(weight[:40], None, here)  # N not a multiple of 16
+    assert not amx_holds(weight.float(), None, here)  # float32 weights stay row-major
+    assert torch.equal(AmxLinear(weight, bias).weight(), weight)
 
 
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 7, 200])
-def test_packed_linear_equals_its_product_with_and_without_the_kernels(rows, monkeypatch):
+def test_amx_linear_equals_its_product_and_the_portable_one(rows):
     torch.manual_seed(rows)
-    dense = Linear(96, 80, bias=True).bfloat16()
-    packed = PackedLinear(dense.weight, dense.bias)
+    dense = Linear(96, 80, bias=True, platform=Platform.portable()).bfloat16()
+    packed = AmxLinear(dense.weight, dense.bias)
     x = torch.randn(2, rows, 96).bfloat16()
     out = packed(x)
     assert out.shape == (2, rows, 80) and out.dtype == torch.bfloat16
     assert_matches_float64(x.reshape(-1, 96), dense.weight, dense.bias, out.reshape(-1, 80))
     wide = packed(x, out_dtype=torch.float32)
     assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), out)
-    monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")  # switched off after load: torch on the row-major weight
-    assert torch.equal(packed(x), F.linear(x, dense.weight, dense.bias))
+    assert torch.equal(dense(x), F.linear(x, dense.weight, dense.bias))  # the portable path: torch
     with pytest.raises(ValueError, match="input has 95 features, this layer expects 96"):
         packed(x[..., :95])

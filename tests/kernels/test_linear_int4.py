@@ -20,6 +20,9 @@ import torch
 
 from tuili import kernels
 from tuili.layers.quant import Int4Linear, Int8GroupLinear, Int8GroupWeight, quantize_int4
+from tuili.platform import Platform
+
+HERE = Platform.detect()
 
 FP32_BOUND = 2**-20
 
@@ -32,13 +35,13 @@ def native_kernels_enabled(monkeypatch):
 
 def int4_module(n: int, k: int, group: int, seed: int) -> Int4Linear:
     generator = torch.Generator().manual_seed(seed)
-    return Int4Linear(quantize_int4(torch.randn(n, k, generator=generator), group))
+    return Int4Linear(quantize_int4(torch.randn(n, k, generator=generator), group), platform=HERE)
 
 
 def q8_module(n: int, k: int, seed: int) -> Int8GroupLinear:
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
-    return Int8GroupLinear(Int8GroupWeight(q, torch.rand(n, k // 32, generator=generator) / 50, 32))
+    return Int8GroupLinear(Int8GroupWeight(q, torch.rand(n, k // 32, generator=generator) / 50, 32), platform=HERE)
 
 
 def copies(module: Int4Linear) -> int:
@@ -129,7 +132,7 @@ def test_any_thread_count_gives_the_same_bits(threads):
 def test_module_takes_the_kernel_for_few_rows(monkeypatch):
     # Int4Linear.forward: bias added after, float32 logits on request, the same values as the
     # kernel called directly.
-    module = Int4Linear(quantize_int4(torch.randn(96, 64), 32), bias=torch.randn(96))
+    module = Int4Linear(quantize_int4(torch.randn(96, 64), 32), bias=torch.randn(96), platform=HERE)
     x = torch.randn(2, 1, 64)
     assert module.kernel_for(2, torch.device("cpu")) == "gemv"
     y = module(x)

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from tuili import kernels
 from tuili.layers import attention
+from tuili.layers.attention import native_cpu
+from tuili.platform import Platform
 
 needs_amx = pytest.mark.skipif(
     not (kernels.available() and kernels.amx_available()),
@@ -96,11 +98,12 @@ def test_any_thread_count_gives_the_same_bits():
 @needs_amx
 def test_the_prefill_layer_takes_the_kernel_for_bf16_and_sdpa_otherwise():
     q, k, v = qkv_views(70, 4, 2, 64, seed=3)
-    assert attention._native_prompt_attention(q, k, v)
-    assert torch.equal(attention.causal_attention(q, k, v, 0.125),
+    assert native_cpu._prompt_kernel_takes(q, k, v)
+    backend = attention.attention_backend(Platform.detect(), torch.bfloat16)
+    assert torch.equal(backend.causal(q, k, v, 0.125),
                        kernels.prompt_attention(q, k, v, 0.125, torch.empty(70, 4, 64, dtype=torch.bfloat16)))
-    assert not attention._native_prompt_attention(q.float(), k.float(), v.float())
-    assert not attention._native_prompt_attention(*qkv_views(70, 4, 2, 48))  # head dim not a multiple of 32
+    assert not native_cpu._prompt_kernel_takes(q.float(), k.float(), v.float())
+    assert not native_cpu._prompt_kernel_takes(*qkv_views(70, 4, 2, 48))  # head dim not a multiple of 32
 
 
 def test_the_prefill_layer_in_bf16_matches_the_softmax_on_any_build():
@@ -109,7 +112,8 @@ def test_the_prefill_layer_in_bf16_matches_the_softmax_on_any_build():
     q, k, v = qkv_views(90, 8, 2, 64, seed=4)
     expected = reference(q, k, v, 0.125)
     sdpa_error = (sdpa(q, k, v, 0.125).double() - expected).abs().max().item()
-    assert (attention.causal_attention(q, k, v, 0.125).double() - expected).abs().max().item() <= 2 * sdpa_error + 1e-3
+    causal = attention.attention_backend(Platform.detect(), torch.bfloat16).causal
+    assert (causal(q, k, v, 0.125).double() - expected).abs().max().item() <= 2 * sdpa_error + 1e-3
 
 
 def test_bad_input_is_named():

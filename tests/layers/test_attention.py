@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tuili.layers import attention
+from tuili.layers.attention import torch_sdpa
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -21,17 +22,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
 def test_causal_attention_matches_the_written_out_softmax(monkeypatch, grouped_query_kernel, dtype, tolerance,
                                                           heads, kv_heads):
-    if grouped_query_kernel and not attention._SDPA_GQA:
+    if grouped_query_kernel and not torch_sdpa._SDPA_GQA:
         pytest.skip("this torch has no grouped-query SDPA; the repeat path is tested by the other case")
-    monkeypatch.setattr(attention, "_SDPA_GQA", grouped_query_kernel)
-    # SDPA's paths: tests/kernels/test_prompt_attention.py checks the native kernel bf16 takes
-    monkeypatch.setattr(attention, "_native_prompt_attention", lambda q, k, v: False)
+    monkeypatch.setattr(torch_sdpa, "_SDPA_GQA", grouped_query_kernel)
+    # SDPA's paths (the torch backend): tests/kernels/test_prompt_attention.py checks the native kernel
     generator = torch.Generator().manual_seed(0)
     length, head_dim = 37, 64
     q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
     k = torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype)
     v = torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
-    out = attention.causal_attention(q, k, v, scale)
+    out = attention.TorchAttention().causal(q, k, v, scale)
     assert out.shape == (length, heads, head_dim) and out.dtype == dtype
     torch.testing.assert_close(out.double(), reference(q, k, v, scale), atol=tolerance, rtol=tolerance)

@@ -7,19 +7,21 @@ import torch
 
 from tuili import kernels
 from tuili.layers.linear import NATIVE_MAX_ROWS, Linear, linear
+from tuili.platform import Platform
+
+HERE = Platform.detect()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 11])
 @pytest.mark.parametrize("native", ["on", "off"])
-def test_linear_is_the_float64_product(dtype, rows, native, monkeypatch):
-    if native == "off":
-        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+def test_linear_is_the_float64_product(dtype, rows, native):
+    platform = HERE if native == "on" else Platform.portable()
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(200, 100, generator=generator).to(dtype)  # K not a multiple of 32
     bias = torch.randn(200, generator=generator).to(dtype)
     x = torch.randn(1, rows, 100, generator=generator).to(dtype)  # any leading shape
-    got = linear(x, weight, bias)
+    got = linear(x, weight, bias, platform=platform)
     assert got.shape == (1, rows, 200) and got.dtype == dtype
     exact = x.double() @ weight.double().T + bias.double()
     # One rounding of the output to the dtype (float32 accumulation in both paths).
@@ -29,7 +31,7 @@ def test_linear_is_the_float64_product(dtype, rows, native, monkeypatch):
 
 
 def test_linear_module_keeps_nn_linear_parameters():
-    layer = Linear(16, 8, bias=True)
+    layer = Linear(16, 8, bias=True, platform=HERE)
     assert isinstance(layer, torch.nn.Linear) and set(dict(layer.named_parameters())) == {"weight", "bias"}
     x = torch.randn(2, 16)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -44,26 +46,25 @@ def test_native_path_is_taken_where_the_kernels_build(monkeypatch):
     original = kernels.linear_small
     monkeypatch.setattr(kernels, "linear_small", lambda *a: calls.append(a[0].shape) or original(*a))
     weight = torch.randn(64, 32).bfloat16()
-    linear(torch.randn(1, 32).bfloat16(), weight)
-    linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight)
+    linear(torch.randn(1, 32).bfloat16(), weight, platform=HERE)
+    linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight, platform=HERE)
     assert calls == [(1, 32)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20, 100])
 @pytest.mark.parametrize("native", ["on", "off"])
-def test_float32_output_from_bf16_operands(rows, native, monkeypatch):
+def test_float32_output_from_bf16_operands(rows, native):
     # Logits ask for float32 from bf16 weights. The native kernels skip the last rounding (GEMV at
     # any K; AMX, where the CPU has it, at K % 32 == 0 and any row count); elsewhere the bf16
     # product is widened, one bf16 rounding away from the exact value.
-    if native == "off":
-        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    platform = HERE if native == "on" else Platform.portable()
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(300, 64, generator=generator).bfloat16()
     x = torch.randn(rows, 64, generator=generator).bfloat16()
-    got = linear(x, weight, out_dtype=torch.float32)
+    got = linear(x, weight, out_dtype=torch.float32, platform=platform)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     exact = x.double() @ weight.double().T
     float32_bound = 64 * 2**-24 * (x.double().abs() @ weight.double().abs().T)
-    unrounded = native == "on" and (rows <= NATIVE_MAX_ROWS[torch.bfloat16] or kernels.amx_available())
+    unrounded = platform.native_kernels and (rows <= NATIVE_MAX_ROWS[torch.bfloat16] or platform.amx)
     bound = float32_bound if unrounded else 2**-8 * exact.abs() + 2 * float32_bound
     assert ((got.double() - exact).abs() <= bound).all()

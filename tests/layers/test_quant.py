@@ -17,8 +17,9 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from tuili import LLM, SamplingParams, kernels
+from tuili import LLM, SamplingParams
 from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
+from tuili.layers.linear import Linear
 from tuili.layers.quant import (
     INT4_GEMV_MAX_ROWS,
     INT4_OP_MAX_ROWS,
@@ -28,22 +29,22 @@ from tuili.layers.quant import (
     Int8GroupWeight,
     Int8Linear,
     QuantizedLinear,
-    gguf_linear,
-    gguf_packed_linears,
-    gguf_weight,
     make_linear,
     quantize_int4,
     quantize_int8,
-    quantize_model,
 )
 from tuili.models.default_model import default_model_path
 from tuili.models.gguf import open_gguf
+from tuili.models.gguf import quantized_weight as gguf_weight
 from tuili.models.llama import LlamaForCausalLM
+from tuili.models.weights import WeightPlan, check_int4_shapes
+from tuili.platform import Platform
 
 CPU = torch.device("cpu")
 BF16_BOUND = 2**-6
 FP32_BOUND = 1e-5
 # The CPU weight-only ops read our int4 packing only with AVX-512 (see Int4Linear).
+HERE = Platform.detect()
 OPS_EXPECTED = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
 
 
@@ -70,11 +71,9 @@ def run_both_kernels(module: QuantizedLinear, k: int, bias, w: torch.Tensor, bou
 
 
 @pytest.fixture(params=["native", "torch"])
-def dequantizer(request, monkeypatch):
+def dequantizer(request) -> Platform:
     """Both tiled dequantizers: tuili's C kernels (where they build, as here) and the torch ops."""
-    if request.param == "torch":
-        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
-    return request.param
+    return Platform.portable() if request.param == "torch" else HERE
 
 
 @pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
@@ -87,7 +86,7 @@ def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, comput
     raw = gguf.quants.quantize(w, ggml_type)
     reference = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type).copy())
     bias = torch.randn(96)
-    module = make_linear(gguf_weight(raw, ggml_type, (96, 128)), bias, compute_dtype)
+    module = make_linear(gguf_weight(raw, ggml_type, (96, 128)), bias, compute_dtype, platform=dequantizer)
     expected_class = Int8GroupLinear if ggml_type == Q.Q8_0 else Int4Linear
     assert type(module) is expected_class
     assert module.in_features == 128 and module.out_features == 96
@@ -96,22 +95,21 @@ def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, comput
     run_both_kernels(module, 128, bias, reference, FP32_BOUND if compute_dtype == torch.float32 else BF16_BOUND)
 
 
-def test_kernel_choice_follows_rows_device_and_dtype(monkeypatch):
-    module = make_linear(quantize_int4(torch.randn(64, 64), 32))
+def test_kernel_choice_follows_rows_device_and_dtype():
+    module = make_linear(quantize_int4(torch.randn(64, 64), 32), platform=HERE)
     assert module.kernel_for(200, CPU) == "tiled"
     assert module.kernel_for(1, torch.device("cuda")) == "tiled"  # the CUDA op packs differently
-    assert make_linear(quantize_int4(torch.randn(64, 64), 32), None, torch.float32).kernel_for(1, CPU) == "tiled"
-    if kernels.available():
+    assert make_linear(quantize_int4(torch.randn(64, 64), 32), None, torch.float32, platform=HERE).kernel_for(1, CPU) == "tiled"
+    if HERE.native_kernels:
         assert module.kernel_for(1, CPU) == "gemv" and module.kernel_for(INT4_GEMV_MAX_ROWS, CPU) == "gemv"
         assert module.kernel_for(INT4_GEMV_MAX_ROWS + 1, CPU) == ("op" if INT4_GEMV_MAX_ROWS < INT4_OP_MAX_ROWS else "tiled")
     if OPS_EXPECTED:
-        assert make_linear(quantize_int8(torch.randn(64, 64))).kernel_for(1, CPU) == "op"  # no native int8 gemv
-        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
-        assert module.kernel_for(1, CPU) == "op"
-        run_both_kernels(module, 64, None, module.dequantize(), BF16_BOUND)
-        monkeypatch.delenv("TUILI_NATIVE_KERNELS")
+        assert make_linear(quantize_int8(torch.randn(64, 64)), platform=HERE).kernel_for(1, CPU) == "op"  # no int8 gemv
+        portable = make_linear(quantize_int4(torch.randn(64, 64), 32), platform=Platform.portable())
+        assert portable.kernel_for(1, CPU) == "op"
+        run_both_kernels(portable, 64, None, portable.dequantize(), BF16_BOUND)
     # K not a multiple of 32 would crash the int8 op: the tiled kernel must serve it.
-    odd = make_linear(quantize_int8(torch.randn(5, 33)))
+    odd = make_linear(quantize_int8(torch.randn(5, 33)), platform=HERE)
     assert odd.kernel_for(1, CPU) == "tiled"
     run_both_kernels(odd, 33, None, odd.dequantize(), BF16_BOUND)
 
@@ -119,6 +117,13 @@ def test_kernel_choice_follows_rows_device_and_dtype(monkeypatch):
 @pytest.fixture(scope="module")
 def smollm2():
     return open_gguf(default_model_path())
+
+
+def smollm2_plan(ckpt, compute_dtype: torch.dtype = torch.bfloat16) -> WeightPlan:
+    """The loader's weight plan for the embedded GGUF run packed (its linears as stored)."""
+    tensors = {name: (lambda n=name: ckpt.load_tensor(n)) for name in ckpt.tensor_names()}
+    return WeightPlan(HERE, compute_dtype, tensors, LlamaForCausalLM.stacked_projections, "smollm2",
+                      quantized_dtype=compute_dtype, gguf_packed=ckpt)
 
 
 def test_smollm2_tensors_packed_equal_gguf_dequantization(smollm2):
@@ -129,7 +134,7 @@ def test_smollm2_tensors_packed_equal_gguf_dequantization(smollm2):
     raw = smollm2.raw_tensor(name)
     reference = torch.from_numpy(gguf.quants.dequantize(raw.reshape(info.shape[0], -1), Q.Q4_1).copy())
     for dtype, bound in [(torch.float32, FP32_BOUND), (torch.bfloat16, BF16_BOUND)]:
-        run_both_kernels(make_linear(gguf_weight(raw, Q.Q4_1, info.shape), None, dtype), info.shape[1], None,
+        run_both_kernels(make_linear(gguf_weight(raw, Q.Q4_1, info.shape), None, dtype, platform=HERE), info.shape[1], None,
                          reference, bound)
 
     embed = smollm2.tensor_info("model.embed_tokens.weight")
@@ -137,31 +142,36 @@ def test_smollm2_tensors_packed_equal_gguf_dequantization(smollm2):
     rows = smollm2.raw_tensor("model.embed_tokens.weight").reshape(embed.shape[0], -1)[:256]
     reference = torch.from_numpy(gguf.quants.dequantize(rows, Q.Q8_0).copy())
     for dtype, bound in [(torch.float32, FP32_BOUND), (torch.bfloat16, BF16_BOUND)]:
-        module = make_linear(gguf_weight(rows, Q.Q8_0, (256, embed.shape[1])), None, dtype)
+        module = make_linear(gguf_weight(rows, Q.Q8_0, (256, embed.shape[1])), None, dtype, platform=HERE)
         run_both_kernels(module, embed.shape[1], None, reference, bound)
 
 
 def test_smollm2_qkv_stacks_parts_and_undoes_llama_cpp_row_order(smollm2):
     names = [f"model.layers.3.self_attn.{p}_proj.weight" for p in "qkv"]
     assert smollm2.tensor_info(names[0]).rope_heads is not None
-    module = gguf_linear(smollm2, names, None, torch.float32)
+    module = smollm2_plan(smollm2, torch.float32).linear("model.layers.3.self_attn.qkv_proj", 576, 960, bias=False)
     expected = torch.cat([smollm2.load_tensor(n) for n in names])  # the float loader's tensors
     assert module.dequantize().shape == expected.shape == (960, 576)
     torch.testing.assert_close(module.dequantize(), expected, rtol=1e-6, atol=1e-7)
 
 
 def test_smollm2_every_decoder_linear_runs_packed(smollm2):
-    packed = gguf_packed_linears(smollm2, LlamaForCausalLM.packed_modules)
+    plan = smollm2_plan(smollm2)
     cfg = smollm2.config
-    layers = cfg["num_hidden_layers"]
-    assert len(packed.modules) == 4 * layers
-    assert len(packed.tensors) == 7 * layers  # q, k, v, o, gate, up, down weights
-    qkv = packed.modules["model.layers.0.self_attn.qkv_proj"]
+    layers, hidden, inter = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]
+    shapes = {"self_attn.qkv_proj": (hidden, 576 + 2 * 192), "self_attn.o_proj": (hidden, hidden),
+              "mlp.gate_up_proj": (hidden, 2 * inter), "mlp.down_proj": (inter, hidden)}
+    modules = {f"model.layers.{i}.{name}": plan.linear(f"model.layers.{i}.{name}", k, n, bias=False)
+               for i in range(layers) for name, (k, n) in shapes.items()}
+    assert all(isinstance(m, QuantizedLinear) for m in modules.values())
+    tensors = [n for n in smollm2.tensor_names() if n.startswith("model.layers.") and n.endswith("proj.weight")]
+    assert len(tensors) == 7 * layers  # q, k, v, o, gate, up, down weights
+    qkv = modules["model.layers.0.self_attn.qkv_proj"]
     assert (qkv.in_features, qkv.out_features) == (576, 576 + 2 * 192)
-    assert packed.modules["model.layers.29.mlp.gate_up_proj"].out_features == 2 * cfg["intermediate_size"]
+    assert modules["model.layers.29.mlp.gate_up_proj"].out_features == 2 * inter
     # 4-bit codes plus a bf16 scale and zero per 32 values: 5 bits per weight, like Q4_1 itself.
-    weights = sum(smollm2.tensor_info(n).shape[0] * smollm2.tensor_info(n).shape[1] for n in packed.tensors)
-    assert sum(m.weight_bytes for m in packed.modules.values()) == weights * 5 // 8
+    weights = sum(smollm2.tensor_info(n).shape[0] * smollm2.tensor_info(n).shape[1] for n in tensors)
+    assert sum(m.weight_bytes for m in modules.values()) == weights * 5 // 8
 
 
 # -- quantizers: round-trip error bounds ---------------------------------------------------------
@@ -213,7 +223,7 @@ def test_modules_compute_what_their_stored_values_mean(kind, dequantizer):
             q = quantize_int4(w, 64, dtype)
             expand = lambda t: t.float().repeat_interleave(64, dim=1)  # noqa: E731
             meaning = expand(q.scale) * (q.q.float() - 8) + expand(q.zero)
-        module = make_linear(q, bias, dtype)
+        module = make_linear(q, bias, dtype, platform=dequantizer)
         assert type(module) is (Int8Linear if kind == "int8" else Int4Linear)
         torch.testing.assert_close(module.dequantize(), meaning, rtol=0, atol=0)
         run_both_kernels(module, 256, bias, meaning, bound)
@@ -225,8 +235,8 @@ def test_few_row_kernels_take_any_float_input_and_output_dtype(dtype):
     # input's dtype, or float32 when asked (logits), whatever kernel the rows pick.
     torch.manual_seed(0)
     w = torch.randn(96, 64)
-    modules = [make_linear(quantize_int4(w, 32)), make_linear(quantize_int8(w)), make_linear(Int8GroupWeight(
-        quantize_int8(w).q, torch.rand(96, 2) / 50, 32))]
+    modules = [make_linear(quantize_int4(w, 32), platform=HERE), make_linear(quantize_int8(w), platform=HERE),
+               make_linear(Int8GroupWeight(quantize_int8(w).q, torch.rand(96, 2) / 50, 32), platform=HERE)]
     for module in modules:
         for rows in (1, 3, 40):
             x = torch.randn(rows, 64).to(dtype)
@@ -241,8 +251,8 @@ def test_cat_stacks_along_the_output_dimension():
     parts = [torch.randn(n, 64) for n in (64, 32, 32)]
     for quantize in (quantize_int8, lambda t: quantize_int4(t, 32)):
         weights = [quantize(p) for p in parts]
-        stacked = make_linear(type(weights[0]).cat(weights), None, torch.float32)
-        singles = [make_linear(w, None, torch.float32) for w in weights]
+        stacked = make_linear(type(weights[0]).cat(weights), None, torch.float32, platform=HERE)
+        singles = [make_linear(w, None, torch.float32, platform=HERE) for w in weights]
         x = torch.randn(4, 64)
         torch.testing.assert_close(stacked(x), torch.cat([m(x) for m in singles], dim=-1), rtol=1e-6, atol=1e-6)
     with pytest.raises(CheckpointError, match="different group sizes"):
@@ -284,14 +294,19 @@ def test_quantized_model_logits(tiny_checkpoint, method, prompt_logits):
 
     # Exact path (float32 compute): the quantized model equals a float model whose linears hold
     # the dequantized weights, i.e. the packed kernels compute what the stored values mean.
-    exact = tiny_llm(tiny_checkpoint)
-    report = quantize_model(exact.engine.runner.model, method, compute_dtype=torch.float32)
-    assert report.method == method and report.linears == 4 * TINY["num_hidden_layers"]
+    # The output head's int8 copy of the tied embedding becomes the reference's own head matrix.
+    exact = LLM(model=str(tiny_checkpoint), dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20,
+                quantization=method)
+    quantized = {n: m for n, m in exact.engine.runner.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(quantized) == 4 * TINY["num_hidden_layers"] + 1 and "lm_head.projection" in quantized
+    assert {m.compute_dtype for m in quantized.values()} == {torch.float32}
     reference = tiny_llm(tiny_checkpoint)
     float_linears = dict(reference.engine.runner.model.named_modules())
-    for name, module in exact.engine.runner.model.named_modules():
-        if isinstance(module, QuantizedLinear):
-            with torch.no_grad():
+    for name, module in quantized.items():
+        with torch.no_grad():
+            if name == "lm_head.projection":
+                float_linears["lm_head"].projection = Linear.holding(module.dequantize(), None, HERE)
+            else:
                 float_linears[name].weight.copy_(module.dequantize())
     exact_logits = prompt_logits(exact, PROMPTS)
     torch.testing.assert_close(exact_logits, prompt_logits(reference, PROMPTS), rtol=1e-4, atol=1e-4)
@@ -302,7 +317,8 @@ def test_quantized_model_logits(tiny_checkpoint, method, prompt_logits):
     model = fast.engine.runner.model
     assert fast.engine.weights_quantized == method
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert type(model.lm_head) is Int8Linear and model.lm_head.compute_dtype == torch.bfloat16
+    head = model.lm_head.projection
+    assert type(head) is Int8Linear and head.compute_dtype == torch.bfloat16
     layers = [m for m in model.model.layers.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * TINY["num_hidden_layers"]
     packed = sum(m.weight_bytes for m in layers)
@@ -331,11 +347,18 @@ def test_quantized_model_logits(tiny_checkpoint, method, prompt_logits):
         assert error.mean() < 0.25 and agree >= 0.5, (error.mean(), agree)
 
 
+def random_tensors(shapes: dict[str, tuple[int, ...]]) -> dict:
+    """A weight plan's tensor source holding random tensors of these shapes."""
+    tensors = {name: torch.randn(*shape) for name, shape in shapes.items()}
+    return {name: (lambda t=t: t) for name, t in tensors.items()}
+
+
 def test_untied_lm_head_is_kept_at_int8():
     torch.manual_seed(0)
-    model = nn.ModuleDict({"proj": nn.Linear(64, 64), "lm_head": nn.Linear(64, 320, bias=False)})
-    quantize_model(model, "int4")
-    assert type(model["proj"]) is Int4Linear and type(model["lm_head"]) is Int8Linear
+    tensors = random_tensors({"proj.weight": (64, 64), "proj.bias": (64,), "lm_head.weight": (320, 64)})
+    plan = WeightPlan(HERE, torch.float32, tensors, {}, "test", quantization="int4")
+    assert type(plan.linear("proj", 64, 64, bias=True)) is Int4Linear
+    assert type(plan.linear("lm_head", 64, 320, bias=False)) is Int8Linear
 
 
 def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2, prompt_logits):
@@ -362,9 +385,10 @@ def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2, prompt_logit
     out = packed.chat([conversation], SamplingParams(temperature=0.0, max_tokens=24))[0]
     assert "Paris" in out.outputs[0].text
 
-    float_model = llm.engine.runner.model
-    for path, module in gguf_packed_linears(smollm2, LlamaForCausalLM.packed_modules, torch.float32).modules.items():
-        float_model.set_submodule(path, module)
+    float_model, plan = llm.engine.runner.model, smollm2_plan(smollm2, torch.float32)
+    for path, module in list(float_model.model.layers.named_modules(prefix="model.layers")):
+        if isinstance(module, nn.Linear):
+            float_model.set_submodule(path, plan.linear(path, module.in_features, module.out_features, bias=False))
     exact = (prompt_logits(llm, [prompt]) - float_logits).abs() / float_logits.std()
     assert exact.max() < 1e-3, exact.max()  # the same weights: float32 rounding only
 
@@ -379,18 +403,18 @@ def test_engine_refuses_an_unknown_quantization_by_name():
 
 def test_unknown_method_lists_the_supported_ones():
     with pytest.raises(TuiliError, match=r"quantization 'fp8' is not supported: expected one of int8, int4"):
-        quantize_model(nn.Sequential(nn.Linear(64, 64)), "fp8")
+        WeightPlan(HERE, torch.float32, {}, {}, "test", quantization="fp8")
 
 
 def test_int4_on_an_indivisible_input_size_names_the_tensor_and_sizes():
-    model = nn.ModuleDict({"up": nn.Linear(64, 96), "down": nn.Linear(96, 64)})
+    # The plan checks every linear of the checkpoint before it builds any.
+    tensors = random_tensors({"model.layers.0.up.weight": (96, 64), "model.layers.0.down.weight": (64, 96)})
     with pytest.raises(TuiliError) as info:
-        quantize_model(model, "int4", group_size=64)
+        WeightPlan(HERE, torch.float32, tensors, {}, "test", quantization="int4", group_size=64)
     message = str(info.value)
     assert "down.weight has 96 inputs (96 % 64 = 32)" in message and "group sizes that fit every layer: 32" in message
-    assert type(model["up"]) is nn.Linear and type(model["down"]) is nn.Linear  # nothing was replaced
     with pytest.raises(TuiliError, match="group size 48 is not supported: expected one of 32, 64, 128, 256"):
-        quantize_model(model, "int4", group_size=48)
+        check_int4_shapes([("up", 64)], 48)
     with pytest.raises(TuiliError, match=r"this weight is \[8, 40\] \(40 % 32 = 8\)"):
         quantize_int4(torch.randn(8, 40), 32)
 

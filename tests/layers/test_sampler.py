@@ -10,9 +10,10 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from tuili.layers.sampler import Sampler, SamplingRow
+from tuili.platform import Platform
 from tuili.sampling import SamplingParams
 
-sampler = Sampler()
+sampler = Sampler(Platform.detect())
 
 # The sampler runs wherever the logits are; where a GPU is present, the key tests run there too.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -54,7 +55,7 @@ def test_temperature_zero_and_top_k_one_are_argmax():
         assert [t.token_id for t in sampler(logits, rows)] == expected
 
 
-def test_greedy_over_non_finite_logits_and_ties_is_the_same_natively_and_in_torch(monkeypatch):
+def test_greedy_over_non_finite_logits_and_ties_is_the_same_natively_and_in_torch():
     """Plain greedy rows go to the native arg-max where it builds; it must pick what the torch path
     picks after nan_to_num: the first of tied maxima, +inf as the largest finite value, never NaN."""
     logits = torch.randn(7, 3001, generator=torch.Generator().manual_seed(5))
@@ -67,8 +68,7 @@ def test_greedy_over_non_finite_logits_and_ties_is_the_same_natively_and_in_torc
     logits[5, 3000] = 60.0  # the maximum in the last, odd element
     rows = [make_row(temperature=0.0) for _ in range(7)]
     native = [t.token_id for t in sampler(logits, rows)]
-    monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
-    assert [t.token_id for t in sampler(logits, rows)] == native
+    assert [t.token_id for t in Sampler(Platform.portable())(logits, rows)] == native
     assert native[:3] == [17, 6, 100] and native[5] == 3000
 
 
@@ -366,7 +366,7 @@ def test_extreme_parameters_never_draw_outside_the_vocabulary():
         SamplingRow(SamplingParams(temperature=0.7, repetition_penalty=1e300, presence_penalty=2.0), [5], [5, 6]),
     ]
     for _ in range(20):
-        tokens = [t.token_id for t in Sampler()(logits, rows)]
+        tokens = [t.token_id for t in Sampler(Platform.detect())(logits, rows)]
         assert all(0 <= t < 50 for t in tokens)
     assert tokens[0] == int(logits[0].argmax())  # below 1e-5 counts as greedy
 

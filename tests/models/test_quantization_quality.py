@@ -36,6 +36,8 @@ from torch import nn
 from tuili import LLM, SamplingParams
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
+from tuili.layers.linear import Linear
+from tuili.layers.logits import OutputHead
 from tuili.layers.quant import QuantizedLinear
 
 DATA = Path(__file__).parents[1] / "data"
@@ -153,16 +155,15 @@ def bf16(float32_llm, prompt_logits, text_ids, prompts) -> Measured:
     float linears (the float32 model's class) holding its weights rounded to bf16."""
     llm = LLM(dtype="bfloat16", **OPTIONS)
     model, float_modules = llm.engine.runner.model, dict(float32_llm.engine.runner.model.named_modules())
-    model.packed_logits = None  # the logits read the float output matrix, as the float32 model's do
+    # the logits read the float output matrix, as the float32 model's do
+    model.lm_head = OutputHead(model.lm_head.projection)
     swapped = 0
     for path, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
             source = float_modules[path]
             assert isinstance(source, nn.Linear) and source.bias is None
             # the loader's own float linear class, so the baseline runs the float model's kernels
-            linear = type(source)(source.in_features, source.out_features, bias=False, dtype=torch.bfloat16)
-            with torch.no_grad():
-                linear.weight.copy_(source.weight)
+            linear = Linear.holding(source.weight.detach().to(torch.bfloat16), None, model.platform)
             model.set_submodule(path, linear)
             swapped += 1
     assert swapped == 4 * model.config.num_layers  # qkv, o, gate_up, down of every layer

@@ -127,8 +127,8 @@ def test_a_packed_copy_of_the_output_matrix_stands_for_it():
     llm = LLM(max_model_len=64, kv_cache_memory=16 << 20)
     runner = llm.engine.runner
     model = runner.model
-    copy = model.packed_logits
-    assert copy is not None and model.lm_head is None
+    copy = model.lm_head.decode_copy
+    assert copy is not None and model.config.tie_word_embeddings
     assert engine_storage(model).bytes_by_kind["embedding"] == copy.weight_bytes
     embedding = model.model.embed_tokens.weight
     float_matrix = embedding.numel() * embedding.element_size()

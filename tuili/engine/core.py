@@ -39,6 +39,7 @@ from tuili.perf.cost import ModelCost
 from tuili.perf.formats import canonical_dtype
 from tuili.perf.hardware import current_hardware
 from tuili.perf.meter import UtilizationMeter
+from tuili.platform import Platform
 from tuili.sampling import SamplingParams
 from tuili.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -96,10 +97,11 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.platform = Platform.detect(self.device)
+        self.dtype = resolve_dtype(config.dtype, self.platform)
         torch.manual_seed(config.seed)
         loaded = load_model(
-            config.model, self.dtype, self.device, config.max_model_len, config.quantization,
+            config.model, self.dtype, self.platform, config.max_model_len, config.quantization,
             packed_compute_dtype(config.dtype, self.device, self.dtype),
         )
         self.weights_quantized = loaded.quantized

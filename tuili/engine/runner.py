@@ -7,16 +7,14 @@ random generators. It knows nothing of HTTP or of scheduling policy.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from tuili import kernels
 from tuili.config import ModelConfig
 from tuili.engine.decode_graphs import DecodeGraphs
 from tuili.engine.kv_cache import BlockCopies, blocks_for, slot
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
-from tuili.layers.linear import PackedLinear
+from tuili.layers.linear import AmxLinear
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
@@ -47,13 +45,13 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.platform)
         self._generators: dict[int, torch.Generator] = {}
         cfg = model.config
         kv_dtype = kv_dtype or dtype
-        # Decodes go to the native kernel where it builds (CPU; the torch path everywhere else,
-        # and under TUILI_NATIVE_KERNELS=0).
-        self.native_attention = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernels.available()
+        # Decodes go to the attention backend's paged kernel where it has one (the native CPU
+        # backend), else into gathered groups.
+        self.native_attention = model.attention.reads_paged_decodes
         # Pure decode steps replay CPU graphs where the native kernels do all their work.
         self.graphs: DecodeGraphs | None = None
         if self.native_attention and kv_dtype == dtype and not enforce_eager:
@@ -127,20 +125,20 @@ class ModelRunner:
         return sum(self._weight_storages().values())
 
     def decode_weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads: all of them, except an embedding matrix
-        whose logits come from a separate output module (untied, or a packed copy of a tied
-        one): the token lookup reads only a few of its rows. With a packed copy of the output
-        matrix for decode logits (packed_logits) the float matrix is not counted: it is read
-        only by steps of more rows than the copy's kernel takes."""
+        """Bytes of weights one decode step reads: all of them, except that the token lookup
+        reads only a few rows of the embedding matrix and the logits read what the output head
+        reads for one row (the embedding matrix when tied, a decode copy where there is one)."""
         storages = self._weight_storages()
-        if self.model.lm_head is not None or self.model.packed_logits is not None:
-            storages.pop(self.model.model.embed_tokens.weight.untyped_storage().data_ptr(), None)
-        if self.model.packed_logits is not None and isinstance(self.model.lm_head, nn.Linear):
-            storages.pop(self.model.lm_head.weight.untyped_storage().data_ptr(), None)
+        head = self.model.lm_head
+        unread = [self.model.model.embed_tokens.weight, *head.parameters(), *head.buffers()]
+        for tensor in unread:
+            storages.pop(tensor.untyped_storage().data_ptr(), None)
+        for tensor in head.weights_read(1, self.device):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return sum(storages.values())
 
     def _weight_storages(self) -> dict[int, int]:
-        quantized = (b for m in self.model.modules() if isinstance(m, (QuantizedLinear, PackedLinear)) for b in m.buffers())
+        quantized = (b for m in self.model.modules() if isinstance(m, (QuantizedLinear, AmxLinear)) for b in m.buffers())
         tensors = [*self.model.parameters(), *quantized]
         return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 

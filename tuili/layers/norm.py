@@ -12,22 +12,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuili import kernels
+from tuili.platform import Platform
 
 
-def fused_elementwise(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    """Whether the native elementwise kernels take x (and a weight of x's dtype)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and (weight is None or weight.dtype == x.dtype)
-        and kernels.available()
-    )
+def fused_elementwise(platform: Platform, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether the native elementwise kernels take x (and a weight of x's dtype) on `platform`."""
+    return platform.native(x) and (weight is None or weight.dtype == x.dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, platform: Platform) -> None:
         super().__init__()
         self.eps = eps
+        self.platform = platform
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(
@@ -35,7 +32,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x); or, given the residual stream, (RMSNorm(x + residual), x + residual).
         The residual passed in may be overwritten: use the one returned."""
-        if fused_elementwise(x, self.weight):
+        if fused_elementwise(self.platform, x, self.weight):
             dim = x.shape[-1]
             flat = x.reshape(-1, dim).contiguous()
             out = torch.empty_like(flat)

@@ -11,6 +11,7 @@ from torch import nn
 
 from tuili import kernels
 from tuili.layers.norm import RMSNorm, fused_elementwise
+from tuili.platform import Platform
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -65,12 +66,13 @@ def norm_and_rotate(
     num_kv_heads: int,
     norms: tuple[RMSNorm, RMSNorm] | None,
     tables: tuple[torch.Tensor, torch.Tensor],
+    platform: Platform,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v from qkv [T, Hq + 2 Hkv, D]: q and k each RMS-normalized per head first when
-    `norms` (q's, k's) are given (Qwen3), then rotated. On CPUs where tuili's kernels build, one
+    `norms` (q's, k's) are given (Qwen3), then rotated. Where the platform's native kernels run, one
     fused pass works in place on qkv and q, k, v are views of it."""
     q_norm, k_norm = norms if norms is not None else (None, None)
-    if fused_elementwise(qkv) and all(n is None or n.weight.dtype == qkv.dtype for n in (q_norm, k_norm)):
+    if fused_elementwise(platform, qkv) and all(n is None or n.weight.dtype == qkv.dtype for n in (q_norm, k_norm)):
         cos, sin = tables
         qkv = qkv.contiguous()
         kernels.qk_norm_rope(

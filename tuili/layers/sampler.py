@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tuili import kernels
+from tuili.platform import Platform
 from tuili.sampling import SamplingParams
 
 # How many of the most likely tokens top_p first looks at (see _nucleus).
@@ -71,10 +72,13 @@ class SampledToken:
 class Sampler:
     """Picks one token per row of ``logits`` [B, V] as the module docstring describes."""
 
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
-        if _native_greedy(logits, rows):
+        if self.platform.native_kernels and _native_greedy(logits, rows):
             return _results(kernels.argmax_rows(logits), rows, [], None)
         # A float32 copy: everything below edits it in place.
         logits = logits.to(torch.float32, copy=True)
@@ -119,7 +123,6 @@ def _native_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
             and not row.suppressed_token_ids
             for row in rows
         )
-        and kernels.available()
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from tuili.errors import CheckpointError, UnsupportedModelError
+from tuili.layers.quant.formats import Int4Weight, Int8GroupWeight, Int8Weight, QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -129,6 +130,20 @@ class GGUFCheckpoint:
         if info.rope_heads is not None:
             tensor = _undo_rope_permutation(tensor, info.rope_heads)
         return tensor.to(dtype)
+
+    def runs_packed(self, hf_name: str) -> bool:
+        """Whether the tensor's type is one the packed kernels read as stored (quantized_tensor)."""
+        return self.tensor_info(hf_name).ggml_type in PACKED_GGUF_TYPES
+
+    def quantized_tensor(self, hf_name: str) -> QuantizedWeight:
+        """The tensor `hf_name` as stored, not dequantized (Q4_0, Q4_1, Q8_0: quantized_weight),
+        in Hugging Face row order."""
+        info = self.tensor_info(hf_name)
+        weight = quantized_weight(self.raw_tensor(hf_name), info.ggml_type, info.shape)
+        if info.rope_heads is None:
+            return weight
+        # llama.cpp's q/k row order: whole rows move, so whole rows of blocks do.
+        return _take_rows(weight, _undo_rope_permutation(torch.arange(info.shape[0]), info.rope_heads))
 
     # -- tokenizer -----------------------------------------------------------------------
 
@@ -468,17 +483,22 @@ def dequantize(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tuple[int
             f"tensor type {ggml_type.name} cannot be dequantized; supported types: "
             f"{', '.join(q.name for q in _DEQUANTIZERS)}"
         )
+    return convert(_blocks(raw, ggml_type, shape)).reshape(shape)
+
+
+def _blocks(raw: Any, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """`raw` as its blocks, [n_blocks, block bytes] uint8 (a copy: the file map is read-only),
+    after checking that rows of `shape` are whole blocks and that the bytes are all there."""
     block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
     n_values = math.prod(shape)
     data = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else raw
     data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if shape[-1] % block_size != 0 or data.size != n_values // block_size * block_bytes:
+    if not shape or shape[-1] % block_size != 0 or data.size != n_values // block_size * block_bytes:
         raise CheckpointError(
-            f"a {ggml_type.name} tensor of shape {tuple(shape)} needs rows in multiples of {block_size} "
+            f"a {ggml_type.name} weight of shape {tuple(shape)} needs rows in multiples of {block_size} "
             f"and {n_values // block_size * block_bytes} bytes; got {data.size} bytes"
         )
-    blocks = torch.from_numpy(data.copy()).reshape(-1, block_bytes)  # copy: the file map is read-only
-    return convert(blocks).reshape(shape)
+    return torch.from_numpy(data.copy()).reshape(-1, block_bytes)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -595,3 +615,43 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.Q5_K: _dequantize_q5_k,
     GGMLQuantizationType.Q6_K: _dequantize_q6_k,
 }
+
+
+# -- quantized weights, read without dequantizing ----------------------------------------------
+
+PACKED_GGUF_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> QuantizedWeight:
+    """The quantized weight held in a GGUF tensor's raw bytes, in row-major ([out, in]) shape,
+    for the packed kernels (tuili/layers/quant): Q4_0 and Q4_1 as an Int4Weight, Q8_0 as an
+    Int8GroupWeight, the blocks' codes as stored and their scales in float32 (exact).
+
+    Block layouts as above: Q4_0 = d, 16 bytes of nibbles, w = d*(q - 8); Q4_1 = d, m, 16 bytes,
+    w = d*q + m; Q8_0 = d, 32 int8, w = d*q."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in PACKED_GGUF_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF tensor type {ggml_type.name} cannot run packed; packed types: "
+            f"{', '.join(t.name for t in PACKED_GGUF_TYPES)} (others are dequantized at load)"
+        )
+    if len(shape) != 2:
+        raise CheckpointError(f"a {ggml_type.name} weight must be 2-D to run packed; got shape {tuple(shape)}")
+    blocks = _blocks(raw, ggml_type, shape)
+    n, k = shape
+    d = _f16(blocks, 0).view(n, k // 32)
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        return Int8GroupWeight(blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k), d, 32)
+    q = _nibbles(blocks[:, 2:] if ggml_type == GGMLQuantizationType.Q4_0 else blocks[:, 4:]).reshape(n, k)
+    if ggml_type == GGMLQuantizationType.Q4_0:
+        return Int4Weight(q, d, torch.zeros_like(d), 32)
+    m = _f16(blocks, 2).view(n, k // 32)
+    return Int4Weight(q, d, m + 8 * d, 32)
+
+
+def _take_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(weight.q[rows], weight.scale[rows], weight.zero[rows], weight.group_size)
+    if isinstance(weight, Int8GroupWeight):
+        return Int8GroupWeight(weight.q[rows], weight.scale[rows], weight.group_size)
+    return Int8Weight(weight.q[rows], weight.scale[rows])

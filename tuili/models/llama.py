@@ -1,8 +1,11 @@
 """The Llama-family decoder: Llama (incl. Llama 3 RoPE scaling), Mistral, Qwen2, Qwen3.
 
 This file describes the network and nothing else: the differences between the family
-members are flags on ModelConfig (q/k/v bias, q/k RMSNorm, tied embeddings). Parameter
-names follow the Hugging Face checkpoints so weights load by name.
+members are flags on ModelConfig (q/k/v bias, q/k RMSNorm, tied embeddings). Module paths
+follow the Hugging Face checkpoints. The model is built whole: each linear, the embedding and
+the output head come from the loader's weight plan (tuili/models/weights.py: float, AMX
+layout, int8/int4, GGUF blocks), every layer computes on the platform and the attention backend
+it is given, and nothing is replaced after construction.
 """
 
 from __future__ import annotations
@@ -12,26 +15,26 @@ from torch import nn
 
 from tuili.config import ModelConfig
 from tuili.layers.activation import silu_and_mul
-from tuili.layers.attention import AttentionMetadata, KVCache, paged_attention
-from tuili.layers.linear import Linear, linear
+from tuili.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from tuili.layers.norm import RMSNorm
-from tuili.layers.quant import PACKED_LOGITS_MAX_ROWS, QuantizedLinear
 from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
+from tuili.models.weights import WeightPlan
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin at this step's positions
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, prefix: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v projections as one matmul (checkpoints' q_proj/k_proj/v_proj rows stacked).
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = plan.linear(f"{prefix}.qkv_proj", cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = plan.linear(f"{prefix}.o_proj", cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plan.platform)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, plan.platform)
+        self.platform, self.backend = plan.platform, backend
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
         # Bound by the runner once the KV pool exists.
@@ -40,31 +43,32 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q, k, v = norm_and_rotate(qkv, self.num_heads, self.num_kv_heads, norms, rope)
+        q, k, v = norm_and_rotate(qkv, self.num_heads, self.num_kv_heads, norms, rope, self.platform)
         assert self.kv_cache is not None, "the runner binds the KV cache before the first forward"
-        self.kv_cache.store(k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+        self.backend.store(self.kv_cache, k, v, meta.slot_mapping)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: WeightPlan, prefix: str) -> None:
         super().__init__()
         # gate and up projections as one matmul (checkpoints' gate_proj/up_proj rows stacked).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = plan.linear(f"{prefix}.gate_up_proj", cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = plan.linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.platform = plan.platform
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.platform))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, prefix: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
+        self.self_attn = Attention(cfg, plan, backend, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
+        self.mlp = MLP(cfg, plan, f"{prefix}.mlp")
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata
@@ -81,12 +85,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, plan: WeightPlan, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, backend, f"model.layers.{i}") for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.run_layers(*self.embed(input_ids, positions), meta)
@@ -105,26 +109,19 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """forward() returns final hidden states for every token; compute_logits() projects the
-    few rows that are sampled, so a long prefill never materialises [T, vocab] logits.
+    few rows that are sampled, so a long prefill never materialises [T, vocab] logits. The
+    output head (tuili/layers/logits.py) holds the output matrix: the embedding table when
+    tied, `lm_head.weight` otherwise, float or quantized, with or without a decode copy."""
 
-    `lm_head` is None when the embeddings are tied (the logits then read the embedding matrix),
-    unless a loader installs a quantized copy of that matrix for the logits to read instead.
-    `packed_logits`, when a loader sets it (GGUF files run packed), is a quantized copy of the
-    output matrix for the logits of decode steps of up to PACKED_LOGITS_MAX_ROWS rows, where its
-    native kernel reads fewer bytes than the float matrix; more rows keep reading the float
-    matrix."""
+    # Modules that stack several checkpoint tensors, in order, along the output dimension.
+    stacked_projections = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    # Parameters that stack several checkpoint tensors, in order, along dim 0.
-    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, plan: WeightPlan, attention: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions)
-        self.lm_head: nn.Module | None = None
-        self.packed_logits: QuantizedLinear | None = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.platform, self.attention = plan.platform, attention
+        self.model = LlamaModel(cfg, max_positions, plan, attention)
+        self.lm_head = plan.output_head("lm_head", self.model.embed_tokens, cfg.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -138,19 +135,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.run_layers(x, rope, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits; from bf16 weights, unrounded where the native kernels run (linear)."""
-        packed = self.packed_logits
-        if (
-            packed is not None
-            and hidden.shape[0] <= PACKED_LOGITS_MAX_ROWS
-            and packed.kernel_for(hidden.shape[0], hidden.device) == "gemv"
-        ):
-            return packed(hidden, out_dtype=torch.float32)
-        if self.lm_head is None:
-            return linear(hidden, self.model.embed_tokens.weight, out_dtype=torch.float32)
-        if isinstance(self.lm_head, Linear):
-            return linear(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
-        return self.lm_head(hidden).float()
+        """Float32 logits of the rows of `hidden`."""
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -222,22 +222,22 @@ def engine_storage(model: torch.nn.Module) -> CheckpointBytes:
     """The bytes the engine's model holds per kind of weight (tuili/perf/shapes.py KINDS): its
     parameters and its quantized linears' codes and scales, each storage once (a tied embedding
     is one tensor); a packed copy of the output matrix in that matrix's place."""
-    from tuili.layers.linear import PackedLinear
+    from tuili.layers.linear import AmxLinear
     from tuili.layers.quant import QuantizedLinear
 
     tensors = list(model.named_parameters())
     for name, module in model.named_modules():
-        if isinstance(module, (QuantizedLinear, PackedLinear)):
+        if isinstance(module, (QuantizedLinear, AmxLinear)):
             tensors += [(f"{name}.{b}", t) for b, t in module.named_buffers()]
-    if getattr(model, "packed_logits", None) is not None:
-        # A packed copy of the output matrix serves the logits of prefills and of decode steps
-        # of up to PACKED_LOGITS_MAX_ROWS rows: it stands for that matrix (the embedding when
-        # tied, whose token lookup reads only a few rows), as what a step reads.
-        output = "lm_head" if model.lm_head is not None else "model.embed_tokens"
+    if model.lm_head.decode_copy is not None:
+        # A decode copy of the output matrix serves the logits of decode steps of few rows: it
+        # stands for that matrix (the embedding when tied, whose token lookup reads only a few
+        # rows), as what a step reads.
+        output = "model.embed_tokens" if model.config.tie_word_embeddings else "lm_head"
         tensors = [
-            (name.replace("packed_logits", output, 1), t)
+            (name.replace("lm_head.decode_copy", output, 1), t)
             for name, t in tensors
-            if not name.startswith(f"{output}.")
+            if not name.startswith(f"{output}.") or name.startswith("lm_head.decode_copy")
         ]
     seen: set[int] = set()
     by_kind: dict[str, int] = {}

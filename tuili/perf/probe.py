@@ -12,6 +12,7 @@ this machine can do", which is the only meaningful ceiling for a CPU (no datashe
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ from tuili.perf.hardware import (
     ENGINE_PREFILL_ROWS,
     HardwareSpec,
 )
+from tuili.platform import Platform
 
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_GEMV_K = 512  # a small model's projection: its time is mostly the per-matmul overhead
@@ -341,7 +343,8 @@ def _packed_int4(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> l
     from tuili.perf.overhead import PACKED_OP_MAX_ROWS
 
     k, n = 1024, 4096
-    module = make_linear(quantize_int4(torch.randn(n, k), 32, torch.bfloat16), None, torch.bfloat16)
+    weight = quantize_int4(torch.randn(n, k), 32, torch.bfloat16)
+    module = make_linear(weight, None, torch.bfloat16, platform=Platform.detect(dev))
     module_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
     streamed = [module] + [copy.deepcopy(module) for _ in range(-(-sizes.buffer_bytes // module_bytes) - 1)]
     out = []
@@ -362,20 +365,22 @@ ENGINE_LINEAR = "engine linear"
 
 
 def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
-    """tuili's own dense linear as the engine's decoder layers run it (tuili/layers/linear.py: a
-    PackedLinear where the loader packs bf16 weights, else `linear`: native GEMV or AMX kernels
-    where they run, else F.linear): one row, and prompt chunks of ENGINE_LINEAR_ROWS, times
-    weight matrices cycled through from memory."""
-    from tuili.layers.linear import PackedLinear, linear, packs
+    """tuili's own dense linear as the engine's decoder layers run it (tuili/layers/linear.py: an
+    AmxLinear where the weight plan lays bf16 weights out for AMX, else `linear`: native GEMV or
+    AMX kernels where they run, else F.linear): one row, and prompt chunks of ENGINE_LINEAR_ROWS,
+    times weight matrices cycled through from memory."""
+    from tuili.layers.linear import AmxLinear, amx_holds, linear
+
+    kernels_here = Platform.detect(dev)
 
     k, out = sizes.skinny_k, []
     for dtype in sizes.skinny_dtypes:
         elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
         sample = torch.empty(k, k, dtype=_TORCH_DTYPES[dtype], device=dev)
-        if packs(sample, None):
-            matmul, prepare = (lambda x, module: module(x)), (lambda w: PackedLinear(w, None))
+        if amx_holds(sample, None, kernels_here):
+            matmul, prepare = (lambda x, module: module(x)), (lambda w: AmxLinear(w, None))
         else:
-            matmul, prepare = linear, None
+            matmul, prepare = functools.partial(linear, platform=kernels_here), None
         for rows, t, count in _cycled_matmuls(dtype, dev, sizes, k, (1, *ENGINE_LINEAR_ROWS), matmul, prepare):
             name = f"{ENGINE_LINEAR} {dtype} {rows}x{k}x{k}"
             if rows == 1:
@@ -403,18 +408,19 @@ ATTENTION_HEADS = (16, 8, 128)  # query heads, KV heads, head dim: a small model
 
 
 def _engine_attention(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
-    """tuili's causal attention of a fresh prompt over itself (tuili/layers/attention.py), as a
+    """tuili's causal attention of a fresh prompt over itself (tuili/layers/attention), as a
     prefill runs it in every layer, at the prompt lengths of ENGINE_ATTENTION_TOKENS; FLOPs
     counted as the cost model counts them, 4 x heads x head dim per key a query attends."""
-    from tuili.layers.attention import causal_attention
+    from tuili.layers.attention import attention_backend
 
     heads, kv_heads, head_dim = ATTENTION_HEADS
     out = []
     for dtype in sizes.skinny_dtypes:
+        causal_attention = attention_backend(Platform.detect(dev), _TORCH_DTYPES[dtype]).causal
         for tokens in ENGINE_ATTENTION_TOKENS:
             q, k, v = (torch.randn(tokens, h, head_dim, device=dev).to(_TORCH_DTYPES[dtype])
                        for h in (heads, kv_heads, kv_heads))
-            t = _time(lambda q=q, k=k, v=v: causal_attention(q, k, v, head_dim**-0.5), dev, sizes.seconds_per_item)
+            t = _time(lambda q=q, k=k, v=v, attend=causal_attention: attend(q, k, v, head_dim**-0.5), dev, sizes.seconds_per_item)
             flops = 4 * heads * head_dim * tokens * (tokens + 1) // 2
             out.append(Measurement(f"{ENGINE_ATTENTION} {dtype} {tokens} tokens", flops / t, "FLOP/s", t))
     return out

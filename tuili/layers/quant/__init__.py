@@ -1,0 +1,53 @@
+"""Linear layers whose weights stay quantized (8 or 4 bits plus scales) in memory and in the
+matmul: formats.py says what the stored numbers mean and makes them from float weights;
+linear.py holds the modules that multiply them. Which linear of a model is held how is the
+loader's weight plan (tuili/models/weights.py); GGUF blocks are read in tuili/models/gguf.py.
+"""
+
+from tuili.layers.quant.formats import (
+    DEFAULT_INT4_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    Int4Weight,
+    Int8GroupWeight,
+    Int8Weight,
+    QuantizedWeight,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_group,
+)
+from tuili.layers.quant.linear import (
+    INT4_GEMV_MAX_ROWS,
+    INT4_OP_MAX_ROWS,
+    INT8_OP_MAX_ROWS,
+    Q8_0_GEMV_MAX_ROWS,
+    Q8_0_OP_MAX_ROWS,
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    QuantizedLinear,
+    make_linear,
+)
+from tuili.platform import INT4_TILE_ROWS
+
+__all__ = [
+    "DEFAULT_INT4_GROUP_SIZE",
+    "INT4_GEMV_MAX_ROWS",
+    "INT4_GROUP_SIZES",
+    "INT4_OP_MAX_ROWS",
+    "INT4_TILE_ROWS",
+    "INT8_OP_MAX_ROWS",
+    "Q8_0_GEMV_MAX_ROWS",
+    "Q8_0_OP_MAX_ROWS",
+    "Int4Linear",
+    "Int4Weight",
+    "Int8GroupLinear",
+    "Int8GroupWeight",
+    "Int8Linear",
+    "Int8Weight",
+    "QuantizedLinear",
+    "QuantizedWeight",
+    "make_linear",
+    "quantize_int4",
+    "quantize_int8",
+    "quantize_int8_group",
+]

@@ -1,0 +1,408 @@
+"""Linear layers whose weights stay quantized (8 or 4 bits plus scales) in memory and in the
+matmul, so that a decode step reads a quarter to an eighth of the fp32 weight bytes.
+
+What the stored numbers mean is tuili/layers/quant/formats.py. How they are multiplied is one
+nn.Module per format (this file), with kernels chosen per call by the number of rows among those
+the platform has (the thresholds are measured crossovers: docs/kernels.md, "Measured crossovers
+and thresholds"):
+
+* "gemv": tuili's native kernel (tuili/kernels, csrc/linear_int4.c) reads the int4 layout below
+  as stored, for Int4Linear and Int8GroupLinear where the platform has the native kernels:
+  faster than PyTorch's op from one row to a few dozen. On CPUs with AVX512-VNNI it quantizes
+  the input rows to int8 per group, as llama.cpp does.
+* "op": PyTorch's CPU weight-only kernels read the packed bytes directly
+  (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`). They are the fastest way
+  to read weights at one or a few rows (decode), but their cost grows linearly with the rows.
+* "tiled": dequantize a tile of output rows (about 1 MiB) into the compute dtype and run an
+  ordinary matmul (oneDNN/AMX on CPUs, cuBLAS on GPUs), tile after tile. It pays a fixed
+  dequantization cost per call and wins from a few dozen rows on (prefill). It runs on any
+  device and shape, so it is also the path wherever the ops are missing or refuse the shape.
+
+Compute dtype. The CPU ops are fast only with bf16 activations (their fp32 paths are scalar
+loops), so a module built for bf16 stores its scales in bf16 and casts its input
+to bf16, whatever the model's dtype; the output comes back in the input's dtype. Rounding the
+activations and the scales to bf16 adds about 2^-9 relative error, far below the 4- or 8-bit
+weight error. A module built for float32 (the `compute_dtype` argument) never uses the ops and
+computes what its stored values mean to float32 rounding; tests use that to check the formats
+exactly.
+
+Q8_0 has no torch kernel with a scale per 32 values. It runs exactly on the int4 kernel: with
+u = q + 128 = 16h + l (h, l the nibbles of u), w = d*q = 16d*(h - 8) + [d*(l - 8) + 8d], two
+int4 group-wise matrices [h-part | l-part] applied to the input twice, [x, x], in one call.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tuili import kernels
+from tuili.layers.quant.formats import (
+    INT4_GROUP_SIZES,
+    Int4Weight,
+    Int8GroupWeight,
+    Int8Weight,
+    QuantizedWeight,
+    quantize_int4,
+    quantize_int8,
+)
+from tuili.platform import INT4_TILE_ROWS, Platform
+
+# Most rows for which each kernel is the fastest (measured crossovers: docs/kernels.md).
+INT8_OP_MAX_ROWS = 16
+INT4_OP_MAX_ROWS = 24
+Q8_0_OP_MAX_ROWS = 12
+INT4_GEMV_MAX_ROWS = 32
+Q8_0_GEMV_MAX_ROWS = 32
+_GEMV_DTYPES = (torch.float32, torch.bfloat16)  # what kernels.linear_int4 reads and writes
+TILE_VALUES = 1 << 19  # weights dequantized at a time: 1 MiB in bf16, resident in L2
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T + b for x of any leading shape, W held quantized (see the module docstring).
+
+    Subclasses provide the two kernels on 2-D input in the compute dtype, `dequantize()` and
+    `weight_bytes`. The compute dtype is the dtype of the stored scales (one source of truth,
+    which nn.Module.to(dtype) keeps consistent)."""
+
+    max_op_rows = 0
+    max_gemv_rows = 0  # the native "gemv" kernel: only the int4 layout has one
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, platform: Platform) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.platform = platform
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._op_fits = False  # whether the shape suits the "op" kernel; set by subclasses
+
+    def _native(self, x: torch.Tensor) -> bool:
+        """Whether tuili's C dequantizers serve this call (a CPU tensor, native kernels here)."""
+        return x.device.type == "cpu" and self.platform.native_kernels
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a forward reads for the weight: codes, scales and zeros (not the bias)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] weight the kernels compute with, for references and tests."""
+        raise NotImplementedError
+
+    def kernel_for(self, rows: int, device: torch.device) -> str:
+        """Which kernel, "gemv", "op" or "tiled", a forward over `rows` rows on `device` runs."""
+        if device.type != "cpu" or self.compute_dtype != torch.bfloat16 or rows < 1:
+            return "tiled"
+        if rows <= self.max_gemv_rows and self.platform.native_kernels:
+            return "gemv"
+        return "op" if self._op_fits and rows <= self.max_op_rows else "tiled"
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W^T + b in x's dtype, or in `out_dtype` (float32 logits: the gemv kernel then skips
+        its rounding to bf16)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, this layer expects {self.in_features}")
+        out_dtype = out_dtype or x.dtype
+        flat = x.reshape(-1, self.in_features)
+        kernel = self.kernel_for(flat.shape[0], flat.device)
+        if kernel == "gemv":  # takes float32 or bf16 input and output as they are
+            y = self._gemv(flat.contiguous(), out_dtype)
+        else:
+            rows = flat.to(self.compute_dtype).contiguous()
+            y = (self._op(rows) if kernel == "op" else self._tiled(rows)).to(out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(out_dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _gemv(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _op(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}"
+        )
+
+
+class Int8Linear(QuantizedLinear):
+    """Int8Weight: the "op" kernel is aten._weight_int8pack_mm on the int8 rows as stored; the
+    "tiled" kernel casts a tile of rows to the compute dtype (int8 is exact in bf16) and applies
+    the per-row scales to the product's columns."""
+
+    max_op_rows = INT8_OP_MAX_ROWS
+
+    def __init__(
+        self,
+        weight: Int8Weight,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        *,
+        platform: Platform,
+    ) -> None:
+        n, k = weight.q.shape
+        super().__init__(k, n, bias, platform)
+        self.register_buffer("q", weight.q.contiguous())
+        self.register_buffer("scale", weight.scale.to(compute_dtype))
+        # The op vectorizes over K without a tail loop: other K crash or read garbage (torch 2.13).
+        self._op_fits = k % 32 == 0 and _int8_op_works()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.q) + _nbytes(self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return Int8Weight(self.q, self.scale).dequantize()
+
+    def _op(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.out_features)
+        step = _tile_rows(self.in_features, 1)
+        for start in range(0, self.out_features, step):
+            tile = self.q[start : start + step].to(x.dtype)
+            torch.matmul(x, tile.t(), out=out[:, start : start + step])
+        return out.mul_(self.scale)
+
+
+class Int4Linear(QuantizedLinear):
+    """Int4Weight, packed two codes a byte in the layout of the CPU int4 kernel on AVX-512
+    (`aten._convert_weight_to_int4pack_for_cpu`): rows in tiles of 64, each tile [K, 32] bytes
+    whose byte [k, j] holds row j's code in the low nibble and row 32 + j's in the high nibble.
+    A tile's low nibbles are thus W^T's first 32 columns and its high nibbles the next 32, so the
+    "tiled" kernel unpacks with a mask and a shift. Scales and zeros are stored as the op
+    reads them, [K / group, N, 2]. Rows are padded to a multiple of 64 with zero weights.
+
+    The "op" kernel is used only where the op computes this layout correctly (checked once per
+    process, `_int4_op_works`): on CPUs without AVX-512 its packing differs and "tiled" runs."""
+
+    max_op_rows = INT4_OP_MAX_ROWS
+    max_gemv_rows = INT4_GEMV_MAX_ROWS
+    _input_copies = 1  # how many times the input is repeated along K (Int8GroupLinear: 2)
+
+    def __init__(
+        self,
+        weight: Int4Weight,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        *,
+        platform: Platform,
+    ) -> None:
+        n, k = weight.q.shape
+        super().__init__(k // self._input_copies, n, bias, platform)
+        self.group_size = weight.group_size
+        packed, scale_zero = _int4_operands(weight, compute_dtype)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero)
+        self._op_fits = self.group_size in INT4_GROUP_SIZES and _int4_op_works()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scale_zero.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.scale_zero)
+
+    def dequantize(self) -> torch.Tensor:
+        return self._int4_weight().dequantize()[: self.out_features]
+
+    def _int4_weight(self) -> Int4Weight:
+        """The stored weight unpacked (padding rows included)."""
+        tiles, k, _ = self.packed.shape
+        codes = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=1)  # [tile, half, K, 32]
+        q = codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
+        scale, zero = self.scale_zero.transpose(0, 1).unbind(-1)
+        return Int4Weight(q, scale, zero, self.group_size)
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self._input_copies == 1 else x.repeat(1, self._input_copies)
+
+    def _gemv(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The native kernel takes and writes float32 or bf16; other dtypes (float16) convert."""
+        if x.dtype not in _GEMV_DTYPES:
+            x = x.to(self.compute_dtype)
+        direct = out_dtype in _GEMV_DTYPES
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
+        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies)
+        return out if direct else out.to(out_dtype)
+
+    def _op(self, x: torch.Tensor) -> torch.Tensor:
+        tiles, k, _ = self.packed.shape
+        packed = self.packed.view(tiles * INT4_TILE_ROWS, k // 2)  # the op's [N, K/2] view
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._repeat(x), packed, self.group_size, self.scale_zero)
+        return y[:, : self.out_features]
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(x):
+            return self._native_tiled(self._repeat(x), kernels.dequantize_int4_tiles)
+        x = self._repeat(x)
+        tiles, k, _ = self.packed.shape
+        groups = k // self.group_size
+        out = x.new_empty(x.shape[0], tiles * INT4_TILE_ROWS)
+        step = _tile_rows(k, INT4_TILE_ROWS) // INT4_TILE_ROWS  # packed tiles per matmul
+        for first in range(0, tiles, step):
+            packed = self.packed[first : first + step].transpose(0, 1)  # [K, tiles, 32]
+            cols = slice(first * INT4_TILE_ROWS, (first + packed.shape[1]) * INT4_TILE_ROWS)
+            # W^T for these columns, [K, tiles, half, 32] viewed as [groups, group, columns].
+            # Integer work before the cast: int8 ops run ~10x faster than bf16 ones here.
+            codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).view(torch.int8).sub_(8)
+            codes = codes.view(groups, self.group_size, -1).to(x.dtype)
+            # Contiguous copies: addcmul is ~5x slower on the interleaved [.., N, 2] views.
+            scale, zero = (t.contiguous()[:, None] for t in self.scale_zero[:, cols].unbind(-1))
+            w_t = torch.addcmul(zero, codes, scale).view(k, -1)
+            torch.matmul(x, w_t, out=out[:, cols])
+        return out[:, : self.out_features]
+
+    def _native_tiled(
+        self, x: torch.Tensor, dequantize: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The tiled kernel with tuili's C dequantizer (tuili/kernels) writing each tile's W^T
+        into one reused buffer: about 0.1 ns per weight against ~1 ns for the torch ops."""
+        tiles, k = self.packed.shape[0], x.shape[1]
+        out = x.new_empty(x.shape[0], tiles * INT4_TILE_ROWS)
+        step = _tile_rows(k, INT4_TILE_ROWS) // INT4_TILE_ROWS
+        buffer = x.new_empty(k * min(step, tiles) * INT4_TILE_ROWS)
+        for first in range(0, tiles, step):
+            columns = min(step, tiles - first) * INT4_TILE_ROWS
+            w_t = dequantize(self.packed, self.scale_zero, first, buffer[: k * columns].view(k, columns))
+            torch.matmul(x, w_t, out=out[:, first * INT4_TILE_ROWS : first * INT4_TILE_ROWS + columns])
+        return out[:, : self.out_features]
+
+
+class Int8GroupLinear(Int4Linear):
+    """Int8GroupWeight (GGUF Q8_0) computed exactly on the int4 kernel: u = q + 128 = 16h + l
+    with nibbles h, l, so w = [16s*(h - 8) + 0] + [s*(l - 8) + 8s]: an int4 weight [N, 2K] whose
+    first K columns hold h and last K hold l, applied to [x, x] (the op and the tiled kernel; the
+    native gemv reads both halves at once as q = 16h + l - 128). It reads 1.25 bytes per value
+    in bf16 (Q8_0 itself: 1.06)."""
+
+    max_op_rows = Q8_0_OP_MAX_ROWS
+    max_gemv_rows = Q8_0_GEMV_MAX_ROWS
+    _input_copies = 2
+
+    def __init__(
+        self,
+        weight: Int8GroupWeight,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        *,
+        platform: Platform,
+    ) -> None:
+        u = (weight.q.to(torch.int16) + 128).to(torch.uint8)
+        scale = weight.scale.float()
+        split = Int4Weight(
+            q=torch.cat([u >> 4, u & 0x0F], dim=1),
+            scale=torch.cat([16 * scale, scale], dim=1),
+            zero=torch.cat([torch.zeros_like(scale), 8 * scale], dim=1),
+            group_size=weight.group_size,
+        )
+        super().__init__(split, bias, compute_dtype, platform=platform)
+
+    def dequantize(self) -> torch.Tensor:
+        both = super().dequantize()
+        return both[:, : self.in_features] + both[:, self.in_features :]
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(x):
+            return self._native_tiled(x, kernels.dequantize_int8_group_tiles)
+        # Rebuild q from the two halves' nibbles in integer arithmetic and scale it once:
+        # w = s*q with s the low half's scale (the high half's is exactly 16s, its zero 0).
+        k = self.in_features
+        tiles = self.packed.shape[0]
+        groups = k // self.group_size
+        out = x.new_empty(x.shape[0], tiles * INT4_TILE_ROWS)
+        step = _tile_rows(k, INT4_TILE_ROWS) // INT4_TILE_ROWS
+        for first in range(0, tiles, step):
+            packed = self.packed[first : first + step].transpose(0, 1)  # [2K, tiles, 32]
+            cols = slice(first * INT4_TILE_ROWS, (first + packed.shape[1]) * INT4_TILE_ROWS)
+            high, low = packed[:k], packed[k:]
+            u = torch.stack([((high & 0x0F) << 4) | (low & 0x0F), (high & 0xF0) | (low >> 4)], dim=2)
+            q = (u ^ 0x80).view(torch.int8)  # u - 128
+            scale = self.scale_zero[groups:, cols, 0].contiguous()[:, None]
+            w_t = (q.view(groups, self.group_size, -1).to(x.dtype) * scale).view(k, -1)
+            torch.matmul(x, w_t, out=out[:, cols])
+        return out[:, : self.out_features]
+
+
+def make_linear(
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    *,
+    platform: Platform,
+) -> QuantizedLinear:
+    """The module that runs `weight` on `platform`."""
+    if isinstance(weight, Int8Weight):
+        return Int8Linear(weight, bias, compute_dtype, platform=platform)
+    if isinstance(weight, Int4Weight):
+        return Int4Linear(weight, bias, compute_dtype, platform=platform)
+    return Int8GroupLinear(weight, bias, compute_dtype, platform=platform)
+
+
+def _int4_operands(weight: Int4Weight, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4Linear's buffers: codes packed [N / 64, K, 32] and scale_zero [K / group, N, 2],
+    rows padded to a multiple of 64 with zero weights (code 0, scale 0, zero 0)."""
+    padding = (0, 0, 0, -weight.q.shape[0] % INT4_TILE_ROWS)
+    q, scale, zero = (F.pad(t, padding) for t in (weight.q, weight.scale, weight.zero))
+    n, k = q.shape
+    tiles = q.to(torch.uint8).view(n // INT4_TILE_ROWS, 2, INT4_TILE_ROWS // 2, k)
+    packed = (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).contiguous()
+    scale_zero = torch.stack([scale.to(compute_dtype), zero.to(compute_dtype)], dim=-1)
+    return packed, scale_zero.transpose(0, 1).contiguous()
+
+
+def _tile_rows(k: int, multiple: int) -> int:
+    """Weight rows per dequantized tile: about TILE_VALUES values, a multiple of `multiple`."""
+    return max(multiple, TILE_VALUES // k // multiple * multiple)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@functools.cache
+def _int8_op_works() -> bool:
+    """Whether aten._weight_int8pack_mm exists here and computes x @ (scale * q)^T."""
+    generator = torch.Generator().manual_seed(0)
+    weight = quantize_int8(torch.randn(48, 64, generator=generator))
+    x = torch.randn(3, 64, generator=generator).bfloat16()
+    return _op_agrees(lambda: torch.ops.aten._weight_int8pack_mm(x, weight.q, weight.scale), x, weight)
+
+
+@functools.cache
+def _int4_op_works() -> bool:
+    """Whether aten._weight_int4pack_mm_for_cpu exists here and reads Int4Linear's packing."""
+    generator = torch.Generator().manual_seed(0)
+    weight = quantize_int4(torch.randn(128, 64, generator=generator), 32)
+    packed, scale_zero = _int4_operands(weight, torch.bfloat16)
+    x = torch.randn(3, 64, generator=generator).bfloat16()
+    return _op_agrees(
+        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.view(128, 32), 32, scale_zero), x, weight
+    )
+
+
+def _op_agrees(run: Callable[[], torch.Tensor], x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    try:
+        got = run().double()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    w = weight.dequantize().double()
+    error = (got - x.double() @ w.t()).abs()
+    return bool((error <= 2**-6 * (x.double().abs() @ w.abs().t())).all())

@@ -1,0 +1,261 @@
+"""The weight plan: how each linear, the embedding and the output head of a model are held,
+decided at load and handed to the model, which is built whole from it.
+
+A linear is held one of four ways, decided here once per module from the checkpoint, the
+request and the platform (first match):
+
+1. **GGUF blocks as stored** (`gguf_packed`): a decoder linear whose parts are all Q4_0, Q4_1 or
+   Q8_0 runs on the packed kernels (tuili/layers/quant), computing in `quantized_dtype`.
+2. **Quantized at load** (`quantization` "int8" | "int4"): the float weight (a GGUF file's
+   dequantized) is quantized; "int4" keeps an untied output matrix at int8, as llama.cpp keeps
+   its output matrix at 6 or 8 bits (the logits are the most sensitive projection).
+3. **AMX layout**: a bf16 decoder linear on a CPU with AMX whose shape the layout takes
+   (`AmxLinear`): laid out once, one copy.
+4. **Float**, row-major (`Linear`): everything else.
+
+Stacked projections (q, k, v -> qkv_proj) are the checkpoint's tensors concatenated along the
+output dimension, in the model class's order. The output head holds the embedding table itself
+when tied (one tensor), an int8 copy of it under `quantization`, and, for a GGUF file run packed,
+a quantized decode copy (tuili/layers/logits.py). The rest (norms) is assigned by name in `fill`.
+Every checkpoint tensor the config requires must be present: a CheckpointError names the
+missing ones by their checkpoint names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tuili.config import QUANTIZATION_METHODS
+from tuili.errors import CheckpointError, TuiliError
+from tuili.layers.linear import AmxLinear, Linear, amx_holds
+from tuili.layers.logits import OutputHead
+from tuili.layers.quant import (
+    DEFAULT_INT4_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    QuantizedLinear,
+    make_linear,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_group,
+)
+from tuili.platform import Platform
+
+if TYPE_CHECKING:
+    from tuili.models.gguf import GGUFCheckpoint
+
+TensorSource = dict[str, Callable[[], torch.Tensor]]  # checkpoint name -> its tensor, read on demand
+
+
+@dataclass
+class WeightPlan:
+    platform: Platform
+    dtype: torch.dtype  # float weights' dtype
+    tensors: TensorSource
+    stacked: dict[str, tuple[str, ...]]  # the model class's stacked_projections
+    source: str  # the checkpoint's path, for error messages
+    quantization: str | None = None
+    quantized_dtype: torch.dtype = torch.bfloat16  # what quantized linears compute in
+    gguf_packed: GGUFCheckpoint | None = None  # a GGUF file whose Q4_0/Q4_1/Q8_0 linears run as stored
+    group_size: int = DEFAULT_INT4_GROUP_SIZE
+    _used: set[str] = field(default_factory=set)  # checkpoint tensors the plan has placed
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise TuiliError(
+                f"quantization {self.quantization!r} is not supported: expected one of {', '.join(QUANTIZATION_METHODS)}"
+            )
+        if self.quantization == "int4":
+            check_int4_shapes(
+                [(name, shape[1]) for name, shape in self._linear_weight_shapes() if not _is_output(name)],
+                self.group_size,
+            )
+
+    @property
+    def quantized(self) -> str | None:
+        """How the linears are held, for reports: None (floats), "gguf", "int8" or "int4"."""
+        return self.quantization or ("gguf" if self.gguf_packed is not None else None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.platform.device
+
+    # -- what the model asks for ---------------------------------------------------------
+
+    def linear(self, path: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        """The module for linear `path` (e.g. "model.layers.0.self_attn.qkv_proj")."""
+        parts = self._part_names(path)
+        decoder = path.startswith("model.layers.")
+        if decoder and self.gguf_packed is not None:
+            module = self._gguf_linear(parts, bias)
+            if module is not None:
+                return module
+        weight = self._stacked([f"{p}.weight" for p in parts], (out_features, in_features))
+        b = self._stacked([f"{p}.bias" for p in parts], (out_features,)) if bias else None
+        if self.quantization is not None:
+            quantized = quantize_int4(weight, self.group_size, self.quantized_dtype) if (
+                self.quantization == "int4" and not _is_output(path)
+            ) else quantize_int8(weight, self.quantized_dtype)
+            return make_linear(quantized, b, self.quantized_dtype, platform=self.platform).to(self.device)
+        if decoder and amx_holds(weight, b, self.platform):
+            return AmxLinear(weight, b)
+        return Linear.holding(weight, b, self.platform)
+
+    def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:
+        weight = self._stacked([f"{path}.weight"], (num_embeddings, dim))
+        return nn.Embedding.from_pretrained(weight, freeze=True)
+
+    def output_head(self, path: str, embedding: nn.Embedding, tied: bool) -> OutputHead:
+        """The logits' module: over the embedding table when `tied`, else over `path`.weight."""
+        if tied:
+            matrix = embedding.weight
+            projection: nn.Module = Linear.holding(matrix, None, self.platform)
+        else:
+            projection = self.linear(path, embedding.embedding_dim, embedding.num_embeddings, bias=False)
+            matrix = None
+        if self.quantization is not None and matrix is not None:
+            # A tied matrix is also the token lookup's table, which keeps reading the float one.
+            weight = quantize_int8(matrix, self.quantized_dtype)
+            projection = make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
+        decode_copy = self._gguf_decode_copy() if self.gguf_packed is not None else None
+        return OutputHead(projection, decode_copy)
+
+    def fill(self, model: nn.Module) -> None:
+        """Assign the parameters the plan did not build (norms) from the checkpoint, by name;
+        raise if any the model has is missing from it."""
+        loaded, missing = {}, []
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if _built_by_plan(model, name):
+                continue
+            if name not in self.tensors:
+                missing.append(name)
+                continue
+            tensor = self.tensors[name]().to(device=self.device, dtype=self.dtype)
+            if tensor.shape != param.shape:
+                raise CheckpointError(
+                    f"{self.source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(param.shape)} from the config"
+                )
+            loaded[name] = tensor
+        if missing:
+            _raise_missing(self.source, missing)
+        model.load_state_dict(loaded, strict=False, assign=True)
+
+    # -- how -----------------------------------------------------------------------------
+
+    def _part_names(self, path: str) -> list[str]:
+        """The checkpoint module names a model module stacks: qkv_proj -> q_proj, k_proj, v_proj."""
+        prefix, _, leaf = path.rpartition(".")
+        parts = self.stacked.get(leaf, (leaf,))
+        return [f"{prefix}.{part}" if prefix else part for part in parts]
+
+    def _stacked(self, names: list[str], shape: tuple[int, ...]) -> torch.Tensor:
+        """The checkpoint tensors `names` concatenated along dim 0, in the float dtype on the
+        device, checked against `shape`."""
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            _raise_missing(self.source, missing)
+        pieces = [self.tensors[n]().to(device=self.device, dtype=self.dtype) for n in names]
+        self._used.update(names)
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if tuple(tensor.shape) != shape:
+            shown = names[0] if len(names) == 1 else f"{', '.join(names)} stacked"
+            raise CheckpointError(
+                f"{self.source}: tensor {shown} has shape {tuple(tensor.shape)}, expected {shape} from the config"
+            )
+        return tensor
+
+    def _gguf_linear(self, parts: list[str], bias: bool) -> QuantizedLinear | None:
+        """A packed linear from the GGUF file's blocks, or None when a part's type cannot run
+        packed (or is absent) or the parts' formats differ: that linear is then loaded as floats."""
+        ckpt = self.gguf_packed
+        assert ckpt is not None
+        names = [f"{p}.weight" for p in parts]
+        known = set(ckpt.tensor_names())
+        if not all(n in known and ckpt.runs_packed(n) for n in names):
+            return None
+        weights = [ckpt.quantized_tensor(n) for n in names]
+        if len({type(w) for w in weights}) != 1:
+            return None
+        b = None
+        if bias:
+            b = self._stacked([f"{p}.bias" for p in parts], (sum(w.q.shape[0] for w in weights),))
+        self._used.update(names)
+        stacked = type(weights[0]).cat(weights)  # type: ignore[arg-type]
+        return make_linear(stacked, b, self.quantized_dtype, platform=self.platform).to(self.device)
+
+    def _gguf_decode_copy(self) -> QuantizedLinear | None:
+        """A quantized copy of the output matrix (the embedding when tied) for few-row logits, as
+        llama.cpp reads its output matrix quantized: the file's own blocks when they are Q8_0,
+        else int8 per group of 128 of the dequantized matrix (a Q6_K matrix, say: 8 bits keep the
+        logits closer than Q6_K itself). None when the input size takes no group of 128 or 32."""
+        ckpt = self.gguf_packed
+        assert ckpt is not None
+        name = "lm_head.weight" if "lm_head.weight" in ckpt.tensor_names() else "model.embed_tokens.weight"
+        shape = ckpt.tensor_info(name).shape
+        if ckpt.runs_packed(name) and ckpt.tensor_info(name).ggml_type.name == "Q8_0":
+            weight = ckpt.quantized_tensor(name)
+        else:
+            group = next((g for g in (128, 32) if len(shape) == 2 and shape[1] % g == 0), None)
+            if group is None:
+                return None
+            weight = quantize_int8_group(ckpt.load_tensor(name, torch.float32), group, self.quantized_dtype)
+        return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
+
+    def _linear_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(checkpoint name, shape) of every 2-D linear weight the checkpoint holds (for checks
+        that must run before anything is built)."""
+        shapes = []
+        for name, load in self.tensors.items():
+            if name.endswith(".weight") and (name.startswith("model.layers.") or _is_output(name)):
+                if self.gguf_packed is not None and name in self.gguf_packed.tensor_names():
+                    shape = tuple(self.gguf_packed.tensor_info(name).shape)
+                else:
+                    shape = tuple(load().shape)
+                if len(shape) == 2:
+                    shapes.append((name.removesuffix(".weight"), shape))
+        return shapes
+
+
+def check_int4_shapes(linears: list[tuple[str, int]], group_size: int) -> None:
+    """Every linear (name, input size) must split into groups of `group_size`: checked for all
+    before any is built, so that the error names the first misfit and the group sizes that fit."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise TuiliError(
+            f"int4 group size {group_size!r} is not supported: expected one of "
+            f"{', '.join(map(str, INT4_GROUP_SIZES))}"
+        )
+    bad = [(name, k) for name, k in linears if k % group_size]
+    if not bad:
+        return
+    name, k = bad[0]
+    fits = [g for g in INT4_GROUP_SIZES if all(k_ % g == 0 for _, k_ in linears)]
+    hint = f"group sizes that fit every layer: {', '.join(map(str, fits))}" if fits else (
+        "no supported group size divides every input size; use int8"
+    )
+    raise TuiliError(
+        f"int4 with group size {group_size} needs every linear's input size to be a multiple of "
+        f"{group_size}, but {name}.weight has {k} inputs ({k} % {group_size} = {k % group_size}"
+        f"{f', and {len(bad) - 1} more layers' if len(bad) > 1 else ''}); {hint}"
+    )
+
+
+def _is_output(name: str) -> bool:
+    return name.removesuffix(".weight").split(".")[-1] == "lm_head"
+
+
+def _built_by_plan(model: nn.Module, param_name: str) -> bool:
+    """Whether parameter `param_name` belongs to a module the plan built with its weights: the
+    linears, the embedding and the output head (everything but the norms)."""
+    module_path = param_name.rpartition(".")[0]
+    module = model.get_submodule(module_path) if module_path else model
+    return isinstance(module, (Linear, nn.Embedding))
+
+
+def _raise_missing(source: str, names: list[str]) -> None:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise CheckpointError(f"{source} lacks weights the config requires: {shown}")

@@ -1,0 +1,64 @@
+"""What this process computes on, decided once when an engine is built and passed to what it builds.
+
+Which kernels run is a property of the machine and the process, not of a call: the device,
+whether tuili's native CPU kernels built (and are not switched off by `TUILI_NATIVE_KERNELS=0`),
+whether the CPU grants AMX tiles. `Platform.detect` reads them once; layers, the attention
+backend, the sampler and the loader's weight plan take the resulting `Platform` and never ask
+again. This module is the only place outside tuili/kernels that asks `tuili.kernels` what it
+can do (tests/test_layering.py holds that rule).
+
+A later backend (CUDA kernels, Triton) adds its capability here and its implementation as one
+new attention backend file (tuili/layers/attention/) and one weight format (tuili/models/weights.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tuili import kernels
+
+# Layout constants the kernels and the torch code share (one source: the build passes them to
+# the C compiler, tuili/kernels/build.py).
+INT4_TILE_ROWS = 64  # output rows per tile of the packed int4 layout (tuili/layers/quantized.py)
+AMX_PANEL_ROWS = 16  # output rows per panel of the AMX weight layout (AmxLinear)
+AMX_K_MULTIPLE = 32  # input columns an AMX tile row holds in bf16
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The device and the kernels available on it. Frozen: decided once, shared by everything."""
+
+    device: torch.device
+    native_kernels: bool  # tuili's C kernels run here (a CPU, built, not switched off)
+    amx: bool  # ... and the CPU grants this process AMX-BF16 tiles
+    bf16_arithmetic: bool  # bf16 dot products in hardware (AVX512-BF16 or AMX) with the native kernels
+
+    @classmethod
+    def detect(cls, device: torch.device | str = "cpu") -> Platform:
+        """This process on `device`: builds the native kernels on first use (a CPU only)."""
+        device = torch.device(device)
+        if device.type != "cpu" or not kernels.available():
+            return cls.portable(device)
+        return cls(device, native_kernels=True, amx=kernels.amx_available(), bf16_arithmetic=_cpu_has_bf16())
+
+    @classmethod
+    def portable(cls, device: torch.device | str = "cpu") -> Platform:
+        """Plain PyTorch on `device`: the reference path every other one is checked against."""
+        return cls(torch.device(device), native_kernels=False, amx=False, bf16_arithmetic=False)
+
+    def native(self, *tensors: torch.Tensor) -> bool:
+        """Whether the native kernels can take these tensors: the kernels run here and every
+        tensor is a float32 or bf16 CPU tensor."""
+        return self.native_kernels and all(t.is_cpu and t.dtype in _NATIVE_FLOATS for t in tensors)
+
+
+_NATIVE_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _cpu_has_bf16() -> bool:
+    """bf16 dot products in hardware, as PyTorch's cpuinfo reports them."""
+    has_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool((has_bf16 is not None and has_bf16()) or (has_amx is not None and has_amx()))
