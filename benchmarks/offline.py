@@ -57,7 +57,7 @@ def hf_decode_rate(model, tokens: int) -> float:
 def weight_bytes(llm: LLM) -> int:
     """Bytes one decode step reads: every parameter once (embeddings: one row, negligible,
     unless tied to the lm_head, which reads them all)."""
-    model = llm.engine.runner.model
+    model = llm.engine.model
     total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
     if model.config.tie_word_embeddings:
         emb = model.model.embed_tokens.weight

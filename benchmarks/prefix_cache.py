@@ -64,7 +64,7 @@ def multi_turn(turns: int = 10) -> None:
     tokenizer = llm.get_tokenizer()
     history: list[dict] = []
     new_tokens = 0
-    before = llm.engine.stats.prompt_tokens_computed
+    before = llm.engine.stats().prompt_tokens_computed
     previous_len = 0
     for turn in range(turns):
         history.append({"role": "user", "content": f"Turn {turn}: tell me one short fact about the number {turn}."})
@@ -73,7 +73,7 @@ def multi_turn(turns: int = 10) -> None:
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=48))[0]
         history.append({"role": "assistant", "content": out.outputs[0].text})
         previous_len = len(ids)
-    computed = llm.engine.stats.prompt_tokens_computed - before
+    computed = llm.engine.stats().prompt_tokens_computed - before
     ratio = computed / new_tokens
     print(f"2. {turns}-turn conversation: {computed} prompt tokens computed for {new_tokens} new ones: "
           f"{ratio:.2f}x (goal <= 1.2) {'PASS' if ratio <= 1.2 else 'MISS'}")
@@ -90,7 +90,7 @@ def zero_hit_overhead(requests: int = 32, repeats: int = 5) -> None:
             start = time.perf_counter()
             llm.generate(prompts, params)
             best[caching] = max(best[caching], requests * 32 / (time.perf_counter() - start))
-    assert llms[True].engine.block_manager.stats.hit_tokens == 0
+    assert llms[True].engine.stats().prefix_cache.hit_tokens == 0
     ratio = best[True] / best[False]
     print(f"3. 0% hits, {requests} x 256-token prompts: {best[True]:.1f} vs {best[False]:.1f} output tok/s "
           f"with / without caching: {ratio:.3f} (goal >= 0.97) {'PASS' if ratio >= 0.97 else 'MISS'}")

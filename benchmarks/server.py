@@ -102,11 +102,13 @@ def server_throughput(args: argparse.Namespace, texts: list[str]) -> float:
 
 def offline_throughput(args: argparse.Namespace, texts: list[str]) -> float:
     from tuili import LLM, SamplingParams
+    from tuili.perf.meter import UtilizationMeter
 
     llm = LLM(model=args.model, device=args.device, max_num_seqs=max(args.clients, 1))
+    meter = UtilizationMeter.for_engine(llm.engine)  # for its step times: the seconds of the forwards
+    llm.engine.add_observer(meter)
     llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    meter = llm.engine.meter
     runs = []
     for _ in range(args.repeat):
         steps_before = meter.prefill_seconds + meter.decode_seconds

@@ -104,7 +104,8 @@ def test_bad_requests_do_not_disturb_a_running_one(tiny_llama):
         for out in engine.step():
             done = out
     assert done.request_id == good and len(done.outputs[0].token_ids) == 8
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_max_model_len_larger_than_pool_is_refused(tiny_llama):

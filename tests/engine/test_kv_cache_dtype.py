@@ -11,6 +11,7 @@ from tuili import LLM, SamplingParams
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.errors import TuiliError
+from tuili.perf.meter import UtilizationMeter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -49,11 +50,11 @@ def test_fp8_cache_attention_is_close_to_transformers(tiny_llama):
 
 def test_fp8_pool_holds_four_times_the_fp32_blocks_and_mbu_counts_one_byte(tiny_llama):
     fp32, fp8 = _llm(tiny_llama, "auto"), _llm(tiny_llama)
-    assert fp8.engine.num_blocks == 4 * fp32.engine.num_blocks
+    assert fp8.engine.pool.num_blocks == 4 * fp32.engine.pool.num_blocks
     cfg = fp8.engine.model_config
     elements = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # K and V of one token
-    assert fp8.engine.meter.kv_bytes_per_token == elements
-    assert fp32.engine.meter.kv_bytes_per_token == 4 * elements
+    assert UtilizationMeter.for_engine(fp8.engine, "h100").kv_bytes_per_token == elements
+    assert UtilizationMeter.for_engine(fp32.engine, "h100").kv_bytes_per_token == 4 * elements
     out = fp8.generate([{"prompt_token_ids": list(range(1, 30))}], GREEDY)[0]
     assert len(out.outputs[0].token_ids) == 10
 
@@ -64,15 +65,15 @@ def test_fp8_blocks_come_back_from_the_host_tier_byte_for_byte(tiny_llama):
     big = _llm(tiny_llama)
     big.generate([prompts[0]], GREEDY)
     on_device = big.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids
-    assert big.engine.block_manager.stats.device_hit_tokens > 0
+    assert big.engine.stats().prefix_cache.device_hit_tokens > 0
     # 12 device blocks: prompts 1-3 evict prompt 0's blocks to the 40-block host tier.
     block_bytes = 2 * 2 * 4 * 2 * 16  # K+V x 2 layers x 4 tokens x 2 KV heads x 16 dims x 1 byte
     small = _llm(tiny_llama, kv_cache_memory=12 * block_bytes, kv_offload_memory=40 * block_bytes, max_model_len=40)
-    assert small.engine.num_blocks == 12
+    assert small.engine.pool.num_blocks == 12
     for prompt in prompts:
         small.generate([prompt], GREEDY)
     from_host = small.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids
-    assert small.engine.block_manager.stats.host_hit_tokens > 0
+    assert small.engine.stats().prefix_cache.host_hit_tokens > 0
     assert from_host == on_device
 
 

@@ -27,9 +27,9 @@ def _texts(outs):
 
 
 def _assert_no_leaks(llm):
-    blocks = llm.engine.block_manager
-    assert blocks.num_free_blocks == blocks.num_blocks
-    assert all(b.ref_count == 0 for b in blocks.blocks)
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert all(b.ref_count == 0 for b in llm.engine.block_manager.blocks)
 
 
 def test_outputs_identical_with_caching_on_and_off(tiny_llama):
@@ -41,9 +41,9 @@ def test_outputs_identical_with_caching_on_and_off(tiny_llama):
     rest = on.generate(prompts[1:], GREEDY)
     assert _texts(first + rest) == reference
     assert all(o.metrics.num_cached_tokens == 12 for o in rest)  # 3 full blocks of the 13 shared
-    assert on.engine.block_manager.stats.device_hit_tokens == 12 * len(rest)
+    assert on.engine.stats().prefix_cache.device_hit_tokens == 12 * len(rest)
     _assert_no_leaks(on)
-    assert on.engine.block_manager.num_cached_blocks > 0
+    assert on.engine.stats().num_cached_blocks > 0
 
 
 def test_n_greater_than_one_and_seeds_with_caching(tiny_llama):
@@ -60,9 +60,8 @@ def test_identical_under_preemption(tiny_llama):
     prompts = _shared_prefix_prompts(seed=2, count=8)
     reference = _texts(_llm(tiny_llama, enable_prefix_caching=False).generate(prompts, GREEDY))
     small = _llm(tiny_llama, num_blocks=20, max_num_batched_tokens=24)
-    preempted = []
-    outs = small.generate(prompts, GREEDY, on_step=lambda _: preempted.extend(small.engine.last_step.preempted))
-    assert preempted
+    outs = small.generate(prompts, GREEDY)
+    assert small.engine.stats().num_preemptions
     assert _texts(outs) == reference
     _assert_no_leaks(small)
 
@@ -77,9 +76,8 @@ def test_host_tier_serves_evicted_blocks_and_survives_thrashing(tiny_llama):
     llm = _llm(tiny_llama, num_blocks=24, kv_offload_memory=20 * BLOCK_BYTES)
     for i in [0, 1, 2, 1, 3, 0, 4, 2, 5, 3, 1, 0, 5]:
         assert _texts(llm.generate([prompts[i]], GREEDY)) == [reference[i]]
-    blocks = llm.engine.block_manager
-    assert blocks.stats.host_hit_tokens > 0
-    assert len(blocks.host) == 20
+    assert llm.engine.stats().prefix_cache.host_hit_tokens > 0
+    assert len(llm.engine.block_manager.host) == 20
     _assert_no_leaks(llm)
 
 
@@ -90,9 +88,9 @@ def test_multi_turn_computes_only_new_tokens(tiny_llama):
     for turn in range(6):
         new = [rng.randrange(1, 320) for _ in range(rng.randrange(3, 9))]
         history = history + new
-        before = llm.engine.stats.prompt_tokens_computed
+        before = llm.engine.stats().prompt_tokens_computed
         out = llm.generate([{"prompt_token_ids": history}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
-        computed = llm.engine.stats.prompt_tokens_computed - before
+        computed = llm.engine.stats().prompt_tokens_computed - before
         if turn == 0:
             assert computed == len(history)
         else:

@@ -9,6 +9,15 @@ BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # K+V x 2 layers x 4 tokens x 2 KV heads x
 PROMPTS = [list(range(10 + i, 22 + 2 * i)) for i in range(6)]
 
 
+class _Steps(list):
+    """An engine observer keeping every StepRecord."""
+
+    wants_device_time = False
+
+    def on_step(self, record):
+        self.append(record)
+
+
 def _llm(path, num_blocks, **kw):
     return LLM(model=str(path), dtype="float32", device="cpu", block_size=4,
                kv_cache_memory=num_blocks * BLOCK_BYTES, **kw)
@@ -20,13 +29,13 @@ def test_preempted_requests_finish_with_identical_outputs(tiny_llama):
     reference = _llm(tiny_llama, 512).generate(prompts, params)
 
     small = _llm(tiny_llama, 14, max_model_len=48, max_num_batched_tokens=32)
-    preempted = []
-    outs = small.generate(prompts, params, on_step=lambda _: preempted.extend(small.engine.last_step.preempted))
-    assert preempted, "the pool was meant to be too small for all requests at once"
+    outs = small.generate(prompts, params)
+    stats = small.engine.stats()
+    assert stats.num_preemptions, "the pool was meant to be too small for all requests at once"
     for ref, out in zip(reference, outs, strict=True):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert len(out.outputs[0].token_ids) == 24
-    assert small.engine.block_manager.num_free_blocks == small.engine.num_blocks
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_seeded_sampling_survives_preemption(tiny_llama):
@@ -41,15 +50,15 @@ def test_seeded_sampling_survives_preemption(tiny_llama):
 def test_steps_mix_decodes_with_prompt_chunks_within_budget(tiny_llama):
     llm = _llm(tiny_llama, 512, max_num_batched_tokens=8, max_num_seqs=3)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    steps = []
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                 on_step=lambda _: steps.append(llm.engine.last_step))
+    steps = _Steps()
+    llm.engine.add_observer(steps)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(s.num_tokens <= 8 for s in steps)
-    assert all(len(s.scheduled) <= 3 for s in steps)
-    mixed = [s for s in steps if any(i.num_tokens == 1 and i.samples for i in s.scheduled)
-             and any(i.num_tokens > 1 for i in s.scheduled)]
+    assert all(len(s.prefill_chunks) + len(s.decode_context_lens) <= 3 for s in steps)
+    mixed = [s for s in steps if s.decode_context_lens and any(n > 1 for _, n in s.prefill_chunks)]
     assert mixed, "some step should carry both decodes and a prompt chunk"
-    chunked = [s for s in steps for i in s.scheduled if i.num_tokens > 1 and not i.samples]
+    # No prompt shares a first block with another, so a chunk past position 0 continues a prompt.
+    chunked = [s for s in steps for start, n in s.prefill_chunks if n > 1 and start > 0]
     assert chunked, "prompts longer than the budget are prefilled in several chunks"
 
 

@@ -1,6 +1,6 @@
 """The AMX linears against the product in float64: tuili.kernels.linear_amx (bf16 x @ weight.T +
 bias, the weight row-major) and linear_packed (the weight laid out once as AMX B tiles, its GEMV
-at 1-4 rows included), and the PackedLinear module that holds such a weight.
+at 1-4 rows included), and the AmxLinear module that holds such a weight.
 
 Tolerance: AMX's TDPBF16PS multiplies bf16 pairs exactly and accumulates in float32; the kernel
 adds 32-value slices of K into one float32 accumulator per output, then the bias, so each

@@ -38,6 +38,7 @@ from tuili.models.gguf import open_gguf
 from tuili.models.gguf import quantized_weight as gguf_weight
 from tuili.models.llama import LlamaForCausalLM
 from tuili.models.weights import WeightPlan, check_int4_shapes
+from tuili.perf.meter import UtilizationMeter
 from tuili.platform import Platform
 
 CPU = torch.device("cpu")
@@ -334,8 +335,8 @@ def test_quantized_model_logits(tiny_checkpoint, method, prompt_logits):
     embedding = model.model.embed_tokens.weight
     read = fast.engine.runner.decode_weight_bytes()
     assert read == fast.engine.runner.weight_bytes() - embedding.nbytes
-    kv_per_token = fast.engine.meter.kv_bytes_per_token
-    assert fast.engine.meter.step_decode_bytes([5, 9]) == read + 14 * kv_per_token  # what live MBU counts
+    meter = UtilizationMeter.for_engine(fast.engine, "h100")
+    assert meter.step_decode_bytes([5, 9]) == read + 14 * meter.kv_bytes_per_token  # what live MBU counts
     # Loose bounds for random Gaussian weights (int4's step is ~0.3 sigma of a group): measured
     # mean error / logit spread 0.009 (int8) and 0.13 (int4); a wrong layout or scale gives ~1.
     fast_logits = prompt_logits(fast, PROMPTS)

@@ -28,7 +28,8 @@ def make_row(
 ) -> SamplingRow:
     sampling = SamplingParams(**params)
     generator = None if sampling.seed is None else torch.Generator(device).manual_seed(sampling.seed)
-    return SamplingRow(sampling, list(prompt or []), list(output or []), generator, list(suppressed or []))
+    prompt, output = list(prompt or []), list(output or [])
+    return SamplingRow(sampling, prompt + output, len(prompt), generator, list(suppressed or []))
 
 
 def full_logprobs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
@@ -360,10 +361,10 @@ def test_extreme_parameters_never_draw_outside_the_vocabulary():
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 10
     rows = [
-        SamplingRow(SamplingParams(temperature=1e-300), [1, 2], [3]),
-        SamplingRow(SamplingParams(temperature=1e-4), [1, 2], [3]),
-        SamplingRow(SamplingParams(temperature=1.0, repetition_penalty=5e-324), list(range(50)), []),
-        SamplingRow(SamplingParams(temperature=0.7, repetition_penalty=1e300, presence_penalty=2.0), [5], [5, 6]),
+        SamplingRow(SamplingParams(temperature=1e-300), [1, 2, 3], 2),
+        SamplingRow(SamplingParams(temperature=1e-4), [1, 2, 3], 2),
+        SamplingRow(SamplingParams(temperature=1.0, repetition_penalty=5e-324), list(range(50)), 50),
+        SamplingRow(SamplingParams(temperature=0.7, repetition_penalty=1e300, presence_penalty=2.0), [5, 5, 6], 1),
     ]
     for _ in range(20):
         tokens = [t.token_id for t in Sampler(Platform.detect())(logits, rows)]

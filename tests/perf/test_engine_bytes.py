@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from tuili import LLM
-from tuili.engine.runner import kv_bytes_per_block
+from tuili.engine.pool import kv_bytes_per_block
 from tuili.perf.cost import ModelCost
 from tuili.perf.hardware import HardwareSpec
 from tuili.perf.meter import UtilizationMeter
@@ -35,23 +35,38 @@ def engine_weight_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
+class _Recorder:
+    """An engine observer appending each StepRecord to `steps`."""
+
+    wants_device_time = False
+
+    def __init__(self, steps: list) -> None:
+        self.steps = steps
+
+    def on_step(self, record) -> None:
+        self.steps.append(record)
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_decode_step_bytes_are_engine_weights_plus_kv_blocks(tmp_path, tied):
     path = checkpoint(tmp_path / "model", tied)
     engine = LLM(model=str(path), device="cpu", dtype="float32", block_size=BLOCK, max_model_len=128,
                  kv_cache_memory=1 << 20).engine
+    steps = []
+    engine.add_observer(_Recorder(steps))
     prompt_len = 2 * BLOCK - 1  # the decoded token fills the second block exactly
     engine.add_request({"prompt_token_ids": list(range(1, prompt_len + 1))},
                        SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
     engine.step()  # the prefill
     engine.step()  # one decode step
-    [item] = engine.last_step.scheduled
-    assert (item.start, item.num_tokens) == (prompt_len, 1)
-    context = item.start + 1
-    blocks = len(item.seq.block_table)
+    decode = steps[-1]
+    assert (decode.prefill_chunks, decode.decode_context_lens) == ([], [prompt_len + 1])
+    context = prompt_len + 1
+    stats = engine.stats()
+    blocks = stats.num_blocks - stats.num_free_blocks  # the one sequence's
     assert blocks * BLOCK == context
 
-    model = engine.runner.model
+    model = engine.model
     weights = engine_weight_bytes(model)
     kv_blocks = blocks * kv_bytes_per_block(engine.model_config, BLOCK, engine.dtype)
     # an untied input embedding is read only for the one row looked up
@@ -125,11 +140,11 @@ def test_a_packed_copy_of_the_output_matrix_stands_for_it():
     from tuili.perf.measure import engine_storage
 
     llm = LLM(max_model_len=64, kv_cache_memory=16 << 20)
-    runner = llm.engine.runner
-    model = runner.model
+    engine = llm.engine
+    model = engine.model
     copy = model.lm_head.decode_copy
     assert copy is not None and model.config.tie_word_embeddings
     assert engine_storage(model).bytes_by_kind["embedding"] == copy.weight_bytes
     embedding = model.model.embed_tokens.weight
     float_matrix = embedding.numel() * embedding.element_size()
-    assert runner.decode_weight_bytes() == runner.weight_bytes() - float_matrix
+    assert engine.decode_weight_bytes() == engine.weight_bytes() - float_matrix

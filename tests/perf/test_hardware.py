@@ -13,13 +13,13 @@ from tuili.perf.hardware import (
     LINKS,
     PRESETS,
     HardwareSpec,
-    current_hardware,
     load_spec_file,
     preset,
     preset_for_device_name,
     probe_path,
     save_probe,
 )
+from tuili.perf.resolve import current_hardware
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,10 @@ import pytest
 from tuili.errors import TuiliError
 from tuili.perf.cost import ModelCost
 from tuili.perf.formats import weight_format
-from tuili.perf.hardware import HardwareSpec, current_hardware, load_spec_file, preset, save_probe
+from tuili.perf.hardware import HardwareSpec, load_spec_file, preset, save_probe
 from tuili.perf.overhead import HOST_KEYS, Step, packed_work
 from tuili.perf.plan import PlanInputs, make_plan
+from tuili.perf.resolve import current_hardware
 
 # SmolLM2-135M's shape (its config.json): 30 Llama layers, 9 heads over 3 KV heads, tied embeddings
 SMOLLM2 = {

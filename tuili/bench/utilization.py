@@ -25,7 +25,8 @@ from tuili.errors import TuiliError
 from tuili.perf.checkpoint import read_model
 from tuili.perf.cost import ModelCost
 from tuili.perf.formats import weight_format
-from tuili.perf.hardware import HardwareSpec, current_hardware
+from tuili.perf.hardware import HardwareSpec
+from tuili.perf.resolve import current_hardware
 
 
 @dataclass

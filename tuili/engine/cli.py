@@ -131,10 +131,19 @@ def _load(args: argparse.Namespace):
     engine = llm.engine
     print(
         f"tuili: {engine.model_path.name} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
-        f"KV pool {engine.num_blocks * engine.config.block_size} tokens",
+        f"KV pool {engine.pool.num_tokens} tokens",
         file=sys.stderr,
     )
     return llm
+
+
+def _attach_meter(llm):
+    """Live MFU/MBU of this run, against --hardware (else this machine's probe, else an estimate)."""
+    from tuili.perf.meter import UtilizationMeter
+
+    meter = UtilizationMeter.for_engine(llm.engine)
+    llm.engine.add_observer(meter)
+    return meter
 
 
 def _stream(llm, prompt, params) -> Iterator[tuple[str, RequestOutput]]:
@@ -160,6 +169,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         params = sampling_params(args)
         llm = _load(args)
+        meter = _attach_meter(llm)
         if args.prompt is not None:
             prompt = args.prompt
             if args.chat_template:
@@ -172,9 +182,11 @@ def run_generate(args: argparse.Namespace) -> int:
             generated = len(out.outputs[0].token_ids)
             print(f"tuili: {len(out.prompt_token_ids)} prompt + {generated} generated tokens in "
                   f"{time.perf_counter() - start:.2f}s ({out.outputs[0].finish_reason})", file=sys.stderr)
-            print(llm.engine.meter.summary().format(), file=sys.stderr)
+            print(meter.summary().format(), file=sys.stderr)
             return 0
-        return _generate_file(llm, args.prompts_file, args.output, params)
+        _generate_file(llm, args.prompts_file, args.output, params)
+        print(meter.summary().format(), file=sys.stderr)
+        return 0
     except TuiliError as e:
         print(f"tuili: error: {e}", file=sys.stderr)
         return 2
@@ -202,19 +214,19 @@ def _read_prompts(path: Path, tokenizer) -> list:
     return prompts
 
 
-def _generate_file(llm, path: Path, output: Path | None, params) -> int:
+def _generate_file(llm, path: Path, output: Path | None, params) -> None:
     from tqdm import tqdm
 
     prompts = _read_prompts(path, llm.get_tokenizer())
     bar = tqdm(total=len(prompts), unit="req", file=sys.stderr, dynamic_ncols=True)
     start = time.perf_counter()
-    counted = {"out": 0}
+    generated_before = llm.engine.stats().generation_tokens
 
     def on_step(outputs) -> None:
-        counted["out"] += sum(1 for item in llm.engine.last_step.scheduled if item.samples)
+        generated = llm.engine.stats().generation_tokens - generated_before
         finished = sum(1 for o in outputs if o.finished)
         elapsed = time.perf_counter() - start
-        bar.set_postfix_str(f"{counted['out'] / elapsed:.1f} tok/s")
+        bar.set_postfix_str(f"{generated / elapsed:.1f} tok/s")
         bar.update(finished)
 
     results = llm.generate(prompts, params, on_step=on_step)
@@ -233,15 +245,13 @@ def _generate_file(llm, path: Path, output: Path | None, params) -> int:
             sink.close()
     prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
     output_tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
-    cache = llm.engine.block_manager.stats
+    cache = llm.engine.stats().prefix_cache
     print(
         f"tuili: {len(results)} requests, {prompt_tokens} prompt + {output_tokens} output tokens in {elapsed:.2f}s "
         f"({output_tokens / elapsed:.1f} output tok/s); prefix cache hit rate {cache.hit_rate:.1%} "
         f"({cache.device_hit_tokens} tokens from the KV pool, {cache.host_hit_tokens} from host memory)",
         file=sys.stderr,
     )
-    print(llm.engine.meter.summary().format(), file=sys.stderr)
-    return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:

@@ -26,7 +26,8 @@ class LLM:
         `options`: any EngineConfig field — dtype, device, block_size, max_num_batched_tokens
         (default here OFFLINE_MAX_NUM_BATCHED_TOKENS, not the engine's 512),
         max_num_seqs, max_model_len, kv_cache_memory, enable_prefix_caching,
-        kv_offload_memory, quantization, kv_cache_dtype, hardware, seed."""
+        kv_offload_memory, quantization, kv_cache_dtype, hardware (the spec a UtilizationMeter
+        built with `for_engine` judges this engine against), seed."""
         known = {f.name for f in fields(EngineConfig)} - {"model"}
         unknown = sorted(set(options) - known)
         if unknown:

@@ -6,13 +6,16 @@ random generators. It knows nothing of HTTP or of scheduling policy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tuili.config import ModelConfig
 from tuili.engine.decode_graphs import DecodeGraphs
 from tuili.engine.kv_cache import BlockCopies, blocks_for, slot
+from tuili.engine.pool import PoolPlan
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
+from tuili.engine.stopping import StopTokens
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
 from tuili.layers.linear import AmxLinear
 from tuili.layers.quant import QuantizedLinear
@@ -20,51 +23,41 @@ from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of every layer for `block_size` tokens, stored in `dtype` (an fp8 cache's
-    per-head scales are a few bytes per layer, not per block)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+@dataclass(frozen=True)
+class RunnerConfig:
+    device: torch.device
+    dtype: torch.dtype  # the working dtype of activations and weights
+    stop_tokens: StopTokens  # what each sampling row suppresses before min_tokens
+    enforce_eager: bool = False  # no CPU decode graphs
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        eos_token_ids: set[int],
-        num_host_blocks: int = 0,
-        kv_dtype: torch.dtype | None = None,
-        max_model_len: int | None = None,
-        enforce_eager: bool = False,
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: PoolPlan, config: RunnerConfig) -> None:
+        device, dtype = config.device, config.dtype
         self.model = model
         self.device = device
-        self.block_size = block_size
-        self.eos_token_ids = eos_token_ids
+        self.block_size = block_size = pool.block_size
+        self.stop_tokens = config.stop_tokens
         self.sampler = Sampler(model.platform)
         self._generators: dict[int, torch.Generator] = {}
         cfg = model.config
-        kv_dtype = kv_dtype or dtype
+        kv_dtype = pool.kv_dtype
         # Decodes go to the attention backend's paged kernel where it has one (the native CPU
         # backend), else into gathered groups.
         self.native_attention = model.attention.reads_paged_decodes
         # Pure decode steps replay CPU graphs where the native kernels do all their work.
         self.graphs: DecodeGraphs | None = None
-        if self.native_attention and kv_dtype == dtype and not enforce_eager:
-            max_blocks = blocks_for(max_model_len or cfg.max_position_embeddings, block_size)
+        if self.native_attention and kv_dtype == dtype and not config.enforce_eager:
+            max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (pool.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers():
             attn.kv_cache = KVCache.allocate(shape, kv_dtype, device)
         # The prefix cache's second tier: the same layout in host memory (pinned on a GPU so
         # host-to-device copies run asynchronously), as raw bytes (index_put has no float8
         # kernel; copies of bytes are exact). On a CPU it is simply a separate pool.
         element = torch.empty((), dtype=kv_dtype).element_size()
-        host_shape = (num_host_blocks, *shape[1:], element)
+        host_shape = (pool.num_host_blocks, *shape[1:], element)
         pin = device.type == "cuda"
         self._host_pools = [
             (
@@ -72,7 +65,7 @@ class ModelRunner:
                 torch.zeros(host_shape, dtype=torch.uint8, pin_memory=pin),
             )
             for _ in model.attention_layers()
-        ] if num_host_blocks else []
+        ] if pool.num_host_blocks else []
 
     @torch.inference_mode()
     def copy_blocks(self, copies: BlockCopies) -> None:
@@ -147,6 +140,7 @@ class ModelRunner:
         self._generators.pop(seq.seq_id, None)
 
     def _row(self, seq: Sequence) -> SamplingRow:
+        """The sequence's sampling row; its token history is read only if a penalty needs it."""
         params = seq.params
         generator = None
         if params.seed is not None:
@@ -156,15 +150,12 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed((params.seed + seq.index * 1_000_003) % 2**64)
                 self._generators[seq.seq_id] = generator
-        suppressed: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
-            suppressed = sorted(set(params.stop_token_ids) | self.eos_token_ids)
         return SamplingRow(
             params=params,
-            prompt_token_ids=seq.token_ids[: seq.prompt_len],
-            output_token_ids=seq.output_token_ids,
+            token_ids=seq.token_ids,
+            prompt_len=seq.prompt_len,
             generator=generator,
-            suppressed_token_ids=suppressed,
+            suppressed_token_ids=self.stop_tokens.suppressed(params, seq.num_output_tokens),
         )
 
     def _prepare(

@@ -51,14 +51,27 @@ _TOP_P_CANDIDATES = 1024
 
 @dataclass
 class SamplingRow:
-    """One sequence asking for its next token."""
+    """One sequence asking for its next token.
+
+    `token_ids` is the sequence's own list (prompt, then the tokens generated before this
+    step), not a copy: building a row costs nothing whatever the length, and the prompt and
+    output lists are sliced from it only when a penalty reads them. It must not change while
+    the sampler runs."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated before this step
+    token_ids: list[int]
+    prompt_len: int
     # Set when params.seed is not None; owned by the sequence, on the logits' device.
     generator: torch.Generator | None = None
     suppressed_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
 
 
 @dataclass

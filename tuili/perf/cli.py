@@ -82,6 +82,7 @@ def run_plan(args: argparse.Namespace) -> int:
         from tuili.perf.cost import ModelCost
         from tuili.perf.formats import canonical_dtype, weight_format
         from tuili.perf.plan import DEFAULT_RESERVE_FRACTION, PlanInputs, make_plan
+        from tuili.perf.resolve import current_hardware
 
         device = _device(args.device)
         if args.config:
@@ -93,7 +94,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 args.model = str(default_model_path())
             source = read_model(args.model)
         cost = ModelCost.from_config(source.config)
-        spec = hw.current_hardware(device, args.hardware)
+        spec = current_hardware(device, args.hardware)
         if args.weights:
             storage = weight_format(args.weights)
         else:

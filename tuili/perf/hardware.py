@@ -466,29 +466,3 @@ def save_probe(spec: HardwareSpec, device: str) -> Path:
     tmp.write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     tmp.replace(path)  # atomic: the engine may read it while a probe writes
     return path
-
-
-def current_hardware(device: str = "cpu", name_or_path: str | None = None) -> HardwareSpec:
-    """The spec to judge runs on ``device`` against.
-
-    In order: ``name_or_path`` as a spec file or a preset name; else the last `tuili probe` saved
-    for this machine and device; else, for a GPU, the preset its name matches; else a quick
-    built-in estimate (origin "estimate"), measured in well under a second.
-    """
-    if name_or_path:
-        if os.path.sep in name_or_path or Path(name_or_path).suffix.lower() in (".json", ".yaml", ".yml") \
-                or Path(name_or_path).exists():
-            return load_spec_file(name_or_path)
-        return preset(name_or_path)
-    saved = probe_path(device)
-    if saved.exists():
-        return load_spec_file(saved)
-    if device.startswith("cuda"):
-        import torch
-
-        matched = preset_for_device_name(torch.cuda.get_device_name(torch.device(device)))
-        if matched is not None:
-            return matched
-    from tuili.perf.probe import estimate
-
-    return estimate(device)

@@ -26,9 +26,11 @@ from tuili.perf.checkpoint import ModelSource
 from tuili.perf.cost import CheckpointBytes, ModelCost
 from tuili.perf.formats import canonical_dtype
 from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec
+from tuili.perf.harness import build_engine
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline
 from tuili.perf.probe import mean_rates
+from tuili.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -78,29 +80,24 @@ def measure(
     """Run the engine and compare. ``refresh`` (for this machine's own probe) measures the host's
     drifting rates again: it runs before and after the engine, and the predictions use the mean of
     the two, so that prediction and measurement see the same machine."""
-    from tuili import LLM
-    from tuili.engine.runner import kv_bytes_per_block
-    from tuili.sampling import SamplingParams
-
     if inputs.tp != 1 or inputs.gpus != 1:
         raise TuiliError("--measure runs on one device here: drop --tp and --gpus")
     total = inputs.prompt + inputs.output
-    llm = LLM(
-        model=str(source.path), device=device, dtype=dtype,
+    engine, log = build_engine(
+        str(source.path), device=device, dtype=dtype,
         max_num_batched_tokens=max(512, inputs.prompt * inputs.batch), max_num_seqs=inputs.batch,
         max_model_len=total + 1,
     )
-    engine = llm.engine
     working = canonical_dtype(str(engine.dtype))
-    packed = _packed_compute_dtype(engine.runner.model)
-    inputs = replace(inputs, weights=engine_storage(engine.runner.model), kv_dtype=working,
+    packed = _packed_compute_dtype(engine.model)
+    inputs = replace(inputs, weights=engine_storage(engine.model), kv_dtype=working,
                      compute_dtype=packed or working, packed_linears=packed is not None)
     probed = hardware
     if refresh is not None:
         hardware = refresh()
-    weight_bytes = engine.runner.weight_bytes()
-    decode_weight_bytes = engine.runner.decode_weight_bytes()
-    kv_per_token = kv_bytes_per_block(engine.model_config, 1, engine.dtype)
+    weight_bytes = engine.weight_bytes()
+    decode_weight_bytes = engine.decode_weight_bytes()
+    kv_per_token = engine.pool.kv_bytes_per_token
     notes = []
     if packed:
         notes.append(f"the engine holds its linears quantized ({engine.weights_quantized}) and multiplies them in "
@@ -128,7 +125,8 @@ def measure(
             t0 = time.perf_counter()
             outputs = engine.step()
             seconds = time.perf_counter() - t0
-            chunks, decodes = engine.last_step.split_prefill_decode()
+            assert log.last is not None  # every step with work reports
+            chunks, decodes = log.last.prefill_chunks, log.last.decode_context_lens
             meter.record_step(chunks, decodes, seconds)
             if decodes and not chunks:
                 decode_log.append((decodes, seconds))

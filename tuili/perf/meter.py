@@ -1,4 +1,7 @@
-"""Live MFU and MBU: the engine reports each forward step, the meter keeps end-to-end totals.
+"""Live MFU and MBU: the meter observes each forward step of an engine and keeps end-to-end totals.
+
+The server and the CLI attach one (`engine.add_observer(UtilizationMeter.for_engine(engine))`);
+the engine itself knows no cost model or hardware spec.
 
 Prefill is judged by MFU (useful FLOPs / prefill time / peak FLOP/s), decode by MBU (necessary
 bytes / decode time / memory bandwidth). A step that mixes prefill chunks and decodes has one
@@ -12,10 +15,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tuili.errors import TuiliError
 from tuili.perf.cost import ModelCost
+from tuili.perf.formats import canonical_dtype
 from tuili.perf.hardware import HardwareSpec
+from tuili.perf.resolve import current_hardware
+
+if TYPE_CHECKING:
+    from tuili.engine.core import LLMEngine
+    from tuili.engine.stats import StepRecord
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,12 @@ class UtilizationMeter:
     the number of devices the step ran on (the peaks scale with it). ``decode_weight_bytes``:
     when the engine knows exactly what a decode step reads (quantized modules, a packed output
     matrix beside a float embedding), that figure, used as it is for every batch size.
+
+    As an engine's observer it takes each step's record; it asks for device time, since a
+    GPU step's wall time means nothing without it.
     """
+
+    wants_device_time = True
 
     def __init__(
         self, cost: ModelCost, hardware: HardwareSpec, weight_bytes: int, kv_bytes_per_token: int,
@@ -109,6 +124,22 @@ class UtilizationMeter:
         self.decode_flops = 0.0
         self.decode_bytes = 0.0
         self.decode_seconds = 0.0
+
+    @classmethod
+    def for_engine(cls, engine: LLMEngine, hardware: str | None = None) -> UtilizationMeter:
+        """A meter of what `engine` holds, against ``hardware`` (a preset or spec file; default
+        the engine config's `hardware`, else this machine's last `tuili probe`, else a quick
+        estimate, marked as such: tuili/perf/resolve.py). Not attached: pass it to
+        `engine.add_observer`."""
+        spec = current_hardware(engine.device.type, hardware or engine.config.hardware)
+        return cls(
+            ModelCost.from_config(engine.model_config.raw), spec, engine.weight_bytes(), engine.pool.kv_bytes_per_token,
+            compute_dtype=canonical_dtype(str(engine.dtype)),
+            decode_weight_bytes=engine.decode_weight_bytes() if engine.weights_quantized else None,
+        )
+
+    def on_step(self, record: StepRecord) -> None:
+        self.record_step(record.prefill_chunks, record.decode_context_lens, record.seconds)
 
     def step_decode_bytes(self, decode_context_lens: Sequence[int]) -> int:
         """Bytes a decode step over these sequences must read."""

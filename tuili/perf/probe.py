@@ -34,7 +34,9 @@ from tuili.perf.hardware import (
     ENGINE_PREFILL_ROWS,
     HardwareSpec,
 )
+from tuili.perf.harness import build_engine
 from tuili.platform import Platform
+from tuili.sampling import SamplingParams
 
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_GEMV_K = 512  # a small model's projection: its time is mostly the per-matmul overhead
@@ -98,7 +100,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         **_linear_fields(linears),
         **_attention_fields(attention),
     )
-    host = _host_overheads(dev, spec, quick)
+    host = _host_overheads(dev, quick)
     results += host
     spec = replace(spec, measurements={m.name: m.value for m in results},
                    host_overhead_seconds={m.name.removeprefix(HOST_PREFIX): m.value for m in host})
@@ -448,7 +450,7 @@ _TOY_PROMPT = 64  # tokens: a fresh prompt chunk past the packed kernel's rows, 
 _TOY_REQUESTS = 8  # timed requests per toy engine (one more warms it up)
 
 
-def _host_overheads(dev: torch.device, spec: HardwareSpec, quick: bool) -> list[Measurement]:
+def _host_overheads(dev: torch.device, quick: bool) -> list[Measurement]:
     """The engine's fixed host cost per step and per decoder layer (tuili/perf/overhead.py).
 
     tuili's own engine runs toy models of 1 and 4 layers, 64 wide with a 256-token vocabulary,
@@ -457,7 +459,7 @@ def _host_overheads(dev: torch.device, spec: HardwareSpec, quick: bool) -> list[
     step of a few requests and the best prefill of a 64-token prompt; the slope over layers is a
     layer's cost, the intercept the step's. Variants: float Llama layers, packed int4 ones (where
     the engine packs: a CPU) and Qwen3's q/k norms (its layer's extra over Llama's). --quick: the
-    float Llama layers only. The toy engines meter against ``spec``, just measured.
+    float Llama layers only.
     """
     variants = _HOST_VARIANTS[:1] if quick else _HOST_VARIANTS
     if dev.type != "cpu":
@@ -465,15 +467,13 @@ def _host_overheads(dev: torch.device, spec: HardwareSpec, quick: bool) -> list[
     lo, hi = _TOY_LAYERS
     fits: dict[tuple[str, str], tuple[float, float]] = {}  # (variant, step kind) -> (step, layer)
     with tempfile.TemporaryDirectory(prefix="tuili-probe-") as tmp:
-        spec_file = Path(tmp) / "spec.json"
-        spec_file.write_text(json.dumps(spec.to_dict()))
         for prefix, family, quantization in variants:
             # 8 requests each: with 3 (--quick, before) a layer's decode cost, tens of microseconds
             # (the slope between two engines' best steps), came out zero in 1 run of 10 on a
             # shared VM; with 8, in none of 15. The toy steps take ~0.3 ms, so this costs little.
             seconds = {
                 layers: _toy_step_seconds(_toy_checkpoint(Path(tmp) / f"{prefix}{family}-{layers}", family, layers),
-                                          dev, quantization, spec_file, _TOY_REQUESTS)
+                                          dev, quantization, _TOY_REQUESTS)
                 for layers in _TOY_LAYERS
             }
             for i, kind in enumerate(("decode", "prefill")):
@@ -490,15 +490,10 @@ def _host_overheads(dev: torch.device, spec: HardwareSpec, quick: bool) -> list[
     return [Measurement(f"{HOST_PREFIX}{key}", value, "s", value) for key, value in host.items()]
 
 
-def _toy_step_seconds(
-    path: Path, dev: torch.device, quantization: str | None, spec_file: Path, requests: int,
-) -> tuple[float, float]:
+def _toy_step_seconds(path: Path, dev: torch.device, quantization: str | None, requests: int) -> tuple[float, float]:
     """(best decode step, best prefill step) of tuili's engine on the toy checkpoint at ``path``."""
-    from tuili import LLM
-    from tuili.sampling import SamplingParams
-
-    engine = LLM(model=str(path), device=str(dev), max_model_len=2 * _TOY_PROMPT, max_num_seqs=1,
-                 kv_cache_memory=16 << 20, quantization=quantization, hardware=str(spec_file)).engine
+    engine, _ = build_engine(str(path), device=str(dev), max_model_len=2 * _TOY_PROMPT, max_num_seqs=1,
+                             kv_cache_memory=16 << 20, quantization=quantization)
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
     decode, prefill = float("inf"), float("inf")
     for request in range(requests + 1):  # the first warms up (allocations, kernel choice)

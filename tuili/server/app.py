@@ -30,6 +30,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tuili.engine.core import LLMEngine
+from tuili.engine.kv_cache import CacheStats
+from tuili.perf.meter import UtilizationMeter
 from tuili.server.driver import EngineDriver
 from tuili.server.errors import ApiError, as_api_error, install_error_handlers
 from tuili.server.generation import (
@@ -71,9 +73,8 @@ class ServerSettings:
     max_request_bytes: int = 4 << 20
 
 
-def _cache_samples(engine: LLMEngine) -> dict[str, float]:
+def _cache_samples(stats: CacheStats) -> dict[str, float]:
     """Prefix-cache counters, in prompt tokens: looked up, and served per tier."""
-    stats = engine.block_manager.stats
     return {
         "tuili:prefix_cache_queries_total": float(stats.queried_tokens),
         "tuili:prefix_cache_hits_total": float(stats.hit_tokens),
@@ -84,7 +85,13 @@ def _cache_samples(engine: LLMEngine) -> dict[str, float]:
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine`; the engine thread starts with the app and stops with it."""
-    metrics = ServerMetrics(settings.model_name, lambda: {**engine.meter.summary().prometheus(), **_cache_samples(engine)})
+    meter = UtilizationMeter.for_engine(engine)
+    engine.add_observer(meter)
+
+    def utilization() -> dict[str, float]:  # read at each scrape, on the HTTP side
+        return {**meter.summary().prometheus(), **_cache_samples(driver.stats.prefix_cache)}
+
+    metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size)
     backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len)

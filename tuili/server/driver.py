@@ -13,7 +13,9 @@ their newest outputs. Engine outputs are cumulative (text and token ids only gro
 reader that falls behind loses nothing by seeing only the newest one; a slow client therefore
 costs memory for one output per request, never a growing queue.
 
-Metrics are recorded on the engine thread, where the step's timings are known.
+Metrics are recorded on the engine thread, where the step's timings are known; it also
+publishes the engine's `stats()` snapshot after every iteration (`EngineDriver.stats`), which
+other threads read instead of the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 from tuili.engine.core import LLMEngine
 from tuili.engine.request import RequestOutput
+from tuili.engine.stats import EngineStats
 from tuili.sampling import SamplingParams
 from tuili.server.metrics import ServerMetrics
 
@@ -132,6 +135,7 @@ class EngineDriver:
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self.stats: EngineStats = engine.stats()  # replaced whole by the engine thread, so any thread may read it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead = False  # set by the engine thread when it fails
         self._thread = threading.Thread(target=self._run, name="tuili-engine", daemon=True)
@@ -209,7 +213,8 @@ class EngineDriver:
                     self._abort([r for r in command.submission.request_ids if r in self._tracked])
             if engine.has_unfinished_requests():
                 self._step()
-            self.metrics.set_engine_state(engine.num_running, engine.num_waiting, engine.kv_cache_usage())
+            self.stats = stats = engine.stats()
+            self.metrics.set_engine_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -222,9 +227,10 @@ class EngineDriver:
     def _add(self, command: _Add) -> None:
         engine, sub = self.engine, command.submission
         try:
-            if self.max_waiting is not None and engine.num_waiting >= self.max_waiting:
+            waiting = engine.stats().num_waiting
+            if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFullError(
-                    f"the server is at capacity: {engine.num_waiting} sequences are waiting "
+                    f"the server is at capacity: {waiting} sequences are waiting "
                     f"(--max-waiting {self.max_waiting}); retry later"
                 )
             added: list[str] = []

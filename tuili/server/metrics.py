@@ -1,8 +1,9 @@
 """The server's Prometheus metrics, all prefixed `tuili:`.
 
 Counted on the engine thread (prometheus_client's metrics are thread-safe), read by `GET
-/metrics`. The engine's utilization meter (`tuili/perf/meter.py`: live prefill MFU, decode
-MBU and the totals behind them) is read at each scrape, under the meter's own lock. The engine schedules *sequences*: a request with n choices is n sequences, so the
+/metrics`. The utilization meter the server attaches to the engine (`tuili/perf/meter.py`: live
+prefill MFU, decode MBU and the totals behind them) is read at each scrape, under the meter's
+own lock. The engine schedules *sequences*: a request with n choices is n sequences, so the
 running / waiting gauges and the finished counter count sequences (for n = 1 the same as
 requests). Latencies are measured from the moment the HTTP side received the call, so they
 include tokenization and the wait for the engine thread to pick the request up.

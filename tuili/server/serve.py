@@ -48,7 +48,7 @@ def serve(engine: LLMEngine, settings: ServerSettings, sock: socket.socket, shut
     logger.info(
         "serving %s as %r: %s on %s, KV pool %d tokens, max_model_len %d, at http://%s:%d/v1",
         engine.model_path, settings.model_name, str(engine.dtype).removeprefix("torch."), engine.device,
-        engine.num_blocks * engine.config.block_size, engine.max_model_len, url_host, port,
+        engine.pool.num_tokens, engine.max_model_len, url_host, port,
     )
     GracefulServer(config).run(sockets=[sock])
     logger.info("stopped")

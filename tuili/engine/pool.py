@@ -1,0 +1,79 @@
+"""How big the KV pool is: blocks on the device, blocks of the host tier, and the longest
+sequence they let the engine accept.
+
+One pure function of the model's shape and the engine's knobs, decided once before the pool
+is allocated; the runner allocates what the plan says and the block manager hands it out.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tuili.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from tuili.errors import TuiliError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The KV pool's shape. Invariant: num_blocks * block_size >= max_model_len, so that any
+    request the engine accepts can finish."""
+
+    num_blocks: int
+    block_size: int  # tokens per block
+    num_host_blocks: int  # the prefix cache's host tier; 0 = off
+    kv_dtype: torch.dtype
+    max_model_len: int  # after capping at what the pool holds
+    bytes_per_block: int  # keys and values of every layer for block_size tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of every layer for `block_size` tokens, stored in `dtype` (an fp8 cache's
+    per-head scales are a few bytes per layer, not per block)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """2 GiB on a CPU (ample for the small models CPU serving targets; set kv_cache_memory
+    for more); on a GPU 90% of the memory still free after the weights, less a reserve of
+    1 GiB for activations."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(free * 0.9) - (1 << 30), 0)
+    return 2 << 30
+
+
+def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> PoolPlan:
+    """Size the pool from `config.kv_cache_memory` (else the device's default) in the KV dtype
+    (`config.kv_cache_dtype`, else the working `dtype`). An unset max_model_len is the model's,
+    capped (and logged) at what the pool holds; a set one the pool cannot hold is an error.
+    Call after the weights are loaded: a GPU's default budget is what they left free."""
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or dtype
+    block_bytes = kv_bytes_per_block(model, config.block_size, kv_dtype)
+    budget = config.kv_cache_memory or default_kv_cache_memory(device)
+    num_blocks = budget // block_bytes
+    pool_tokens = num_blocks * config.block_size
+    max_len = config.max_model_len or model.max_position_embeddings
+    if config.max_model_len is None and pool_tokens < max_len:
+        logger.info("capping max_model_len at %d: the KV pool holds %d tokens", pool_tokens, pool_tokens)
+        max_len = pool_tokens
+    if pool_tokens < max_len or num_blocks < 1:
+        raise TuiliError(
+            f"kv_cache_memory={budget} bytes holds {pool_tokens} tokens, fewer than "
+            f"max_model_len={max_len}: raise kv_cache_memory or lower max_model_len"
+        )
+    num_host_blocks = config.kv_offload_memory // block_bytes if config.enable_prefix_caching else 0
+    return PoolPlan(num_blocks, config.block_size, num_host_blocks, kv_dtype, max_len, block_bytes)
