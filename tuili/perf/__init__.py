@@ -1,3 +1,4 @@
-"""The ruler: what a model costs (cost.py), what hardware offers (hardware.py, probe.py), what a
-serving shape will take (plan.py) and how close a run came (meter.py). docs/ruler.md defines every
+"""The ruler: what a model costs (cost.py), what hardware offers (hardware.py, probe.py, resolve.py),
+what a serving shape will take (plan.py) and how close a run came (meter.py, an observer of the
+engine's steps). harness.py is the one place perf builds an engine. docs/ruler.md defines every
 figure."""

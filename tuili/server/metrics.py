@@ -29,7 +29,8 @@ class ServerMetrics:
     """Every metric the server exports, in a registry of its own."""
 
     def __init__(self, model_name: str, utilization: Callable[[], dict[str, float]] | None = None) -> None:
-        """`utilization` returns the engine meter's samples by name (`UtilizationSummary.prometheus`)."""
+        """`utilization` returns the utilization meter's samples by name (`UtilizationSummary.prometheus`)
+        and the prefix cache's counters."""
         self.registry = CollectorRegistry()
         if utilization is not None:
             self.registry.register(_UtilizationCollector(utilization, model_name))
@@ -88,7 +89,7 @@ class ServerMetrics:
 
 
 class _UtilizationCollector:
-    """The engine meter's samples: names ending in _total are counters, the rest gauges."""
+    """The utilization samples: names ending in _total are counters, the rest gauges."""
 
     def __init__(self, samples: Callable[[], dict[str, float]], model_name: str) -> None:
         self._samples, self._model_name = samples, model_name
