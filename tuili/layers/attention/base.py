@@ -54,7 +54,7 @@ class KVCache:
             k, v = _to_fp8(k, self.key_scale), _to_fp8(v, self.value_scale)
         for cache, new in ((self.key, k), (self.value, v)):
             # Integer views of the same element size: index_copy_ has no float8 kernel, a copy
-            # of bits is exact, and whole elements copy several times faster than their bytes.
+            # of bits is exact, and whole elements copy faster than their bytes.
             as_int = _SAME_SIZE_INT[cache.element_size()]
             flat = cache.view(as_int).view(-1, *cache.shape[2:])
             flat.index_copy_(0, slot_mapping, new.to(cache.dtype).contiguous().view(as_int))

@@ -261,10 +261,10 @@ class Int4Linear(QuantizedLinear):
             packed = self.packed[first : first + step].transpose(0, 1)  # [K, tiles, 32]
             cols = slice(first * INT4_TILE_ROWS, (first + packed.shape[1]) * INT4_TILE_ROWS)
             # W^T for these columns, [K, tiles, half, 32] viewed as [groups, group, columns].
-            # Integer work before the cast: int8 ops run ~10x faster than bf16 ones here.
+            # Integer work before the cast: int8 ops are much cheaper than bf16 ones (docs/kernels.md, Measured crossovers).
             codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).view(torch.int8).sub_(8)
             codes = codes.view(groups, self.group_size, -1).to(x.dtype)
-            # Contiguous copies: addcmul is ~5x slower on the interleaved [.., N, 2] views.
+            # Contiguous copies: addcmul is much slower on the interleaved [.., N, 2] views.
             scale, zero = (t.contiguous()[:, None] for t in self.scale_zero[:, cols].unbind(-1))
             w_t = torch.addcmul(zero, codes, scale).view(k, -1)
             torch.matmul(x, w_t, out=out[:, cols])
@@ -274,7 +274,7 @@ class Int4Linear(QuantizedLinear):
         self, x: torch.Tensor, dequantize: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """The tiled kernel with tuili's C dequantizer (tuili/kernels) writing each tile's W^T
-        into one reused buffer: about 0.1 ns per weight against ~1 ns for the torch ops."""
+        into one reused buffer, one pass instead of the torch ops (docs/kernels.md, Measured crossovers)."""
         tiles, k = self.packed.shape[0], x.shape[1]
         out = x.new_empty(x.shape[0], tiles * INT4_TILE_ROWS)
         step = _tile_rows(k, INT4_TILE_ROWS) // INT4_TILE_ROWS
