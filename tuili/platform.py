@@ -18,12 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from tuili import kernels
+from tuili.kernels import layout
 
-# Layout constants the kernels and the torch code share (one source: the build passes them to
-# the C compiler, tuili/kernels/build.py).
-INT4_TILE_ROWS = 64  # output rows per tile of the packed int4 layout (tuili/layers/quantized.py)
-AMX_PANEL_ROWS = 16  # output rows per panel of the AMX weight layout (AmxLinear)
-AMX_K_MULTIPLE = 32  # input columns an AMX tile row holds in bf16
+# Weight layouts the kernels and the torch code share (one source, tuili/kernels/layout.py,
+# which the build also passes to the C compiler), re-exported for layers/ and models/.
+INT4_TILE_ROWS, AMX_PANEL_ROWS, AMX_K_MULTIPLE = layout.INT4_TILE_ROWS, layout.AMX_TILE_ROWS, layout.AMX_K_MULTIPLE
 
 
 @dataclass(frozen=True)

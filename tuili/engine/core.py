@@ -24,7 +24,7 @@ from tuili.config import (
     resolve_device,
     resolve_dtype,
 )
-from tuili.engine.kv_cache import BlockManager
+from tuili.engine.block_manager import BlockManager
 from tuili.engine.output_processor import OutputProcessor, RequestState
 from tuili.engine.pool import plan_pool
 from tuili.engine.request import RequestMetrics, RequestOutput, Sequence

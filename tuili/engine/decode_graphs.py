@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tuili.engine.kv_cache import slot
+from tuili.engine.block_manager import slot
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.kernels.graph import Arena, Graph, GraphCaptureError, GraphReplayError, capture
 from tuili.layers.attention import AttentionMetadata, PagedBatch

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tuili.engine.block_manager import BlockCopies, blocks_for, slot
 from tuili.engine.decode_graphs import DecodeGraphs
-from tuili.engine.kv_cache import BlockCopies, blocks_for, slot
 from tuili.engine.pool import PoolPlan
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq

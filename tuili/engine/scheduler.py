@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tuili.engine.kv_cache import BlockCopies, BlockManager
+from tuili.engine.block_manager import BlockCopies, BlockManager
 from tuili.engine.request import Sequence, SequenceStatus
 
 

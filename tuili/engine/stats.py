@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tuili.engine.kv_cache import CacheStats
+from tuili.engine.block_manager import CacheStats
 
 
 @dataclass(frozen=True)

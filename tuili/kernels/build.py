@@ -29,6 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tuili.kernels import layout
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -83,7 +85,7 @@ def _compile() -> Path:
     except (OSError, subprocess.SubprocessError) as error:
         raise _BuildError(f"C compiler {compiler!r} does not run: {error}") from error
     sources = sorted(SOURCE_DIR.glob("*.c"))
-    flags = [*FLAGS, *shlex.split(os.environ.get("TUILI_KERNEL_CFLAGS", ""))]
+    flags = [*FLAGS, *layout.compiler_defines(), *shlex.split(os.environ.get("TUILI_KERNEL_CFLAGS", ""))]
     digest = hashlib.sha256()
     for part in [
         *(p.name + p.read_text() for p in sorted(SOURCE_DIR.glob("*.[ch]"))),

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from tuili.kernels import build
+from tuili.kernels.layout import AMX_K_MULTIPLE, AMX_TILE_ROWS, INT4_TILE_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +30,11 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 _CACHE_DTYPES = tuple(_DTYPE_CODES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_TILE_ROWS = 64  # output rows per packed int4 tile (tuili/layers/quant.py)
 _LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
 _LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is faster
 
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
-_AMX_K_MULTIPLE = 32  # TILE_K of csrc/amx.h
-_PACKED_N_MULTIPLE = 16  # panel rows of csrc/linear_packed.c
 _PROMPT_ATTENTION_MAX_HEAD_DIM = 256  # MAX_HEAD_DIM of csrc/prompt_attention.c
 
 
@@ -360,11 +358,11 @@ def _dequantize(
     tiles, packed_k, _ = packed.shape
     k = packed_k // halves
     out = _check("out", out, _FLOAT_DTYPES, 2)
-    if out.shape[0] != k or out.shape[1] % _TILE_ROWS:
+    if out.shape[0] != k or out.shape[1] % INT4_TILE_ROWS:
         raise ValueError(
-            f"out has shape {list(out.shape)}; expected [{k}, a multiple of {_TILE_ROWS}] (whole tiles)"
+            f"out has shape {list(out.shape)}; expected [{k}, a multiple of {INT4_TILE_ROWS}] (whole tiles)"
         )
-    count = out.shape[1] // _TILE_ROWS
+    count = out.shape[1] // INT4_TILE_ROWS
     if not 0 <= first_tile <= tiles - count:
         raise ValueError(
             f"tiles {first_tile} .. {first_tile + count - 1} are outside the weight's {tiles} tiles"
@@ -384,12 +382,12 @@ def _int4_layout(
     with the group size K' / groups. halves: 2 when K' holds Int8GroupLinear's two halves."""
     packed = _check("packed", packed, (torch.uint8,), 3)
     tiles, packed_k, half_tile = packed.shape
-    if half_tile != _TILE_ROWS // 2:
-        raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {_TILE_ROWS // 2}]")
+    if half_tile != INT4_TILE_ROWS // 2:
+        raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {INT4_TILE_ROWS // 2}]")
     scale_zero = _check("scale_zero", scale_zero, scale_dtypes, 3)
-    if scale_zero.shape[1:] != (tiles * _TILE_ROWS, 2):
+    if scale_zero.shape[1:] != (tiles * INT4_TILE_ROWS, 2):
         raise ValueError(
-            f"scale_zero has shape {list(scale_zero.shape)}; expected [groups, {tiles * _TILE_ROWS}, 2] "
+            f"scale_zero has shape {list(scale_zero.shape)}; expected [groups, {tiles * INT4_TILE_ROWS}, 2] "
             f"for packed's {tiles} tiles"
         )
     groups = scale_zero.shape[0]  # the group size is implied: packed_k / groups
@@ -419,8 +417,8 @@ def linear_int4(
     if packed_k != copies * k:
         raise ValueError(f"packed has {packed_k} inputs; expected {copies} x {k} (x has {k} columns)")
     out = _check("out", out, _FLOAT_DTYPES, 2)
-    if out.shape[0] != rows or not 0 < out.shape[1] <= tiles * _TILE_ROWS:
-        raise ValueError(f"out has shape {list(out.shape)}; expected [{rows}, 1 .. {tiles * _TILE_ROWS}]")
+    if out.shape[0] != rows or not 0 < out.shape[1] <= tiles * INT4_TILE_ROWS:
+        raise ValueError(f"out has shape {list(out.shape)}; expected [{rows}, 1 .. {tiles * INT4_TILE_ROWS}]")
     status = _call(
         "tuili_linear_int4",
         x.data_ptr(), _DTYPE_CODES[x.dtype], packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(),
@@ -485,9 +483,9 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     v = _check_token_rows("v", v, (torch.bfloat16,))
     if v.shape != k.shape or (tokens > 1 and v.stride(0) != k.stride(0)):
         raise ValueError(f"v has shape {list(v.shape)} and strides {v.stride()}; expected k's, {list(k.shape)} and {k.stride()}")
-    if head_dim % _AMX_K_MULTIPLE or head_dim > _PROMPT_ATTENTION_MAX_HEAD_DIM:
+    if head_dim % AMX_K_MULTIPLE or head_dim > _PROMPT_ATTENTION_MAX_HEAD_DIM:
         raise ValueError(
-            f"prompt_attention takes a head dim that is a multiple of {_AMX_K_MULTIPLE} up to "
+            f"prompt_attention takes a head dim that is a multiple of {AMX_K_MULTIPLE} up to "
             f"{_PROMPT_ATTENTION_MAX_HEAD_DIM}, got {head_dim}"
         )
     if not scale > 0:  # the kernel scales each row's largest score, not every score, for its max
@@ -533,9 +531,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight [N, K] (N a multiple of 16, K of 32) in linear_packed's layout: [N / 16, K / 2,
     16, 2], element [b, p, c, e] = weight[16 b + c, 2 p + e]. A new tensor; the same bytes."""
     n, k = weight.shape
-    if n % _PACKED_N_MULTIPLE or k % _AMX_K_MULTIPLE:
+    if n % AMX_TILE_ROWS or k % AMX_K_MULTIPLE:
         raise ValueError(
-            f"weight has shape {[n, k]}; packing takes N a multiple of {_PACKED_N_MULTIPLE} and K of {_AMX_K_MULTIPLE}"
+            f"weight has shape {[n, k]}; packing takes N a multiple of {AMX_TILE_ROWS} and K of {AMX_K_MULTIPLE}"
         )
     return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
@@ -565,8 +563,8 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def _check_amx_x(kernel: str, x: torch.Tensor) -> torch.Tensor:
     """x for an AMX product: bf16 [M, K] with K a multiple of one tile's 32 values."""
     x = _check("x", x, (torch.bfloat16,), 2)
-    if x.shape[1] % _AMX_K_MULTIPLE:
-        raise ValueError(f"x has {x.shape[1]} columns; {kernel} takes a multiple of {_AMX_K_MULTIPLE}")
+    if x.shape[1] % AMX_K_MULTIPLE:
+        raise ValueError(f"x has {x.shape[1]} columns; {kernel} takes a multiple of {AMX_K_MULTIPLE}")
     return x
 
 

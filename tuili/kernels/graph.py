@@ -1,8 +1,8 @@
 """CPU graphs: the native kernel calls of a forward recorded once, then replayed by one native call.
 
-At decode, a small model's step on a CPU spends a quarter to a third of its time between
-kernels: Python module calls, argument checks and ctypes, about 30 µs per kernel and ten kernels
-per layer (docs/kernels.md). A graph removes that time as a CUDA graph does on a GPU. `capture`
+At decode, a small model's step on a CPU spends a large share of its time between kernels: Python
+module calls, argument checks and ctypes, for about ten kernels per layer (docs/kernels.md, CPU
+graphs and Measured crossovers). A graph removes that time as a CUDA graph does on a GPU. `capture`
 runs a function once, eagerly, and records every native kernel call with its arguments
 (addresses, sizes, scalars); `Graph.replay` hands the recorded program to csrc/graph.c, which
 makes the same calls in the same order, without Python.

@@ -29,8 +29,8 @@ from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tuili.engine.block_manager import CacheStats
 from tuili.engine.core import LLMEngine
-from tuili.engine.kv_cache import CacheStats
 from tuili.perf.meter import UtilizationMeter
 from tuili.server.driver import EngineDriver
 from tuili.server.errors import ApiError, as_api_error, install_error_handlers

@@ -10,8 +10,8 @@
 #include <string.h>
 #define HAVE_AMX 1
 
-#define TILE 16   /* rows of a tile, and float32 columns of an accumulator */
-#define TILE_K 32 /* bf16 values in a tile row of 64 bytes */
+#define TILE TUILI_AMX_TILE_ROWS     /* rows of a tile, and float32 columns of an accumulator */
+#define TILE_K TUILI_AMX_K_MULTIPLE /* bf16 values in a tile row of 64 bytes */
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];

@@ -13,6 +13,11 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Weight layouts shared with the Python side: tuili/kernels/layout.py, passed by build.py. */
+#if !defined(TUILI_INT4_TILE_ROWS) || !defined(TUILI_AMX_TILE_ROWS) || !defined(TUILI_AMX_K_MULTIPLE)
+#error "build with tuili/kernels/build.py, which defines the layout constants of tuili/kernels/layout.py"
+#endif
+
 /* Element types, numbered as tuili/kernels/cpu.py passes them. */
 enum tuili_dtype { TUILI_F32 = 0, TUILI_BF16 = 1, TUILI_F8E4M3 = 2 };
 

@@ -18,8 +18,8 @@
 #include "common.h"
 #include "kernels.h"
 
-#define TILE 64
-#define HALF 32
+#define TILE TUILI_INT4_TILE_ROWS
+#define HALF (TILE / 2)
 
 /* One row k of a tile: the 64 values of W^T[k, tile columns], written to out as float32 or
  * bfloat16 (round to nearest even). Plain C first; AVX-512 versions below replace them. */

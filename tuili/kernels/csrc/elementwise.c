@@ -14,7 +14,8 @@
  *
  * where round is to the tensor's dtype (nothing for float32) and products of two stored values
  * are rounded once. All tensors are row-major and contiguous. Threads take rows a few at a time
- * as they free up (a core of a shared machine may run 3x slower for seconds, linear_amx.c). */
+ * as they free up (a core of a shared machine may run slower for seconds: docs/kernels.md,
+ * Measured crossovers). */
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__FMA__)
 #include <immintrin.h>
@@ -61,9 +62,9 @@ static void norm_row(float *buf, const float *w, int64_t dim, float eps, int dty
 #define MAX_DIM 16384 /* the longest row the stack buffer takes; Python checks it */
 
 #if defined(__AVX512F__) && defined(__FMA__)
-/* bf16 rows sixteen values to a register, in one or two passes instead of the loops above (a
- * Qwen3-0.6B-shape prefill spent ~10% of its time in these kernels, mostly loop overhead on
- * short rows). The same operations in the same order, so the same bits: sums of squares as
+/* bf16 rows sixteen values to a register, in one or two passes instead of the loops above (their
+ * overhead on short rows: docs/kernels.md, Measured crossovers). The same operations in the same
+ * order, so the same bits: sums of squares as
  * dot_lanes16 takes them (sixteen fused lanes, added in order), products rounded once. */
 #define FAST_BF16 1
 

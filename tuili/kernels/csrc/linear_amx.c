@@ -17,9 +17,8 @@
  * threads take weight row pairs (32 rows: two A tiles) a few at a time as they free up, and for
  * each pair run over the chunk's row-of-x pairs (two B tiles) with four accumulator tiles.
  * Handing out work dynamically, not in equal static ranges, is what makes a product fast on a
- * shared or hybrid machine: on the VMs of docs/kernels.md each core's matmul rate drops 3x for
- * a few seconds at a time, independently of the other, and a static split waits for the slow
- * one. Every output is still computed by one thread in one order, so the bits do not depend on
+ * shared or hybrid machine: each core's matmul rate can drop for seconds at a time, independently
+ * of the other (docs/kernels.md, Measured crossovers), and a static split waits for the slow one. Every output is still computed by one thread in one order, so the bits do not depend on
  * the schedule. A decode (M <= 16) is one chunk and one B tile: the weight streams from memory
  * once, at memory speed. N % 16 leftover weight rows go through plain float32 dot products.
  *
@@ -117,7 +116,7 @@ static void store_tile(const float *c, const uint16_t *bias, void *out, int out_
         const __m512 y = _mm512_add_ps(r[i], b);
         if (out_f32) {
             _mm512_storeu_ps((float *)out + (m0 + i) * n + n0, y);
-        } else { /* sixteen lanes at once: a scalar loop here cost a third of a 512 x 1024 product */
+        } else { /* sixteen lanes at once: a scalar loop here was a large share of the product (docs/kernels.md, Measured crossovers) */
             _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + i) * n + n0), narrow_bf16(y));
         }
     }
@@ -152,7 +151,7 @@ static void tile_block(const uint16_t *w, const uint16_t *vnni, const uint16_t *
     _tile_zero(3);
     for (int64_t j = 0; j < k; j += TILE_K) {
         /* Each of the 32 weight rows is its own stream through memory: ask for each row's line
-         * PREFETCH_STEPS steps ahead (measured 1.3x faster than the hardware prefetchers alone),
+         * PREFETCH_STEPS steps ahead (faster than the hardware prefetchers alone: docs/kernels.md, Measured crossovers),
          * unless the previous pair of this grab prefetched these rows. */
         const int64_t ahead = j + PREFETCH_STEPS * TILE_K;
         if (next != NULL) prefetch_next(next);

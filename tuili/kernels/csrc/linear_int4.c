@@ -35,8 +35,8 @@
 #include "common.h"
 #include "kernels.h"
 
-#define TILE 64
-#define HALF 32
+#define TILE TUILI_INT4_TILE_ROWS
+#define HALF (TILE / 2)
 #define ROWS_AT_ONCE 4
 #define PREFETCH_ROWS 64 /* tile rows (32 bytes each) read ahead */
 

@@ -20,8 +20,9 @@
  *   last block of fewer than 16 rows is copied into a zero-padded block), the panels B tiles,
  *   four accumulator tiles per two x blocks and two panels, stored straight into out's rows (no
  *   transposes). Work items are (CHUNK_M rows of x, PAIRS_PER_GRAB panel pairs), handed out as
- *   threads free up: on a shared VM each core's matmul rate drops 3x for seconds at a time,
- *   independently of the other (docs/kernels.md), and a static split waits for the slow core.
+ *   threads free up: on a shared VM each core's matmul rate can drop for seconds at a time,
+ *   independently of the other (docs/kernels.md, Measured crossovers), and a static split waits for
+ *   the slow core.
  *
  * A row's result depends only on that row and the weights (the same tiles in the same k order),
  * never on the other rows, the schedule or the thread count: a sequence gets the same bits
@@ -35,16 +36,19 @@
 #include "common.h"
 #include "kernels.h"
 
+/* A panel of the layout is one AMX tile of rows (layout.py AMX_TILE_ROWS) and one AVX-512 register of
+ * float32 outputs for the GEMV: the code below relies on both being 16. */
+_Static_assert(TUILI_AMX_TILE_ROWS == 16, "a panel must be 16 rows: one AMX tile, one register of float32 lanes");
+
 #define GEMV_MAX_ROWS 4
 #define CHUNK_M 256         /* rows of x per work item: their tiles stay in L2 while the panels pass */
 #define PAIRS_PER_GRAB 2    /* panel pairs per work item */
 #define PREFETCH_STEPS 4    /* k steps of 32 ahead that a lone x pair asks for its own panel lines */
-/* The GEMV asks for the line 4 KiB ahead of its loads in each stream, into L2: 1.13x (1 row)
- * and 1.25x (4 rows) the speed of a 1 KiB distance into L1 (one stream); 16 KiB was slower. */
+/* The GEMV asks for the line GEMV_PREFETCH bytes ahead of its loads in each stream, into L2: the
+ * fastest distance measured (docs/kernels.md, Measured crossovers). */
 #define GEMV_PREFETCH 4096
 /* Panels a GEMV thread reads at once, from as many places in its range: one sequential stream per
- * core kept too few reads in flight (a Qwen3-0.6B decode step 0.97x the row-major GEMV's speed
- * with one stream, 1.03x with two, 1.05x with four). */
+ * core keeps too few reads in flight (docs/kernels.md, Measured crossovers). */
 #define GEMV_STREAMS 4
 
 #ifdef HAVE_AMX
@@ -110,7 +114,7 @@ static inline __attribute__((always_inline)) void gemv_panels(const uint16_t *x,
 
 static void gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *out, int out_f32, int64_t m,
                  int64_t n, int64_t k, int num_threads) {
-    const int64_t panels = n / 16;
+    const int64_t panels = n / TUILI_AMX_TILE_ROWS;
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();

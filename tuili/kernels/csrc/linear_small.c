@@ -54,9 +54,8 @@ typedef void (*rows_fn)(const linear_args *a, int64_t row, float *sums);
 #define UNROLLED _Pragma("GCC unroll 8")
 
 /* Asks for element `index` of the weight w into L2. The kernels ask, at every 64 bytes of a
- * step's rows, for the same place PREFETCH_STEPS steps (of R rows) ahead: measured 1.2-2.5x
- * faster from memory than the hardware prefetchers alone at 1 thread (docs/kernels.md), most at
- * larger M, where the arithmetic between loads keeps fewer of them in flight. Addresses past
+ * step's rows, for the same place PREFETCH_STEPS steps (of R rows) ahead: faster from memory than
+ * the hardware prefetchers alone (docs/kernels.md, Measured crossovers), most at larger M, where the arithmetic between loads keeps fewer of them in flight. Addresses past
  * the weight's end are harmless (a prefetch never faults), so they are computed as integers.
  * __builtin_prefetch, because GCC 12 deletes _mm_prefetch here (dead-code elimination). */
 #define PREFETCH_STEPS 2

@@ -33,9 +33,9 @@
 #define ROW_TILE 32       /* query rows per unit, over all its KV heads */
 #define MIN_SPLIT_KEYS 64 /* fewer keys per unit than this is not worth a merge */
 #define UNITS_PER_THREAD 4
-/* float32 keys and values are read in place when a head has at most this many rows (decodes:
- * measured ~20% faster than copying at batch 1); more rows (prompt chunks) reuse each key often
- * enough that a compact copy in L1 pays (a 512-token prompt ~25% faster). */
+/* float32 keys and values are read in place when a head has at most this many rows (decodes); more
+ * rows (prompt chunks) reuse each key often enough that a compact copy in L1 pays (docs/kernels.md,
+ * Measured crossovers). */
 #define IN_PLACE_MAX_ROWS 4
 
 typedef struct {
