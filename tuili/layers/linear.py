@@ -103,15 +103,20 @@ class Linear(nn.Linear):
 
     @classmethod
     def holding(cls, weight: torch.Tensor, bias: torch.Tensor | None, platform: Platform) -> Linear:
-        """A Linear whose parameters are `weight` and `bias` themselves (no copy)."""
+        """A Linear whose parameters are `weight` and `bias` themselves (no copy; a Parameter is
+        shared as the same object, so a tied output matrix is one parameter of the model)."""
         layer = cls(weight.shape[1], weight.shape[0], bias is not None, platform=platform, device=torch.device("meta"))
-        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight = _as_parameter(weight)
         if bias is not None:
-            layer.bias = nn.Parameter(bias, requires_grad=False)
+            layer.bias = _as_parameter(bias)
         return layer
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return linear(x, self.weight, self.bias, out_dtype, platform=self.platform)
+
+
+def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
 class AmxLinear(nn.Module):
