@@ -114,12 +114,12 @@ def test_kernel_availability_is_asked_only_by_the_platform():
         if module == "tuili.platform" or package_of(module) == "kernels":
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in ("available", "amx_available", "unavailable_reason"):
+            if isinstance(node, ast.Attribute) and node.attr in ("available", "amx_available", "linear_packed_available", "unavailable_reason"):
                 if isinstance(node.value, ast.Name) and node.value.id == "kernels":
                     askers.append((module, node.attr, node.lineno))
             if isinstance(node, ast.ImportFrom) and node.module == "tuili.kernels":
                 names = {a.name for a in node.names}
-                if names & {"available", "amx_available"}:
+                if names & {"available", "amx_available", "linear_packed_available"}:
                     askers.append((module, "import", node.lineno))
     assert not askers, askers
 

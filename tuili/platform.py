@@ -32,6 +32,7 @@ class Platform:
     device: torch.device
     native_kernels: bool  # tuili's C kernels run here (a CPU, built, not switched off)
     amx: bool  # ... and the CPU grants this process AMX-BF16 tiles
+    panel_linear: bool  # ... and kernels.linear_packed runs (AVX512-BF16 or AMX): PanelLinear
     bf16_arithmetic: bool  # bf16 dot products in hardware (AVX512-BF16 or AMX) with the native kernels
 
     @classmethod
@@ -40,12 +41,18 @@ class Platform:
         device = torch.device(device)
         if device.type != "cpu" or not kernels.available():
             return cls.portable(device)
-        return cls(device, native_kernels=True, amx=kernels.amx_available(), bf16_arithmetic=_cpu_has_bf16())
+        return cls(
+            device,
+            native_kernels=True,
+            amx=kernels.amx_available(),
+            panel_linear=kernels.linear_packed_available(),
+            bf16_arithmetic=_cpu_has_bf16(),
+        )
 
     @classmethod
     def portable(cls, device: torch.device | str = "cpu") -> Platform:
         """Plain PyTorch on `device`: the reference path every other one is checked against."""
-        return cls(torch.device(device), native_kernels=False, amx=False, bf16_arithmetic=False)
+        return cls(torch.device(device), native_kernels=False, amx=False, panel_linear=False, bf16_arithmetic=False)
 
     def native(self, *tensors: torch.Tensor) -> bool:
         """Whether the native kernels can take these tensors: the kernels run here and every

@@ -412,11 +412,13 @@ def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
 
 
 # Correctness tests of this file and of the kernel files below rerun on libraries built for CPUs
-# with AVX-512 but not its BF16 and VNNI instructions (the dequantizers then round to bfloat16 in
+# with AVX512-BF16 but no AMX (AMD Zen 4 and 5: linear_packed's dot products instead of AMX tiles
+# from 5 rows), with AVX-512 but not its BF16 and VNNI instructions (the dequantizers then round to bfloat16 in
 # integer arithmetic, linear_small widens bf16 to float32 for FMAs, linear_int4 computes in
 # float32, paged attention converts bf16 keys to float32, prompt attention keeps its AMX path),
 # and with AVX2 only (the portable C code everywhere, and no AMX): flags -> pytest -k.
 X86_VARIANTS = {
+    "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8": "packed or panel",
     "-mno-avx512bf16 -mno-avx512vnni": "matches_sdpa or split or fused_qkv or tiles or linear_small or int4 "
     "or q8_0 or representable or softmax",
     "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available "

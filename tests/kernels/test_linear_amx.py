@@ -1,6 +1,7 @@
-"""The AMX linears against the product in float64: tuili.kernels.linear_amx (bf16 x @ weight.T +
-bias, the weight row-major) and linear_packed (the weight laid out once as AMX B tiles, its GEMV
-at 1-4 rows included), and the AmxLinear module that holds such a weight.
+"""The AMX and panel linears against the product in float64: tuili.kernels.linear_amx (bf16
+x @ weight.T + bias, the weight row-major) and linear_packed (the weight laid out once in 16-row
+panels, the AMX B-tile layout: its GEMV at 1-4 rows, AMX tiles or, without AMX, the GEMV's dot
+products from 5), and the PanelLinear module that holds such a weight.
 
 Tolerance: AMX's TDPBF16PS multiplies bf16 pairs exactly and accumulates in float32; the kernel
 adds 32-value slices of K into one float32 accumulator per output, then the bias, so each
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tuili import kernels
-from tuili.layers.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, AmxLinear, Linear, amx_holds, linear
+from tuili.layers.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, Linear, PanelLinear, linear, panel_holds
 from tuili.platform import Platform
 
 
@@ -37,6 +38,10 @@ def built_for_another_cpu() -> bool:
 needs_amx = pytest.mark.skipif(
     not (kernels.available() and kernels.amx_available()),
     reason="this CPU, compiler or OS gives no AMX-BF16 (test_amx_is_available_where_the_cpu_has_it checks it)",
+)
+needs_panels = pytest.mark.skipif(
+    not (kernels.available() and kernels.linear_packed_available()),
+    reason="this build has neither AVX512-BF16 nor AMX (test_panels_are_available_where_the_cpu_has_bf16 checks it)",
 )
 
 
@@ -158,7 +163,7 @@ def test_linear_takes_amx_between_the_gemv_and_onednn(monkeypatch):
     assert calls == [NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS]
 
 
-# -- linear_packed and AmxLinear ---------------------------------------------------------------
+# -- linear_packed and PanelLinear ---------------------------------------------------------------
 
 
 def test_pack_weight_lays_out_16_row_panels_of_k_pairs():
@@ -174,7 +179,7 @@ def test_pack_weight_lays_out_16_row_panels_of_k_pairs():
 
 # Rows: the GEMV's 1-4, then AMX tiles: a partial tile, a ragged pair, an odd number of tiles,
 # more than one chunk of 256 with a ragged end. N: whole panel pairs, an odd panel count.
-@needs_amx
+@needs_panels
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 48, 131, 300])
 def test_linear_packed_matches_float64(m, with_bias):
@@ -185,7 +190,7 @@ def test_linear_packed_matches_float64(m, with_bias):
         assert_matches_float64(x, weight, bias, out)
 
 
-@needs_amx
+@needs_panels
 @pytest.mark.parametrize("m", [1, 4, 5, 33])
 def test_linear_packed_into_float32_skips_only_the_last_rounding(m):
     x, weight, bias = make_inputs(m, 144, 576, True, seed=m)
@@ -198,7 +203,7 @@ def test_linear_packed_into_float32_skips_only_the_last_rounding(m):
     assert torch.equal(wide.bfloat16(), narrow)
 
 
-@needs_amx
+@needs_panels
 @pytest.mark.parametrize("m", [3, 40, 300])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_linear_packed_any_thread_count_gives_the_same_bits(m, threads):
@@ -216,7 +221,44 @@ def test_linear_packed_any_thread_count_gives_the_same_bits(m, threads):
     assert torch.equal(out, reference)
 
 
-@needs_amx
+@needs_panels
+@pytest.mark.skipif(kernels.available() and kernels.amx_available(),
+                    reason="AMX takes 5 rows and more here; test_cpu_kernels.py reruns this on a build without AMX")
+def test_without_amx_a_row_never_depends_on_the_batch():
+    """One path for every row count: the GEMV's dot products, in register blocks from 5 rows, so a
+    row gets the same bits alone, in any batch and at any thread count (the engine's batch
+    invariance rests on it)."""
+    x, weight, bias = make_inputs(600, 80, 192, True, seed=7)
+    packed = kernels.pack_weight(weight)
+
+    def run(rows: int, threads: int = 1) -> torch.Tensor:
+        out = torch.empty(rows, 80, dtype=torch.bfloat16)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return kernels.linear_packed(x[:rows].contiguous(), packed, bias, out)
+        finally:
+            torch.set_num_threads(previous)
+
+    alone = [run(1)[0]] + [run(i + 1)[i] for i in range(1, 9)]
+    for rows in (5, 9, 16, 17, 131, 600):
+        batch = run(rows, threads=2)
+        for i in range(min(rows, 9)):
+            assert torch.equal(batch[i], alone[i]), (rows, i)
+    assert_matches_float64(x, weight, bias, run(600))
+
+
+def test_panels_are_available_where_the_cpu_has_bf16():
+    """AVX512-BF16 in the CPU (as PyTorch reads it) means the panel kernel is built, unless the
+    build was told not to use it (the variant builds of test_cpu_kernels.py)."""
+    flags = os.environ.get("TUILI_KERNEL_CFLAGS", "")
+    if not kernels.available() or "no-avx512bf16" in flags or "x86-64-v3" in flags:
+        pytest.skip("no native kernels, or a build told not to use AVX512-BF16")
+    has_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    assert kernels.linear_packed_available() == (has_bf16 or kernels.amx_available())
+
+
+@needs_panels
 def test_each_row_is_independent_of_the_others_within_a_path():
     """The same bits for row 2 at 3 and 4 rows (the GEMV) and for row 7 at 8, 16, 40, 300 and 600
     rows (AMX: one partial tile, pairs, two and three chunks of x)."""
@@ -250,26 +292,26 @@ def test_linear_packed_rejects_bad_input_naming_the_argument():
             kernels.linear_packed(*args)
 
 
-@needs_amx
-def test_amx_holds_the_linears_the_layout_takes():
-    """The weight plan's test for an AmxLinear: bf16 on a CPU with AMX, N a multiple of 16, K of
-    32; the layer then holds the same weight, laid out."""
+@needs_panels
+def test_panel_holds_the_linears_the_layout_takes():
+    """The weight plan's test for a PanelLinear: bf16 where linear_packed runs (AVX512-BF16 or
+    AMX), N a multiple of 16, K of 32; the layer then holds the same weight, laid out."""
     here, portable = Platform.detect(), Platform.portable()
     weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
-    assert amx_holds(weight, bias, here) and amx_holds(weight[:16, :32], None, here)
-    assert not amx_holds(weight, bias, portable)  # no AMX on the portable platform
-    assert not amx_holds(weight[:, :40], None, here)  # K not a multiple of 32
-    assert not amx_holds(weight[:40], None, here)  # N not a multiple of 16
-    assert not amx_holds(weight.float(), None, here)  # float32 weights stay row-major
-    assert torch.equal(AmxLinear(weight, bias).weight(), weight)
+    assert panel_holds(weight, bias, here) and panel_holds(weight[:16, :32], None, here)
+    assert not panel_holds(weight, bias, portable)  # no native kernels on the portable platform
+    assert not panel_holds(weight[:, :40], None, here)  # K not a multiple of 32
+    assert not panel_holds(weight[:40], None, here)  # N not a multiple of 16
+    assert not panel_holds(weight.float(), None, here)  # float32 weights stay row-major
+    assert torch.equal(PanelLinear(weight, bias).weight(), weight)
 
 
-@needs_amx
+@needs_panels
 @pytest.mark.parametrize("rows", [1, 7, 200])
-def test_amx_linear_equals_its_product_and_the_portable_one(rows):
+def test_panel_linear_equals_its_product_and_the_portable_one(rows):
     torch.manual_seed(rows)
     dense = Linear(96, 80, bias=True, platform=Platform.portable()).bfloat16()
-    packed = AmxLinear(dense.weight, dense.bias)
+    packed = PanelLinear(dense.weight, dense.bias)
     x = torch.randn(2, rows, 96).bfloat16()
     out = packed(x)
     assert out.shape == (2, rows, 80) and out.dtype == torch.bfloat16

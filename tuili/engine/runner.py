@@ -17,7 +17,7 @@ from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.stopping import StopTokens
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
-from tuili.layers.linear import AmxLinear
+from tuili.layers.linear import PanelLinear
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
@@ -131,7 +131,7 @@ class ModelRunner:
         return sum(storages.values())
 
     def _weight_storages(self) -> dict[int, int]:
-        quantized = (b for m in self.model.modules() if isinstance(m, (QuantizedLinear, AmxLinear)) for b in m.buffers())
+        quantized = (b for m in self.model.modules() if isinstance(m, (QuantizedLinear, PanelLinear)) for b in m.buffers())
         tensors = [*self.model.parameters(), *quantized]
         return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 

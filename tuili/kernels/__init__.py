@@ -80,13 +80,14 @@ linear_amx(x, weight, bias, out)
 
 linear_packed(x, packed, bias, out)
 pack_weight(weight), unpack_weight(packed)
-    The same product with the weight packed once (pack_weight) into the layout AMX reads as a B
-    tile: [N / 16, K / 2, 16, 2], element [b, p, c, e] = weight[16 b + c, 2 p + e], N a multiple
-    of 16, K of 32; any number of rows of x [M, K], all bfloat16 (out may be float32, then
-    unrounded). Each panel of 16 weight rows is one contiguous stream. Up to 4 rows: AVX512-BF16
-    dot products on 16 outputs at a time; more: AMX tiles, x read in place, work handed out as
-    threads free up. A row's result does not depend on the other rows or on M within each of
-    the two paths. Only where `amx_available()`.
+    The same product with the weight packed once (pack_weight) into 16-row panels, the layout AMX
+    reads as a B tile: [N / 16, K / 2, 16, 2], element [b, p, c, e] = weight[16 b + c, 2 p + e],
+    N a multiple of 16, K of 32; any number of rows of x [M, K], all bfloat16 (out may be
+    float32, then unrounded). Each panel of 16 weight rows is one contiguous stream. Up to 4 rows:
+    AVX512-BF16 dot products on 16 outputs at a time; more: AMX tiles where the CPU grants them,
+    else the same dot products as the GEMV in register blocks. A row's result does not depend on
+    the other rows or on M within each path; without AMX there is one path, so not at all. Only
+    where `linear_packed_available()`: AVX512-BF16 or AMX in the build.
 
 prompt_attention(q, k, v, scale, out)
     Causal attention of one prompt over itself (a prefill chunk from position 0) on AMX tiles,
@@ -120,6 +121,7 @@ from tuili.kernels.cpu import (
     linear_amx,
     linear_int4,
     linear_packed,
+    linear_packed_available,
     linear_small,
     pack_weight,
     paged_attention,
@@ -141,6 +143,7 @@ __all__ = [
     "linear_amx",
     "linear_int4",
     "linear_packed",
+    "linear_packed_available",
     "linear_small",
     "pack_weight",
     "paged_attention",

@@ -117,6 +117,8 @@ def _declare(library: ctypes.CDLL) -> None:
     ]  # fmt: skip
     library.tuili_linear_amx.restype = i32
     library.tuili_linear_packed.argtypes = library.tuili_linear_amx.argtypes  # packed weight for weight
+    library.tuili_linear_packed_available.argtypes = []
+    library.tuili_linear_packed_available.restype = i32
     library.tuili_linear_packed.restype = i32
     library.tuili_prompt_attention.argtypes = [
         p, p, p, i64, i64,  # q, k, v, q's token stride, k's and v's token stride
@@ -508,6 +510,17 @@ def amx_available() -> bool:
     return available() and _amx_granted()
 
 
+def linear_packed_available() -> bool:
+    """Whether linear_packed can run: the kernels are available and this build has AVX512-BF16
+    (its GEMV and dot products) or AMX."""
+    return available() and _packed_built()
+
+
+@functools.cache
+def _packed_built() -> bool:
+    return _library().tuili_linear_packed_available() == 1
+
+
 @functools.cache
 def _amx_granted() -> bool:
     """The build's and the OS's answer, asked once per process (available() may change with the
@@ -547,7 +560,7 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """out = x @ W.T + bias for any number of rows of x [M, K], W given packed by pack_weight
     ([N / 16, K / 2, 16, 2]), bias [N] or None, out [M, N], all bfloat16 (out may be float32,
-    then unrounded); writes and returns `out`. Check amx_available() first."""
+    then unrounded); writes and returns `out`. Check linear_packed_available() first."""
     x = _check_amx_x("linear_packed", x)
     rows, k = x.shape
     packed = _check("packed", packed, (torch.bfloat16,), 4)
@@ -588,7 +601,10 @@ def _check_amx_status(status: int, repacked: str) -> None:
     if status == _NO_MEMORY:
         raise MemoryError(f"could not allocate {repacked}")
     if status == _NO_AMX:
-        raise RuntimeError("this process may not use AMX tiles; check amx_available() first")
+        raise RuntimeError(
+            "this build has neither AMX tiles this process may use nor AVX512-BF16; check amx_available() "
+            "(linear_amx) or linear_packed_available() (linear_packed) first"
+        )
 
 
 _MAX_NORM_DIM = 16384  # MAX_DIM of csrc/elementwise.c

@@ -7,7 +7,7 @@ and the Python that packs weights and checks shapes read the same numbers.
 from __future__ import annotations
 
 INT4_TILE_ROWS = 64  # output rows per tile of the packed int4 layout (Int4Linear, linear_int4.c, dequant.c)
-AMX_TILE_ROWS = 16  # rows of an AMX tile: output rows per panel of the AMX weight layout (AmxLinear)
+AMX_TILE_ROWS = 16  # rows of an AMX tile: output rows per panel of the AMX weight layout (PanelLinear)
 AMX_K_MULTIPLE = 32  # bf16 values in an AMX tile row of 64 bytes
 
 

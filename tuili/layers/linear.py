@@ -2,12 +2,13 @@
 
 Which class holds a linear is the loader's weight plan (tuili/models/weights.py), decided once:
 
-- `AmxLinear`: a bf16 weight laid out once, at load, as AMX B tiles; every product runs
-  `kernels.linear_packed` (the GEMV at 1-4 rows, AMX tiles from 5). The plan uses it for the
-  decoder layers' bf16 linears on CPUs with AMX.
+- `PanelLinear`: a bf16 weight laid out once, at load, in 16-row panels (the AMX B-tile layout);
+  every product runs `kernels.linear_packed` (the GEMV at 1-4 rows; from 5, AMX tiles where the
+  CPU has them, else the GEMV's dot products in register blocks). The plan uses it for the
+  decoder layers' bf16 linears on CPUs with AVX512-BF16 or AMX.
 - `Linear`: a row-major weight (nn.Linear's parameters), through `linear`, below. That is the
-  logits' matrix (a tied one is also the embedding table), float32 models, CPUs without AMX and
-  shapes the AMX layout does not take.
+  logits' matrix (a tied one is also the embedding table), float32 models, CPUs without
+  AVX512-BF16 and shapes the panel layout does not take.
 
 A decode step multiplies a few activation rows by every weight matrix, so its time is the
 weight bytes over the memory bandwidth. PyTorch's CPU matmul streams bf16 weights well below the
@@ -119,13 +120,14 @@ def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
-class AmxLinear(nn.Module):
+class PanelLinear(nn.Module):
     """A bf16 linear whose one copy of the weight is laid out once, at load, for
-    `kernels.linear_packed` ([N / 16, K / 2, 16, 2]: the AMX B-tile layout, in which every 16
-    output rows are one contiguous stream). Every product runs that kernel: the GEMV at 1-4 rows,
-    AMX tiles from 5, with the work handed out as threads free up — where `Linear` has three
-    kernels and oneDNN's `F.linear`, which reorders the weight on every call and splits it
-    statically between threads, for prefills. Built only where `amx_holds` says so."""
+    `kernels.linear_packed` ([N / 16, K / 2, 16, 2]: 16-row panels, the AMX B-tile layout, in
+    which every 16 output rows are one contiguous stream). Every product runs that kernel: the
+    GEMV at 1-4 rows; from 5, AMX tiles where the CPU has them, else the GEMV's own dot products
+    in register blocks (so that, without AMX, a row's result never depends on the batch). It
+    replaces `Linear`'s three kernels and oneDNN's `F.linear`, which reorders the weight on every
+    call. Built only where `panel_holds` says so."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -151,12 +153,12 @@ class AmxLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def amx_holds(weight: torch.Tensor, bias: torch.Tensor | None, platform: Platform) -> bool:
-    """Whether a linear with this weight and bias can be an AmxLinear on `platform`: bf16 on a CPU
-    with AMX, N a multiple of the panel rows and K of the tile's columns."""
+def panel_holds(weight: torch.Tensor, bias: torch.Tensor | None, platform: Platform) -> bool:
+    """Whether a linear with this weight and bias can be a PanelLinear on `platform`: bf16 where
+    kernels.linear_packed runs, N a multiple of the panel rows and K of the tile's columns."""
     n, k = weight.shape
     return (
-        platform.amx
+        platform.panel_linear
         and weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and (bias is None or bias.dtype == torch.bfloat16)

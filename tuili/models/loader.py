@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from tuili.config import ModelConfig
 from tuili.errors import CheckpointError
 from tuili.layers.attention import attention_backend
-from tuili.layers.linear import AmxLinear
+from tuili.layers.linear import PanelLinear
 from tuili.models.llama import LlamaForCausalLM
 from tuili.models.weights import TensorSource, WeightPlan
 from tuili.platform import Platform
@@ -86,9 +86,9 @@ def load_model(
     network = LlamaForCausalLM(cfg, max_positions or cfg.max_position_embeddings, plan, attention_backend(platform, dtype))
     plan.fill(network)
     network = network.to(platform.device).eval()
-    amx = sum(isinstance(m, AmxLinear) for m in network.modules())
-    if amx:
-        logger.info("laid out %d bf16 linears for AMX tiles (AmxLinear)", amx)
+    panels = sum(isinstance(m, PanelLinear) for m in network.modules())
+    if panels:
+        logger.info("laid out %d bf16 linears in 16-row panels (PanelLinear)", panels)
     if quantization is not None:
         logger.info("quantized the linears to %s", quantization)
     return LoadedModel(network, cfg, tokenizer, path, weight_format, plan.quantized)

@@ -9,8 +9,8 @@ request and the platform (first match):
 2. **Quantized at load** (`quantization` "int8" | "int4"): the float weight (a GGUF file's
    dequantized) is quantized; "int4" keeps an untied output matrix at int8, as llama.cpp keeps
    its output matrix at 6 or 8 bits (the logits are the most sensitive projection).
-3. **AMX layout**: a bf16 decoder linear on a CPU with AMX whose shape the layout takes
-   (`AmxLinear`): laid out once, one copy.
+3. **Panel layout**: a bf16 decoder linear whose shape the layout takes, on a CPU with
+   AVX512-BF16 or AMX (`PanelLinear`): laid out once in 16-row panels, one copy.
 4. **Float**, row-major (`Linear`): everything else.
 
 Stacked projections (q, k, v -> qkv_proj) are the checkpoint's tensors concatenated along the
@@ -32,7 +32,7 @@ from torch import nn
 
 from tuili.config import QUANTIZATION_METHODS
 from tuili.errors import CheckpointError, TuiliError
-from tuili.layers.linear import AmxLinear, Linear, amx_holds
+from tuili.layers.linear import Linear, PanelLinear, panel_holds
 from tuili.layers.logits import OutputHead
 from tuili.layers.quant import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -101,8 +101,8 @@ class WeightPlan:
                 self.quantization == "int4" and not _is_output(path)
             ) else quantize_int8(weight, self.quantized_dtype)
             return make_linear(quantized, b, self.quantized_dtype, platform=self.platform).to(self.device)
-        if decoder and amx_holds(weight, b, self.platform):
-            return AmxLinear(weight, b)
+        if decoder and panel_holds(weight, b, self.platform):
+            return PanelLinear(weight, b)
         return Linear.holding(weight, b, self.platform)
 
     def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:

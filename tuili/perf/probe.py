@@ -368,10 +368,10 @@ ENGINE_LINEAR = "engine linear"
 
 def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     """tuili's own dense linear as the engine's decoder layers run it (tuili/layers/linear.py: an
-    AmxLinear where the weight plan lays bf16 weights out for AMX, else `linear`: native GEMV or
+    PanelLinear where the weight plan lays bf16 weights out in panels, else `linear`: native GEMV or
     AMX kernels where they run, else F.linear): one row, and prompt chunks of ENGINE_LINEAR_ROWS,
     times weight matrices cycled through from memory."""
-    from tuili.layers.linear import AmxLinear, amx_holds, linear
+    from tuili.layers.linear import PanelLinear, linear, panel_holds
 
     kernels_here = Platform.detect(dev)
 
@@ -379,8 +379,8 @@ def _engine_linears(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     for dtype in sizes.skinny_dtypes:
         elem = torch.finfo(_TORCH_DTYPES[dtype]).bits // 8
         sample = torch.empty(k, k, dtype=_TORCH_DTYPES[dtype], device=dev)
-        if amx_holds(sample, None, kernels_here):
-            matmul, prepare = (lambda x, module: module(x)), (lambda w: AmxLinear(w, None))
+        if panel_holds(sample, None, kernels_here):
+            matmul, prepare = (lambda x, module: module(x)), (lambda w: PanelLinear(w, None))
         else:
             matmul, prepare = functools.partial(linear, platform=kernels_here), None
         for rows, t, count in _cycled_matmuls(dtype, dev, sizes, k, (1, *ENGINE_LINEAR_ROWS), matmul, prepare):

@@ -21,6 +21,7 @@ int tuili_linear_small(const void *x, const void *weight, const void *bias, void
 int tuili_amx_init(void);
 int tuili_linear_amx(const void *x, const void *weight, const void *bias, void *out, int out_f32, int64_t m,
                      int64_t n, int64_t k, int num_threads);
+int tuili_linear_packed_available(void);
 int tuili_linear_packed(const void *x, const void *packed, const void *bias, void *out, int out_f32, int64_t m,
                         int64_t n, int64_t k, int num_threads);
 int tuili_prompt_attention(const void *q, const void *k, const void *v, int64_t q_stride, int64_t kv_stride,

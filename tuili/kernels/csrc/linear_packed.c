@@ -1,5 +1,6 @@
-/* y = x W^T + b in bfloat16 with the weight packed once at load into the layout of AMX B tiles,
- * for any number of rows of x: the one copy of a bf16 linear's weight on a CPU with AMX.
+/* y = x W^T + b in bfloat16 with the weight packed once at load into 16-row panels (the layout of
+ * AMX B tiles), for any number of rows of x: the one copy of a bf16 linear's weight on CPUs with
+ * AVX512-BF16 (AMD Zen 4 and 5, Intel Cooper Lake and later) or AMX.
  *
  * Layout: packed[b][p][c][e] = W[16b + c][2p + e] for b < N/16, p < K/2. Each panel of 16
  * weight rows is K/2 lines of 64 bytes, each line one k pair of 16 outputs (the "VNNI" layout).
@@ -16,17 +17,20 @@
  *   k pair broadcast; two accumulator chains per row and panel (even and odd k pairs), four
  *   panels at a time. Threads take equal static ranges of panels: dynamic hand-out slowed the
  *   row-major GEMV (docs/kernels.md).
- * - otherwise AMX: the rows of x are A tiles read in place (16 rows x 32 k at a stride of K; a
- *   last block of fewer than 16 rows is copied into a zero-padded block), the panels B tiles,
+ * - more rows, with AMX: the rows of x are A tiles read in place (16 rows x 32 k at a stride of
+ *   K; a last block of fewer than 16 rows is copied into a zero-padded block), the panels B tiles,
  *   four accumulator tiles per two x blocks and two panels, stored straight into out's rows (no
  *   transposes). Work items are (CHUNK_M rows of x, PAIRS_PER_GRAB panel pairs), handed out as
  *   threads free up: on a shared VM each core's matmul rate can drop for seconds at a time,
  *   independently of the other (docs/kernels.md, Measured crossovers), and a static split waits for
  *   the slow core.
+ * - more rows without AMX (dot_product): the GEMV's arithmetic in register blocks of rows and
+ *   panels, each thread taking groups of panels that stay in L2 while every row block passes.
  *
- * A row's result depends only on that row and the weights (the same tiles in the same k order),
- * never on the other rows, the schedule or the thread count: a sequence gets the same bits
- * at every batch size of one path. */
+ * A row's result depends only on that row and the weights, never on the other rows, the schedule
+ * or the thread count: a sequence gets the same bits at every batch size of one path. Without
+ * AMX there is one path (the GEMV and dot_product compute every row alike), so the bits do not
+ * depend on the batch size at all. */
 #define _GNU_SOURCE
 #include <omp.h>
 #include <stdlib.h>
@@ -51,7 +55,7 @@ _Static_assert(TUILI_AMX_TILE_ROWS == 16, "a panel must be 16 rows: one AMX tile
  * core keeps too few reads in flight (docs/kernels.md, Measured crossovers). */
 #define GEMV_STREAMS 4
 
-#ifdef HAVE_AMX
+#if defined(__AVX512BF16__) || defined(HAVE_AMX)
 
 /* 16 lanes of bf16 (the bias at n0) widened to float32, or zeros. */
 static inline __m512 load_bias(const uint16_t *bias, int64_t n0) {
@@ -65,6 +69,7 @@ static inline void store16(void *out, int out_f32, int64_t n, int64_t row, int64
     else
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + row * n + n0), narrow_bf16(y));
 }
+#endif
 
 #ifdef __AVX512BF16__
 /* k pairs p and p + 1 of one panel into the `even` and `odd` accumulators of each row of x. */
@@ -128,6 +133,77 @@ static void gemv(const uint16_t *x, const uint16_t *w, const uint16_t *bias, voi
     }
 }
 #endif
+
+#ifdef __AVX512BF16__
+/* More rows than the GEMV takes, on CPUs without AMX: the same arithmetic as the GEMV for every
+ * row (the same k pairs into the same even and odd accumulators, in the same order, then even +
+ * odd + bias), so that a row's result never depends on how many rows came with it. Blocks of
+ * DOT_ROWS rows times DOT_PANELS panels keep 16 accumulators in registers; a thread takes a group
+ * of panels (in L2 while it is used) and runs every row block of x against it. */
+#define DOT_ROWS 4
+#define DOT_PANELS 2
+
+static inline __attribute__((always_inline)) void dot_block(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                                                            void *out, int out_f32, int64_t n, int64_t k, int64_t row0,
+                                                            int64_t b, const int rows, const int panels) {
+    const int64_t pairs = k / 2;
+    __m512 even[DOT_ROWS][DOT_PANELS], odd[DOT_ROWS][DOT_PANELS];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < panels; j++) even[r][j] = odd[r][j] = _mm512_setzero_ps();
+    const uint16_t *panel[DOT_PANELS];
+    for (int j = 0; j < panels; j++) panel[j] = w + (b + j) * pairs * 32;
+    for (int64_t p = 0; p < pairs; p += 2) {
+        __m512bh xe[DOT_ROWS], xo[DOT_ROWS];
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xr = (const int32_t *)(x + (row0 + r) * k);
+            xe[r] = (__m512bh)_mm512_set1_epi32(xr[p]);
+            xo[r] = (__m512bh)_mm512_set1_epi32(xr[p + 1]);
+        }
+        for (int j = 0; j < panels; j++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel[j] + p * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel[j] + p * 32 + 32);
+            for (int r = 0; r < rows; r++) {
+                even[r][j] = _mm512_dpbf16_ps(even[r][j], xe[r], w0);
+                odd[r][j] = _mm512_dpbf16_ps(odd[r][j], xo[r], w1);
+            }
+        }
+    }
+    for (int j = 0; j < panels; j++) {
+        const __m512 bv = load_bias(bias, (b + j) * 16);
+        for (int r = 0; r < rows; r++)
+            store16(out, out_f32, n, row0 + r, (b + j) * 16, _mm512_add_ps(_mm512_add_ps(even[r][j], odd[r][j]), bv));
+    }
+}
+
+#define DOT_GROUP 8 /* panels per work item: 8 x K x 32 bytes, in L2 while every row block passes */
+
+static void dot_product(const uint16_t *x, const uint16_t *w, const uint16_t *bias, void *out, int out_f32, int64_t m,
+                        int64_t n, int64_t k, int num_threads) {
+    const int64_t panels = n / 16, groups = (panels + DOT_GROUP - 1) / DOT_GROUP;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t b_end = (g + 1) * DOT_GROUP < panels ? (g + 1) * DOT_GROUP : panels;
+        for (int64_t row0 = 0; row0 < m; row0 += DOT_ROWS) {
+            const int64_t rows = m - row0 < DOT_ROWS ? m - row0 : DOT_ROWS;
+            for (int64_t b = g * DOT_GROUP; b < b_end; b += DOT_PANELS) {
+                const int both = b + 1 < b_end;
+                switch (rows * 2 + both) {
+                case 2: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 1, 1); break;
+                case 3: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 1, 2); break;
+                case 4: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 2, 1); break;
+                case 5: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 2, 2); break;
+                case 6: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 3, 1); break;
+                case 7: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 3, 2); break;
+                case 8: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 4, 1); break;
+                default: dot_block(x, w, bias, out, out_f32, n, k, row0, b, 4, 2); break;
+                }
+            }
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_AMX
 
 /* Accumulator tile t's 16 x 16 float32 (rows of x, outputs n0..) plus bias into out rows row0..
  * (`rows` of them: a padded last block stores only its real rows). */
@@ -243,11 +319,12 @@ static int amx_product(const uint16_t *x, const uint16_t *w, const uint16_t *bia
     return TUILI_OK;
 }
 
+#endif /* HAVE_AMX */
+
 int tuili_linear_packed(const void *x_, const void *packed_, const void *bias_, void *out, int out_f32, int64_t m,
                         int64_t n, int64_t k, int num_threads) {
     const uint16_t *x = x_, *w = packed_, *bias = bias_;
-    if (tuili_amx_init() != 0) return TUILI_NO_AMX;
-    if (k % TILE_K != 0 || n % TILE != 0) return TUILI_BAD_SHAPE;
+    if (k % TUILI_AMX_K_MULTIPLE != 0 || n % TUILI_AMX_TILE_ROWS != 0) return TUILI_BAD_SHAPE;
     if (num_threads < 1) num_threads = 1;
     if (m < 1 || n < 1) return TUILI_OK;
 #ifdef __AVX512BF16__
@@ -256,15 +333,22 @@ int tuili_linear_packed(const void *x_, const void *packed_, const void *bias_, 
         return TUILI_OK;
     }
 #endif
-    return amx_product(x, w, bias, out, out_f32, m, n, k, num_threads);
-}
-
-#else
-
-int tuili_linear_packed(const void *x, const void *packed, const void *bias, void *out, int out_f32, int64_t m,
-                        int64_t n, int64_t k, int num_threads) {
-    (void)x, (void)packed, (void)bias, (void)out, (void)out_f32, (void)m, (void)n, (void)k, (void)num_threads;
-    return TUILI_NO_AMX;
-}
-
+#ifdef HAVE_AMX
+    if (tuili_amx_init() == 0) return amx_product(x, w, bias, out, out_f32, m, n, k, num_threads);
 #endif
+#ifdef __AVX512BF16__
+    dot_product(x, w, bias, out, out_f32, m, n, k, num_threads);
+    return TUILI_OK;
+#else
+    (void)x, (void)w, (void)bias, (void)out, (void)out_f32;
+    return TUILI_NO_AMX;
+#endif
+}
+
+int tuili_linear_packed_available(void) {
+#if defined(__AVX512BF16__) || defined(HAVE_AMX)
+    return 1;
+#else
+    return 0;
+#endif
+}
