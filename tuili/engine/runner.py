@@ -45,9 +45,11 @@ class ModelRunner:
         # Decodes go to the attention backend's paged kernel where it has one (the native CPU
         # backend), else into gathered groups.
         self.native_attention = model.attention.reads_paged_decodes
-        # Pure decode steps replay CPU graphs where the native kernels do all their work.
+        # Pure decode steps replay CPU graphs where the native kernels do all their work: not in
+        # a mixture of experts, whose routing (softmax, top-k, sort by expert) is torch ops and
+        # whose products depend on the step's routing, which a graph cannot replay.
         self.graphs: DecodeGraphs | None = None
-        if self.native_attention and kv_dtype == dtype and not config.enforce_eager:
+        if self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
             max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (pool.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
