@@ -18,6 +18,7 @@ from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.stopping import StopTokens
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
 from tuili.layers.linear import AmxLinear
+from tuili.layers.moe import SparseMoE
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
@@ -120,9 +121,10 @@ class ModelRunner:
         return sum(self._weight_storages().values())
 
     def decode_weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads: all of them, except that the token lookup
-        reads only a few rows of the embedding matrix and the logits read what the output head
-        reads for one row (the embedding matrix when tied, a decode copy where there is one)."""
+        """Bytes of weights a decode step of one sequence reads: all of them, except that the
+        token lookup reads only a few rows of the embedding matrix, the logits read what the
+        output head reads for one row (the embedding matrix when tied, a decode copy where there
+        is one), and a mixture-of-experts layer reads only the token's top-k experts."""
         storages = self._weight_storages()
         head = self.model.lm_head
         unread = [self.model.model.embed_tokens.weight, *head.parameters(), *head.buffers()]
@@ -130,6 +132,11 @@ class ModelRunner:
             storages.pop(tensor.untyped_storage().data_ptr(), None)
         for tensor in head.weights_read(1, self.device):
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        for layer in self.model.modules():
+            if isinstance(layer, SparseMoE):
+                for tensor in layer.experts.parameters():  # [E, ...]: k of the E slices are read
+                    key = tensor.untyped_storage().data_ptr()
+                    storages[key] = storages[key] * layer.top_k // layer.experts.num_experts
         return sum(storages.values())
 
     def _weight_storages(self) -> dict[int, int]:
