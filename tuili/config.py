@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 _REQUIRED_FIELDS = (
@@ -26,6 +27,18 @@ _REQUIRED_FIELDS = (
     "num_hidden_layers",
     "num_attention_heads",
 )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts MLPs of a model (Qwen3-MoE), validated when read."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each routed expert's SwiGLU width (moe_intermediate_size)
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    sparse_layers: tuple[bool, ...]  # per layer: a mixture of experts (else the dense MLP)
+    shared_intermediate_size: int = 0  # a shared expert with a sigmoid gate when > 0 (none in Qwen3-MoE)
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @classmethod
@@ -93,13 +107,14 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(cfg.get("attention_bias", False))
+        num_layers = int(cfg["num_hidden_layers"])
         return cls(
             architecture=arch,
             family=family,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -109,18 +124,65 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family in ("llama", "mistral") and attention_bias,
+            o_bias=family in ("llama", "mistral", "qwen3_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=_moe_config(cfg, num_layers) if family == "qwen3_moe" else None,
             raw=dict(cfg),
         )
 
 
+def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
+    """Qwen3-MoE's expert fields, each checked once: a bad value is named here, not met later as a
+    shape error. transformers >= 5 writes the expert count as num_local_experts, the published
+    checkpoints as num_experts."""
+
+    def integer(key: str, value: Any, minimum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise CheckpointError(f"config {key}={value!r} is invalid: expected an integer >= {minimum}")
+        return value
+
+    counts = {k: cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
+    if not counts:
+        raise CheckpointError("config has neither num_experts nor num_local_experts: a Qwen3-MoE model needs its expert count")
+    if len(set(map(repr, counts.values()))) > 1:
+        raise CheckpointError(f"config num_experts={counts['num_experts']!r} and num_local_experts="
+                              f"{counts['num_local_experts']!r} disagree")
+    key, value = next(iter(counts.items()))
+    num_experts = integer(key, value, 1)
+    for required in ("num_experts_per_tok", "moe_intermediate_size"):
+        if cfg.get(required) is None:
+            raise CheckpointError(f"config is missing required field {required!r} for a Qwen3-MoE model")
+    top_k = integer("num_experts_per_tok", cfg["num_experts_per_tok"], 1)
+    if top_k > num_experts:
+        raise CheckpointError(f"config num_experts_per_tok={top_k} exceeds the number of experts ({num_experts})")
+    inter = integer("moe_intermediate_size", cfg["moe_intermediate_size"], 1)
+    step = integer("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise CheckpointError(f"config mlp_only_layers={dense!r} is invalid: expected a list of layer indices")
+    outside = [i for i in dense if not 0 <= i < num_layers]
+    if outside:
+        raise CheckpointError(
+            f"config mlp_only_layers={dense!r} names layer(s) {outside} outside 0..{num_layers - 1}"
+        )
+    norm = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise CheckpointError(f"config norm_topk_prob={norm!r} is invalid: expected true or false")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"config hidden_act={act!r} is not supported: tuili's experts are SwiGLU (silu)")
+    # As transformers decides it: a layer is sparse unless listed in mlp_only_layers, every
+    # decoder_sparse_step-th layer (1-based).
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoEConfig(num_experts, top_k, inter, norm, sparse)
+
+
 def _refuse_sliding_window(family: str, cfg: dict[str, Any]) -> None:
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         active = bool(cfg.get("use_sliding_window", False)) and window is not None
     else:
         active = window is not None

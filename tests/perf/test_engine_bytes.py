@@ -82,6 +82,40 @@ def test_decode_step_bytes_are_engine_weights_plus_kv_blocks(tmp_path, tied):
     assert meter.step_decode_bytes([context]) == weights - skipped + kv_blocks
 
 
+def test_moe_engine_holds_and_reads_what_the_cost_model_counts(tmp_path):
+    """A Qwen3-MoE checkpoint as transformers writes it (num_local_experts; layer 1 dense by
+    mlp_only_layers): the engine's parameters and bytes per kind (experts and router apart from the
+    dense MLP) are the cost model's, and one sequence's decode step reads k of the E experts."""
+    from tuili.layers.moe import SparseMoE
+    from tuili.perf.measure import engine_storage
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=3, mlp_only_layers=[1], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )
+    path = tmp_path / "moe"
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    engine = LLM(model=str(path), device="cpu", dtype="float32", block_size=BLOCK, max_model_len=128,
+                 kv_cache_memory=1 << 20).engine
+    model = engine.model
+    assert sum(isinstance(m, SparseMoE) for m in model.modules()) == 2
+    cost = ModelCost.from_config(json.loads((path / "config.json").read_text()))
+
+    assert sum(p.numel() for p in model.parameters()) == cost.params_total
+    by_kind = {kind: n for kind, n in cost.weight_bytes_by_kind("fp32").items() if n}
+    assert engine_storage(model).bytes_by_kind == by_kind
+    assert by_kind["experts"] == 2 * 8 * 3 * 64 * 32 * 4 and by_kind["router"] == 2 * 8 * 64 * 4
+    assert engine.weight_bytes() == engine_weight_bytes(model) == cost.weight_bytes("fp32")
+
+    # One sequence's decode step: 2 of the 8 experts in each sparse layer; the untied input
+    # embedding is left out by the engine, one row of it counted by the cost model.
+    experts_unread = by_kind["experts"] * (8 - 2) // 8
+    assert engine.decode_weight_bytes() == engine.weight_bytes() - experts_unread - by_kind["embedding"]
+    assert cost.decode_weight_bytes("fp32", 1) == engine.decode_weight_bytes() + 64 * 4
+
+
 def test_plan_measure_runs_the_engine_and_compares(tmp_path, capsys, monkeypatch):
     from tuili.cli import main
 

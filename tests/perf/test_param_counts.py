@@ -68,6 +68,14 @@ QWEN3_30B_A3B = {
     "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
 }
+# A Qwen3-MoE config as transformers 5 writes it (num_local_experts, not num_experts), with a dense
+# layer by mlp_only_layers and only every second layer sparse by decoder_sparse_step.
+QWEN3_MOE_V5_WRITTEN = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 384,
+    "num_attention_heads": 4, "num_hidden_layers": 6, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+    "num_local_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 96, "decoder_sparse_step": 2,
+    "mlp_only_layers": [3], "norm_topk_prob": True, "tie_word_embeddings": False,
+}
 # Optional fields left out, so transformers' defaults apply (Mistral: 8 KV heads, window 4096).
 MISTRAL_MINIMAL = {
     "model_type": "mistral", "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
@@ -91,9 +99,9 @@ def transformers_count(config: dict) -> int:
 @pytest.mark.parametrize(
     "config",
     [LLAMA_2_7B, LLAMA_3_8B, QWEN3_0_6B, QWEN2_5_7B, QWEN3_5_27B, QWEN3_NEXT_80B, MIXTRAL_8X7B, QWEN3_30B_A3B,
-     MISTRAL_MINIMAL, LLAMA_WITH_BIASES],
+     QWEN3_MOE_V5_WRITTEN, MISTRAL_MINIMAL, LLAMA_WITH_BIASES],
     ids=["llama-2-7b", "llama-3-8b", "qwen3-0.6b", "qwen2.5-7b", "qwen3.5-27b", "qwen3-next-80b", "mixtral-8x7b",
-         "qwen3-30b-a3b", "mistral-defaults", "llama-biases"],
+         "qwen3-30b-a3b", "qwen3-moe-v5-written", "mistral-defaults", "llama-biases"],
 )
 def test_params_total_equals_transformers(config):
     assert ModelCost.from_config(config).params_total == transformers_count(config)

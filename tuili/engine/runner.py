@@ -18,6 +18,7 @@ from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.stopping import StopTokens
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
 from tuili.layers.linear import PanelLinear
+from tuili.layers.moe import SparseMoE
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
@@ -45,9 +46,11 @@ class ModelRunner:
         # Decodes go to the attention backend's paged kernel where it has one (the native CPU
         # backend), else into gathered groups.
         self.native_attention = model.attention.reads_paged_decodes
-        # Pure decode steps replay CPU graphs where the native kernels do all their work.
+        # Pure decode steps replay CPU graphs where the native kernels do all their work: not in
+        # a mixture of experts, whose routing (softmax, top-k, sort by expert) is torch ops and
+        # whose products depend on the step's routing, which a graph cannot replay.
         self.graphs: DecodeGraphs | None = None
-        if self.native_attention and kv_dtype == dtype and not config.enforce_eager:
+        if self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
             max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (pool.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -118,9 +121,10 @@ class ModelRunner:
         return sum(self._weight_storages().values())
 
     def decode_weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads: all of them, except that the token lookup
-        reads only a few rows of the embedding matrix and the logits read what the output head
-        reads for one row (the embedding matrix when tied, a decode copy where there is one)."""
+        """Bytes of weights a decode step of one sequence reads: all of them, except that the
+        token lookup reads only a few rows of the embedding matrix, the logits read what the
+        output head reads for one row (the embedding matrix when tied, a decode copy where there
+        is one), and a mixture-of-experts layer reads only the token's top-k experts."""
         storages = self._weight_storages()
         head = self.model.lm_head
         unread = [self.model.model.embed_tokens.weight, *head.parameters(), *head.buffers()]
@@ -128,6 +132,11 @@ class ModelRunner:
             storages.pop(tensor.untyped_storage().data_ptr(), None)
         for tensor in head.weights_read(1, self.device):
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        for layer in self.model.modules():
+            if isinstance(layer, SparseMoE):
+                for tensor in layer.experts.parameters():  # [E, ...]: k of the E slices are read
+                    key = tensor.untyped_storage().data_ptr()
+                    storages[key] = storages[key] * layer.top_k // layer.experts.num_experts
         return sum(storages.values())
 
     def _weight_storages(self) -> dict[int, int]:

@@ -1,7 +1,8 @@
-"""The Llama-family decoder: Llama (incl. Llama 3 RoPE scaling), Mistral, Qwen2, Qwen3.
+"""The Llama-family decoder: Llama (incl. Llama 3 RoPE scaling), Mistral, Qwen2, Qwen3, Qwen3-MoE.
 
 This file describes the network and nothing else: the differences between the family
-members are flags on ModelConfig (q/k/v bias, q/k RMSNorm, tied embeddings). Module paths
+members are flags on ModelConfig (q/k/v bias, q/k RMSNorm, tied embeddings, and `moe`: which
+layers' MLP is a mixture of experts, tuili/layers/moe.py). Module paths
 follow the Hugging Face checkpoints. The model is built whole: each linear, the embedding and
 the output head come from the loader's weight plan (tuili/models/weights.py: float, AMX
 layout, int8/int4, GGUF blocks), every layer computes on the platform and the attention backend
@@ -16,6 +17,7 @@ from torch import nn
 from tuili.config import ModelConfig
 from tuili.layers.activation import silu_and_mul
 from tuili.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from tuili.layers.moe import Experts, SparseMoE
 from tuili.layers.norm import RMSNorm
 from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
 from tuili.models.weights import WeightPlan
@@ -51,24 +53,50 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: WeightPlan, prefix: str) -> None:
+    """SwiGLU: the dense layers' MLP, and the shared expert of a mixture of experts."""
+
+    def __init__(self, plan: WeightPlan, prefix: str, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         # gate and up projections as one matmul (checkpoints' gate_proj/up_proj rows stacked).
-        self.gate_up_proj = plan.linear(f"{prefix}.gate_up_proj", cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = plan.linear(f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.gate_up_proj = plan.linear(f"{prefix}.gate_up_proj", hidden, 2 * intermediate, bias)
+        self.down_proj = plan.linear(f"{prefix}.down_proj", intermediate, hidden, bias)
         self.platform = plan.platform
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.platform))
 
 
+def sparse_moe(cfg: ModelConfig, plan: WeightPlan, prefix: str) -> SparseMoE:
+    """A mixture-of-experts MLP: the router `gate`, the routed experts (stacked by the plan) and,
+    where the config has one, the shared expert with its sigmoid gate."""
+    moe = cfg.moe
+    assert moe is not None
+    hidden, inter = cfg.hidden_size, moe.intermediate_size
+    experts = Experts(
+        plan.experts(f"{prefix}.experts.gate_up_proj", moe.num_experts, hidden, 2 * inter),
+        plan.experts(f"{prefix}.experts.down_proj", moe.num_experts, inter, hidden),
+        plan.platform,
+    )
+    shared, shared_gate = None, None
+    if moe.shared_intermediate_size:
+        shared = MLP(plan, f"{prefix}.shared_expert", hidden, moe.shared_intermediate_size, bias=False)
+        shared_gate = plan.linear(f"{prefix}.shared_expert_gate", hidden, 1, bias=False)
+    router = plan.linear(f"{prefix}.gate", hidden, moe.num_experts, bias=False)
+    return SparseMoE(router, experts, moe.top_k, moe.norm_topk_prob, shared, shared_gate)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, index: int) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
         self.self_attn = Attention(cfg, plan, backend, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
-        self.mlp = MLP(cfg, plan, f"{prefix}.mlp")
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+            self.mlp = sparse_moe(cfg, plan, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(plan, f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata
@@ -89,7 +117,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, backend, f"model.layers.{i}") for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

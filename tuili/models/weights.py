@@ -14,7 +14,9 @@ request and the platform (first match):
 4. **Float**, row-major (`Linear`): everything else.
 
 Stacked projections (q, k, v -> qkv_proj) are the checkpoint's tensors concatenated along the
-output dimension, in the model class's order. The output head holds the embedding table itself
+output dimension, in the model class's order. A mixture-of-experts layer's routed experts are
+float tensors [experts, out, in] (`experts`: a checkpoint's fused 3-D tensor, or its per-expert
+matrices stacked), never quantized: `quantization` on such a model is refused. The output head holds the embedding table itself
 when tied (one tensor), an int8 copy of it under `quantization`, and, for a GGUF file run packed,
 a quantized decode copy (tuili/layers/logits.py). The rest (norms) is assigned by name in `fill`.
 Every checkpoint tensor the config requires must be present: a CheckpointError names the
@@ -34,6 +36,7 @@ from tuili.config import QUANTIZATION_METHODS
 from tuili.errors import CheckpointError, TuiliError
 from tuili.layers.linear import Linear, PanelLinear, panel_holds
 from tuili.layers.logits import OutputHead
+from tuili.layers.moe import Experts
 from tuili.layers.quant import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
@@ -104,6 +107,35 @@ class WeightPlan:
         if decoder and panel_holds(weight, b, self.platform):
             return PanelLinear(weight, b)
         return Linear.holding(weight, b, self.platform)
+
+    def experts(self, path: str, num_experts: int, in_features: int, out_features: int) -> torch.Tensor:
+        """The routed experts' matrices of linear `path` (e.g. "model.layers.0.mlp.experts.gate_up_proj")
+        as one float tensor [num_experts, out_features, in_features]: the checkpoint's 3-D tensor
+        named `path` where it stores the experts fused (transformers' own layout), else expert
+        e's `{prefix}.{e}.{part}.weight` tensors (what save_pretrained writes), its parts stacked
+        as `linear` stacks them (gate_up_proj -> gate_proj, up_proj).
+
+        Experts are held as floats only: `quantization` is refused here, naming the layer,
+        rather than leaving the bulk of a mixture-of-experts model unquantized behind the flag."""
+        if self.quantization is not None:
+            raise TuiliError(
+                f"{self.source}: quantization {self.quantization!r} does not cover mixture-of-experts layers yet "
+                f"({path.rpartition('.')[0]}: {num_experts} experts would stay float); load this model without "
+                "quantization"
+            )
+        shape = (num_experts, out_features, in_features)
+        if path in self.tensors:
+            return self._stacked([path], shape)
+        prefix, _, leaf = path.rpartition(".")
+        parts = self.stacked.get(leaf, (leaf,))
+        first = [f"{prefix}.0.{part}.weight" for part in parts]
+        if not all(name in self.tensors for name in first):
+            # Neither layout: name the fused tensor and expert 0's, which the reader can look for.
+            _raise_missing(self.source, [path, *[n for n in first if n not in self.tensors]])
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for e in range(num_experts):
+            out[e] = self._stacked([f"{prefix}.{e}.{part}.weight" for part in parts], shape[1:])
+        return out
 
     def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:
         weight = self._stacked([f"{path}.weight"], (num_embeddings, dim))
@@ -250,10 +282,10 @@ def _is_output(name: str) -> bool:
 
 def _built_by_plan(model: nn.Module, param_name: str) -> bool:
     """Whether parameter `param_name` belongs to a module the plan built with its weights: the
-    linears, the embedding and the output head (everything but the norms)."""
+    linears, the experts, the embedding and the output head (everything but the norms)."""
     module_path = param_name.rpartition(".")[0]
     module = model.get_submodule(module_path) if module_path else model
-    return isinstance(module, (Linear, nn.Embedding))
+    return isinstance(module, (Linear, nn.Embedding, Experts))
 
 
 def _raise_missing(source: str, names: list[str]) -> None:

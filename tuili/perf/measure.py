@@ -135,8 +135,10 @@ def measure(
         return first_token or 0.0
 
     def new_meter() -> UtilizationMeter:
+        # The engine's decode_weight_bytes is one sequence's; a mixture of experts reads more
+        # experts as the batch grows, which the meter takes from the cost model's read fraction.
         return UtilizationMeter(cost, hardware, weight_bytes, kv_per_token, compute_dtype=inputs.compute_dtype,
-                                decode_weight_bytes=decode_weight_bytes)
+                                decode_weight_bytes=None if cost.shape.moe is not None else decode_weight_bytes)
 
     run(1, 2, new_meter(), [])  # warm-up: first calls allocate and pick kernels
     prefill_meter = new_meter()
@@ -259,6 +261,10 @@ def _kind(name: str) -> str:
         return "norm"
     if ".self_attn." in name:
         return "attention"
+    if ".mlp.experts." in name:
+        return "experts"
+    if module.endswith((".mlp.gate", ".mlp.shared_expert_gate")):
+        return "router"
     if ".mlp." in name:
         return "mlp"
     raise TuiliError(f"the engine holds a weight {name!r} the cost model has no kind for")

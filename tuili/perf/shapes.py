@@ -347,8 +347,12 @@ def _moe(reader: _Reader, traits: Traits, layers: int) -> tuple[MoEShape | None,
         )
         return moe, tuple(True for _ in range(layers))
     shared = reader.int("shared_expert_intermediate_size", 0, minimum=0)
+    # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts (its attribute_map),
+    # the published configs as num_experts.
+    written_by_v5 = reader.raw("num_experts") is None and reader.raw("num_local_experts") is not None
+    count_key = "num_local_experts" if written_by_v5 else "num_experts"
     moe = MoEShape(
-        experts=reader.int("num_experts"),
+        experts=reader.int(count_key),
         top_k=reader.int("num_experts_per_tok"),
         expert_intermediate=reader.int("moe_intermediate_size"),
         shared_intermediate=shared,
