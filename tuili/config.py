@@ -59,8 +59,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # bias on q/k/v projections (Qwen2; Llama's attention_bias)
-    o_bias: bool  # bias on the output projection (Llama's attention_bias only)
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2; Llama's and Qwen3's attention_bias)
+    o_bias: bool  # bias on the output projection (Llama's and Qwen3's attention_bias)
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None
@@ -123,8 +123,10 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family in ("llama", "mistral", "qwen3_moe") and attention_bias,
+            # As transformers builds them: Qwen2's q/k/v bias is unconditional; Llama's and Qwen3's
+            # attention_bias covers q, k, v and o; Mistral's attention has no biases at all.
+            qkv_bias=family == "qwen2" or (family in _ATTENTION_BIAS_FAMILIES and attention_bias),
+            o_bias=family in _ATTENTION_BIAS_FAMILIES and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -244,6 +246,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, platform: Platform) -> torch.
         raise TuiliError(f"dtype={dtype!r} is not supported: expected auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
 
+
+_ATTENTION_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe")  # attention_bias on q, k, v and o
 
 # Quantizations of float checkpoints at load (tuili/models/weights.py).
 QUANTIZATION_METHODS = ("int8", "int4")

@@ -46,6 +46,8 @@ CASES = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, head_dim=16)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
+    # attention_bias: Qwen3 puts it on q, k, v and o (Qwen2's q/k/v bias is unconditional)
+    "qwen3-attention-bias": (transformers.Qwen3Config, dict(head_dim=16, attention_bias=True)),
 }
 
 PROMPTS = [
@@ -61,6 +63,10 @@ def _write_checkpoint(tmp_path, name):
     torch.manual_seed(0)
     config = config_cls(**COMMON, **extra)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # transformers initialises biases to zero: a bias loaded wrong would not show
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.copy_(torch.randn_like(param) * 0.5)
     path = tmp_path / name
     model.save_pretrained(path)
     return path, model
