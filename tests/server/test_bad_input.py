@@ -51,6 +51,15 @@ BAD_REQUESTS = [
      400, "stream_options", "stream"),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", "gpt-9"),
     ("detokenize a bad id", "/detokenize", {"tokens": [-1]}, 400, "tokens", "-1"),
+    # A lone surrogate is valid JSON but not text (issue 20.3): refused, never a 500.
+    ("lone surrogate prompt", "/v1/completions", {"prompt": "\ud800", "max_tokens": 1}, 400, "prompt", "surrogate"),
+    ("lone surrogate in a prompt list", "/v1/completions", {"prompt": ["ok", "a\udc00"]}, 400, "prompt", "surrogate"),
+    ("lone surrogate chat content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages", "surrogate"),
+    ("lone surrogate text part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400, "messages", "surrogate"),
+    ("lone surrogate stop", "/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, 400, "stop", "surrogate"),
+    ("lone surrogate tokenize", "/tokenize", {"prompt": "\ud800"}, 400, "prompt", "surrogate"),
 ]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
 
@@ -47,15 +47,48 @@ class ErrorResponse(BaseModel):
 # ---- requests -------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+def _lone_surrogate(value: Any) -> str | None:
+    """A description of the first lone UTF-16 surrogate in `value`'s strings, or None.
+
+    JSON may spell one ("\\ud800"), and Python keeps it in a str, but it is not Unicode text:
+    no tokenizer (nor UTF-8) can take it, so it is refused here, naming the field, rather than
+    failing deep in the tokenizer."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return f"a lone surrogate {value[error.start]!r} at character {error.start}"
+        return None
+    if isinstance(value, list):
+        items = value if value and not isinstance(value[0], int) else ()
+        return next((found for item in items if (found := _lone_surrogate(item))), None)
+    if isinstance(value, dict):
+        return next((found for item in (*value, *value.values()) if (found := _lone_surrogate(item))), None)
+    return None  # nested request models check their own fields
+
+
+class _Request(BaseModel):
+    """Every request body: strict types, unknown fields ignored, text that is valid Unicode."""
+
     model_config = _REQUEST_CONFIG
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        found = _lone_surrogate(value)
+        if found is not None:
+            raise ValueError(f"it holds {found}, which is not text: expected valid Unicode (complete surrogate pairs)")
+        return value
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
-
-    model_config = _REQUEST_CONFIG
 
     model: str | None = Field(None, description="must name the served model when given")
     temperature: float = Field(1.0, ge=0, description="0 is greedy")
@@ -107,14 +140,12 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedFieldError("best_of", f"best_of={self.best_of} is not supported: expected best_of == n")
 
 
-class TextPart(BaseModel):
-    model_config = _REQUEST_CONFIG
+class TextPart(_Request):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = _REQUEST_CONFIG
+class ChatMessage(_Request):
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
@@ -144,10 +175,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs=true")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """Either `prompt` (text) or `messages` (rendered with the chat template)."""
 
-    model_config = _REQUEST_CONFIG
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -155,8 +185,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _REQUEST_CONFIG
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
