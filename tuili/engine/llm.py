@@ -49,7 +49,8 @@ class LLM:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         All prompts are validated before any runs, so a bad one raises without side effects.
-        `on_step` (optional) sees each step's outputs, e.g. for a progress bar.
+        `on_step` (optional) sees each step's outputs, e.g. for a progress bar; a request it
+        aborts (`llm.engine.abort_request`) is returned as it stood, with finish_reason "abort".
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -90,10 +91,13 @@ class LLM:
 
     def _run(self, ids: list[str], on_step: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         while len(final) < len(ids):
             outputs = self.engine.step()
             for out in outputs:
-                if out.finished:
+                # Only this call's requests: a step may also return a final output of an
+                # earlier call's request (one aborted when that call raised).
+                if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
             if on_step is not None:
                 on_step(outputs)
