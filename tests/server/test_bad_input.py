@@ -60,11 +60,39 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400, "messages", "surrogate"),
     ("lone surrogate stop", "/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, 400, "stop", "surrogate"),
     ("lone surrogate tokenize", "/tokenize", {"prompt": "\ud800"}, 400, "prompt", "surrogate"),
+    # Content-less turns are client bugs, not empty strings (issue 20.6).
+    ("user content null", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400,
+     "messages", "needs content"),
+    ("user content []", "/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400,
+     "messages", "content=[]"),
+    ("tokenize content null", "/tokenize", {"messages": [{"role": "system", "content": None}]}, 400,
+     "messages", "needs content"),
 ]
+
+# Fields that change a request's meaning and are not implemented: refused by name, never ignored
+# (issue 20.6). (field, value, endpoints)
+_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+_COMPLETION = {"prompt": "hi", "max_tokens": 1}
+MEANINGFUL_FIELDS = [
+    ("tool_choice", "auto", "both"), ("functions", [{"name": "f"}], "both"), ("parallel_tool_calls", True, "both"),
+    ("prediction", {"type": "content", "content": "x"}, "both"), ("guided_json", {"type": "object"}, "both"),
+    ("guided_regex", "[a-z]+", "both"), ("guided_choice", ["a", "b"], "both"), ("guided_grammar", "root ::= x", "both"),
+    ("structured_outputs", {"json": {}}, "both"), ("prompt_logprobs", 1, "both"), ("bad_words", ["sea"], "both"),
+    ("allowed_token_ids", [1, 2], "both"), ("truncate_prompt_tokens", 8, "both"),
+    ("response_format", {"type": "json_object"}, "completion"), ("echo", True, "chat"),
+    ("chat_template", "{{ messages }}", "chat"), ("chat_template_kwargs", {"enable_thinking": True}, "chat"),
+]
+for _field, _value, _where in MEANINGFUL_FIELDS:
+    for _path, _base in (("/v1/completions", _COMPLETION), ("/v1/chat/completions", _CHAT)):
+        if _where == "both" or _where in _path:
+            BAD_REQUESTS.append((f"{_field} on {_path}", _path, {**_base, _field: _value}, 400, _field, _field))
+BAD_REQUESTS.append(("chat_template on /tokenize", "/tokenize", {"prompt": "hi", "chat_template": "x"}, 400,
+                     "chat_template", "chat_template"))
 
 
 def test_bad_input_is_answered_while_a_good_request_completes(server, model_name, auth, max_model_len):
     headers = {**auth, "Content-Type": "application/json"}
+    neutral = {**_COMPLETION, "tool_choice": "none", "bad_words": [], "guided_json": None, "echo": False}
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
@@ -87,6 +115,7 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
             answers["wrong key"] = await http.post("/v1/chat/completions", headers={"Authorization": "Bearer nope"},
                                                    content=b"not even json")
             answers["unknown route"] = await http.get("/v2/nothing", headers=headers)
+            answers["neutral values"] = await http.post("/v1/completions", headers=headers, json=neutral)
             answers["health without key"] = await http.get("/health")
             return await good, answers
 
@@ -103,6 +132,7 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
     _check_error(answers["wrong key"], 401)
     _check_error(answers["unknown route"], 404)
     assert answers["health without key"].status_code == 200
+    assert answers["neutral values"].status_code == 200, answers["neutral values"].text
 
     assert good.status_code == 200
     result = good.json()

@@ -58,6 +58,7 @@ from tuili.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnsupportedFieldError,
 )
 from tuili.server.tokenization import PromptTokenizer
 
@@ -151,6 +152,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(backend, body.model)
+        try:
+            body.check_supported()
+        except UnsupportedFieldError as error:
+            raise as_api_error(error, set(TokenizeRequest.model_fields)) from error
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt (text) and messages (a chat)", param="prompt")
         if body.prompt is not None:
