@@ -139,3 +139,16 @@ def test_a_request_aborted_from_on_step_ends_generate(tiny_llama):
     # The next call is not confused by the earlier call's outputs.
     again = llm.generate([{"prompt_token_ids": [1, 2]}], params)
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_an_output_is_a_snapshot(tiny_llama):
+    """Issue 20.2: an output's logprobs were the engine's live list (its token ids a copy), so a
+    reader holding an output across later steps saw the two grow apart."""
+    llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=6, logprobs=2, n=2, ignore_eos=True))
+    first = engine.step()[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for choice in first.outputs:
+        assert len(choice.token_ids) == len(choice.logprobs) == 1

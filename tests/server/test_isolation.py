@@ -5,6 +5,8 @@ client, and the server tells a client nothing about its machine. Against the ses
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -56,3 +58,86 @@ def test_a_body_must_be_declared_json(server, auth):
     ok = httpx.post(f"{server.url}/v1/completions", content=body, timeout=120,
                     headers={**auth, "Content-Type": "Application/JSON; charset=utf-8"})
     assert ok.status_code == 200, ok.text
+
+
+def _slow_stream(url: str, path: str, body: dict, headers: dict[str, str], stall: float = 3.0) -> list[dict | str]:
+    """POST a streaming request over a raw socket with a tiny receive window and read nothing
+    for `stall` seconds, so the server's writes block (backpressure) while its engine keeps
+    stepping; then read it all. Returns the data events (parsed JSON, or "[DONE]")."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\nConnection: close\r\n"
+               + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode() + payload
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+    sock.settimeout(120)
+    sock.connect((host, int(port)))
+    received = bytearray()
+    with sock:
+        sock.sendall(request)
+        time.sleep(stall)
+        while data := sock.recv(1 << 16):
+            received += data
+    head, _, raw = bytes(received).partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    text = _unchunk(raw).decode()
+    events = [line.removeprefix("data: ") for line in text.split("\n") if line.startswith("data: ")]
+    return [event if event == "[DONE]" else json.loads(event) for event in events]
+
+
+def _unchunk(raw: bytes) -> bytes:
+    """The body of an HTTP/1.1 chunked transfer."""
+    body, rest = bytearray(), raw
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        body += rest[:size]
+        rest = rest[size + 2:]
+    return bytes(body)
+
+
+@pytest.mark.parametrize("kind", ["chat"])
+def test_a_slowly_read_stream_with_logprobs_completes(server, auth, kind):
+    """Issue 20.2: an output's logprobs were the engine's live list while its token ids were a
+    copy, so a stream formatted after later steps saw lists of different lengths and broke off
+    with an error event. Read slowly (backpressure), every choice must still finish intact.
+    (tests/engine/test_bad_input.py checks the snapshot itself, deterministically.)"""
+    n, tokens = 4, 64
+    common = {"n": n, "max_tokens": tokens, "ignore_eos": True, "temperature": 1.0, "seed": 1, "stream": True}
+    if kind == "completion":
+        path, body = "/v1/completions", {**common, "prompt": "Once upon a time", "logprobs": 20}
+    else:
+        path = "/v1/chat/completions"
+        body = {**common, "messages": [{"role": "user", "content": "Tell a story."}], "logprobs": True,
+                "top_logprobs": 20}
+    events = _slow_stream(server.url, path, body, auth)
+    assert events[-1] == "[DONE]"
+    assert not any("error" in event for event in events[:-1]), [e for e in events if "error" in e][:1]
+    counted = {i: 0 for i in range(n)}
+    finished = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            logprobs = choice.get("logprobs")
+            if logprobs:
+                counted[choice["index"]] += len(logprobs["tokens"] if kind == "completion" else logprobs["content"])
+            if choice.get("finish_reason"):
+                finished[choice["index"]] = choice["finish_reason"]
+    assert finished == {i: "length" for i in range(n)}
+    assert counted == {i: tokens for i in range(n)}
+
+
+def test_an_internal_error_is_a_generic_500_and_logged(caplog):
+    """Issue 20.2: a ValueError from inside the server is a bug, not the client's fault: a 500
+    whose message tells nothing of the internals, the details in the log."""
+    from tuili.errors import RequestError
+    from tuili.server.errors import as_api_error
+    from tuili.server.protocol import UnsupportedFieldError
+
+    error = as_api_error(ValueError("zip() argument 2 is longer than argument 1"))
+    assert error.status == 500 and "zip" not in error.info.message and "server log" in error.info.message
+    assert "zip() argument 2" in caplog.text
+    assert as_api_error(RequestError("max_tokens=-1 is invalid"), {"max_tokens"}).status == 400
+    assert as_api_error(UnsupportedFieldError("echo", "echo=true is not supported")).info.param == "echo"

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from tuili.errors import RequestError
+
 # extra="allow" keeps unknown fields in `model_extra`, where check_supported looks for the
 # ones it must refuse; the rest are ignored.
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="allow")
@@ -65,7 +67,7 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class UnsupportedFieldError(ValueError):
+class UnsupportedFieldError(RequestError):
     """A request used an OpenAI field tuili does not implement; `field` names it."""
 
     def __init__(self, field: str, message: str) -> None:
