@@ -77,14 +77,19 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        Message content is text: special-token text in it is not parsed as special tokens
+        unless `content_special_tokens` (Tokenizer.apply_chat_template)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise RequestError("chat needs a tokenizer with a chat template; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)}
+            {"prompt_token_ids": tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, content_special_tokens=content_special_tokens)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)

@@ -29,6 +29,9 @@ def register(subparsers) -> None:
     http.add_argument("--allowed-hosts", default=None,
                       help="comma-separated host names the Host header may give, '*' for any (default: "
                       "localhost, 127.0.0.1 and ::1 when --host is a loopback address, else any)")
+    http.add_argument("--special-tokens-in-messages", action="store_true",
+                      help="parse special-token text in chat message content as special tokens, as before "
+                      "(unsafe: a user message can then forge a system turn); by default content is plain text")
     http.add_argument("--max-waiting", type=int, default=None,
                       help="answer 503 while this many sequences wait to be scheduled (default: no limit)")
     http.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
@@ -123,7 +126,7 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
 
     name = args.served_model_name or _default_name(engine.model_path)
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
-                              allowed_hosts(args.allowed_hosts, args.host))
+                              allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages)
     serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log)
     return 0
 

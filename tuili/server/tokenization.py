@@ -20,8 +20,11 @@ T = TypeVar("T")
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, content_special_tokens: bool = False) -> None:
         self._tokenizer = copy.deepcopy(tokenizer)
+        # Whether special-token text in message content is parsed as special tokens (the
+        # --special-tokens-in-messages opt-in); by default content is text (issue 20.4).
+        self.content_special_tokens = content_special_tokens
         self.vocab_size = vocab_size  # the model's: token ids must lie in [0, vocab_size)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuili-tokenizer")
         self._token_strings: list[str] | None = None  # immutable once built
@@ -38,7 +41,8 @@ class PromptTokenizer:
         return await self._run(lambda t: t.encode(text, add_special_tokens=add_special_tokens))
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        return await self._run(lambda t: t.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        return await self._run(lambda t: t.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, content_special_tokens=self.content_special_tokens))
 
     async def decode(self, token_ids: Sequence[int]) -> str:
         self.check_ids(token_ids, "tokens")
