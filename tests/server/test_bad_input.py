@@ -65,6 +65,9 @@ BAD_REQUESTS = [
      "messages", "needs content"),
     ("user content []", "/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400,
      "messages", "content=[]"),
+    # At most --max-sequences-per-request (256) sequences, prompts x n, per call (issue 20.1).
+    ("too many sequences", "/v1/completions", {"prompt": ["a", "b", "c"], "n": 128, "max_tokens": 1}, 400, "n",
+     "384 sequences"),
     ("tokenize content null", "/tokenize", {"messages": [{"role": "system", "content": None}]}, 400,
      "messages", "needs content"),
 ]

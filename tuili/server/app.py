@@ -76,6 +76,7 @@ class ServerSettings:
     max_request_bytes: int = 4 << 20
     allowed_hosts: frozenset[str] | None = None  # lowercased host names without ports; None: any
     content_special_tokens: bool = False  # parse special-token text in message content (unsafe)
+    max_sequences_per_request: int = 256
 
 
 def _cache_samples(stats: CacheStats) -> dict[str, float]:
@@ -99,7 +100,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size, settings.content_special_tokens)
-    backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len)
+    backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len, settings.max_sequences_per_request)
     started = int(time.time())
 
     @asynccontextmanager

@@ -34,6 +34,8 @@ def register(subparsers) -> None:
                       "(unsafe: a user message can then forge a system turn); by default content is plain text")
     http.add_argument("--max-waiting", type=int, default=None,
                       help="answer 503 while this many sequences wait to be scheduled (default: no limit)")
+    http.add_argument("--max-sequences-per-request", type=int, default=256,
+                      help="most sequences (prompts x n) one request may ask for; more get 400 (default 256)")
     http.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
                       help="largest request body accepted, e.g. 4MiB (default); larger ones get 413")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -68,6 +70,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise TuiliError(f"--port {args.port} is invalid: expected 0 to 65535")
     if args.max_waiting is not None and args.max_waiting < 1:
         raise TuiliError(f"--max-waiting {args.max_waiting} is invalid: expected at least 1")
+    if args.max_sequences_per_request < 1:
+        raise TuiliError(f"--max-sequences-per-request {args.max_sequences_per_request} is invalid: expected at least 1")
     if args.shutdown_grace < 0:
         raise TuiliError(f"--shutdown-grace {args.shutdown_grace} is invalid: expected seconds >= 0")
     if args.max_request_bytes < 1024:
@@ -126,7 +130,8 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
 
     name = args.served_model_name or _default_name(engine.model_path)
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
-                              allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages)
+                              allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
+                              args.max_sequences_per_request)
     serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log)
     return 0
 
