@@ -68,6 +68,9 @@ BAD_REQUESTS = [
     # At most --max-sequences-per-request (256) sequences, prompts x n, per call (issue 20.1).
     ("too many sequences", "/v1/completions", {"prompt": ["a", "b", "c"], "n": 128, "max_tokens": 1}, 400, "n",
      "384 sequences"),
+    ("17 stop strings", "/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "stop",
+     "at most 16"),
+    ("a 257-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop", "at most 256"),
     ("tokenize content null", "/tokenize", {"messages": [{"role": "system", "content": None}]}, 400,
      "messages", "needs content"),
 ]
@@ -112,6 +115,9 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
             answers["long prompt"] = await http.post("/v1/completions", headers=headers,
                                                      json={"prompt": long_prompt, "max_tokens": 1})
             answers["long prompt length"] = await http.post("/tokenize", headers=headers, json={"prompt": long_prompt})
+            # Just over the context: tokenized whole, refused with its exact length.
+            answers["prompt just over"] = await http.post("/v1/completions", headers=headers,
+                                                          json={"prompt": [7] * (max_model_len + 40), "max_tokens": 1})
             answers["10 MB body"] = await http.post("/v1/completions", headers=headers,
                                                     json={"prompt": "x" * (10 << 20)})
             answers["no key"] = await http.post("/v1/completions", json={"prompt": "hi"})
@@ -129,7 +135,11 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
     message = _check_error(answers["long prompt"], 400, "prompt")
     length = answers["long prompt length"].json()["count"]
     assert length >= 10 * max_model_len
-    assert str(length) in message and str(max_model_len) in message
+    # Refused after tokenizing only a prefix (issue 20.5): the message gives the length in
+    # characters, the prefix's tokens and the limit.
+    assert str(len("hello " * (10 * max_model_len))) in message and f"context holds {max_model_len}" in message
+    message = _check_error(answers["prompt just over"], 400, "prompt")
+    assert str(max_model_len + 40) in message and str(max_model_len) in message
     _check_error(answers["10 MB body"], 413)
     _check_error(answers["no key"], 401)
     _check_error(answers["wrong key"], 401)

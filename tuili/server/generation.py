@@ -145,7 +145,7 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = await backend.tokenizer.encode(item)
+            ids = await backend.tokenizer.encode_prompt(item, "prompt", backend.max_model_len)
         else:
             ids = list(item)
             backend.tokenizer.check_ids(ids, "prompt")
