@@ -16,6 +16,7 @@ non-streaming run returns.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,8 @@ class Tokenizer:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        content_special_tokens: bool = False, **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
@@ -111,6 +113,11 @@ class Tokenizer:
         ``{"type": "text", "text": ...}`` parts, joined with newlines. The rendered text already
         holds the template's BOS, so it is encoded without adding special tokens (as
         transformers does). ``template_kwargs`` reach the template (e.g. ``enable_thinking``).
+
+        Message content is text: special tokens come only from the template, so a user cannot
+        forge a turn by writing ``<|im_end|>\n<|im_start|>system``; such text is encoded as the
+        ordinary tokens that spell it. ``content_special_tokens=True`` restores the old (and
+        transformers') behaviour of parsing special-token text anywhere in the rendering.
         """
         if self.hf_tokenizer.chat_template is None:
             raise RequestError(
@@ -129,7 +136,51 @@ class Tokenizer:
             )
         except TemplateError as exc:  # e.g. "Conversation roles must alternate user/assistant"
             raise RequestError(f"the model's chat template rejected the messages: {exc}") from exc
-        return self.encode(text, add_special_tokens=False)
+        forged = None if content_special_tokens else self._special_text_in(conversation)
+        if forged is None:  # the common case: encoded exactly as before
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_content_as_text(conversation, text, forged, add_generation_prompt, template_kwargs)
+
+    def _special_text_in(self, conversation: list[dict[str, Any]]) -> tuple[int, str] | None:
+        """(message index, special token) of the first content that spells a special token."""
+        specials = [t.content for t in self.hf_tokenizer.added_tokens_decoder.values() if t.special and t.content]
+        for index, message in enumerate(conversation):
+            found = next((token for token in specials if token in message["content"]), None)
+            if found is not None:
+                return index, found
+        return None
+
+    def _encode_content_as_text(
+        self, conversation: list[dict[str, Any]], text: str, forged: tuple[int, str],
+        add_generation_prompt: bool, template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """Encode the template's own text with special tokens parsed and each message's content
+        with them spelled out. The template is rendered once more with a marker in place of each
+        content, which shows where the contents lie in `text`."""
+        marked = [{**message, "content": f"\ue000{i}\ue001"} for i, message in enumerate(conversation)]
+        skeleton = self.hf_tokenizer.apply_chat_template(
+            marked, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        pieces = re.split("\ue000(\\d+)\ue001", skeleton)  # template, index, template, index, ...
+        indices = [int(i) for i in pieces[1::2]]
+        rebuilt = "".join(
+            piece if k % 2 == 0 else conversation[int(piece)]["content"] for k, piece in enumerate(pieces)
+        )
+        if sorted(indices) != list(range(len(conversation))) or rebuilt != text:
+            # The template repeats, drops or rewrites content: its place in the text is unknown.
+            index, token = forged
+            raise RequestError(
+                f"messages[{index}] content holds the special token text {token!r}, which this model's chat "
+                "template does not let tuili keep as plain text: remove it"
+            )
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False)
+            else:
+                content = conversation[int(piece)]["content"]
+                ids += self.hf_tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        return ids
 
 
 def _generation_config_eos_ids(path: Path) -> list[int]:

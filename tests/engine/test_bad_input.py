@@ -113,3 +113,42 @@ def test_max_model_len_larger_than_pool_is_refused(tiny_llama):
 
     with pytest.raises(TuiliError, match="kv_cache_memory"):
         LLM(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=200, kv_cache_memory=4096)
+
+
+def test_a_request_aborted_from_on_step_ends_generate(tiny_llama):
+    """Issue 20.8: aborting a request from on_step used to leave generate() stepping an empty
+    engine forever; now the aborted request comes back as it stood, finish_reason "abort"."""
+    llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    steps = []
+
+    def abort_the_second(outputs):
+        steps.append(len(outputs))
+        assert len(steps) < 100, "generate() kept stepping after the abort"
+        for out in outputs:
+            if out.request_id.endswith("-1") and not out.finished and len(out.outputs[0].token_ids) >= 3:
+                llm.engine.abort_request(out.request_id)
+
+    outs = llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3, 4]}], params, on_step=abort_the_second)
+    assert outs[0].outputs[0].finish_reason == "length" and len(outs[0].outputs[0].token_ids) == 20
+    aborted = outs[1].outputs[0]
+    assert aborted.finish_reason == "abort" and 3 <= len(aborted.token_ids) < 20 and outs[1].finished
+    assert not llm.engine.has_unfinished_requests()
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    # The next call is not confused by the earlier call's outputs.
+    again = llm.generate([{"prompt_token_ids": [1, 2]}], params)
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_an_output_is_a_snapshot(tiny_llama):
+    """Issue 20.2: an output's logprobs were the engine's live list (its token ids a copy), so a
+    reader holding an output across later steps saw the two grow apart."""
+    llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=6, logprobs=2, n=2, ignore_eos=True))
+    first = engine.step()[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for choice in first.outputs:
+        assert len(choice.token_ids) == len(choice.logprobs) == 1

@@ -5,6 +5,8 @@ The transformers reference for the graph path is tests/models/test_llama_vs_tran
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -77,3 +79,20 @@ def test_graphs_are_off_where_a_step_is_not_all_native_kernels(tiny_llama, monke
     monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
     portable, _ = generate(tiny_llama, PROMPTS, SamplingParams(max_tokens=2), dtype="float32")
     assert portable.engine.runner.graphs is None
+
+
+def test_an_eager_shape_is_logged_once_at_info(tiny_llama, caplog):
+    """Issue 20.10: the reason a shape runs eagerly is said once per batch size, at debug after."""
+    llm = LLM(model=str(tiny_llama), device="cpu", block_size=4, kv_cache_memory=1 << 22, max_model_len=128,
+              dtype="float32")
+    prompts = [{"prompt_token_ids": [i + 1, i + 2]} for i in range(10)]
+    with caplog.at_level(logging.DEBUG, logger="tuili.engine.decode_graphs"):
+        for _ in range(3):
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        graphs = llm.engine.runner.graphs
+        for _ in range(3):  # as if the shape came back under a new key (another thread count)
+            graphs.refused.clear()
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    said = [r for r in caplog.records if "decode steps of 10 sequences run eagerly" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] + [logging.DEBUG] * (len(said) - 1)
+    assert len(said) == 4

@@ -95,3 +95,19 @@ def test_devices_scale_the_peaks_and_bad_sizes_are_refused():
     assert two.memory_bandwidth == 2e10 and two.peak_flops == 8e12
     with pytest.raises(TuiliError, match="weight_bytes"):
         UtilizationMeter(cost, CARD, 0, 100)
+
+
+def test_a_utilization_above_100_percent_is_unknown_not_printed():
+    """Issue 20.9: a quick peak estimate made on a busy machine gave /metrics an MFU of 855%.
+    Work done faster than the peak allows means the peak is wrong: the figure is unknown."""
+    meter = meter_for(TIED)
+    flops = ModelCost.from_config(TIED).prefill_flops(0, 300)
+    meter.record_step([(0, 300)], [], seconds=flops / 1e12 / 8.55)  # 855% of the card's fp32 peak
+    meter.record_step([], [301], seconds=1.0)  # a plausible decode
+    assert meter.prefill_mfu is None and 0 < meter.decode_mbu <= 1
+    summary = meter.summary()
+    samples = summary.prometheus()
+    assert "tuili:prefill_mfu" not in samples and samples["tuili:decode_mbu"] == pytest.approx(meter.decode_mbu)
+    assert samples["tuili:prefill_flops_total"] == flops  # the totals stay, for a better peak
+    text = summary.format()
+    assert "MFU unknown" in text and "855" not in text and "%" in text.splitlines()[1]

@@ -51,11 +51,54 @@ BAD_REQUESTS = [
      400, "stream_options", "stream"),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", "gpt-9"),
     ("detokenize a bad id", "/detokenize", {"tokens": [-1]}, 400, "tokens", "-1"),
+    # A lone surrogate is valid JSON but not text (issue 20.3): refused, never a 500.
+    ("lone surrogate prompt", "/v1/completions", {"prompt": "\ud800", "max_tokens": 1}, 400, "prompt", "surrogate"),
+    ("lone surrogate in a prompt list", "/v1/completions", {"prompt": ["ok", "a\udc00"]}, 400, "prompt", "surrogate"),
+    ("lone surrogate chat content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages", "surrogate"),
+    ("lone surrogate text part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400, "messages", "surrogate"),
+    ("lone surrogate stop", "/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, 400, "stop", "surrogate"),
+    ("lone surrogate tokenize", "/tokenize", {"prompt": "\ud800"}, 400, "prompt", "surrogate"),
+    # Content-less turns are client bugs, not empty strings (issue 20.6).
+    ("user content null", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400,
+     "messages", "needs content"),
+    ("user content []", "/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400,
+     "messages", "content=[]"),
+    # At most --max-sequences-per-request (256) sequences, prompts x n, per call (issue 20.1).
+    ("too many sequences", "/v1/completions", {"prompt": ["a", "b", "c"], "n": 128, "max_tokens": 1}, 400, "n",
+     "384 sequences"),
+    ("17 stop strings", "/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "stop",
+     "at most 16"),
+    ("a 257-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop", "at most 256"),
+    ("tokenize content null", "/tokenize", {"messages": [{"role": "system", "content": None}]}, 400,
+     "messages", "needs content"),
 ]
+
+# Fields that change a request's meaning and are not implemented: refused by name, never ignored
+# (issue 20.6). (field, value, endpoints)
+_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+_COMPLETION = {"prompt": "hi", "max_tokens": 1}
+MEANINGFUL_FIELDS = [
+    ("tool_choice", "auto", "both"), ("functions", [{"name": "f"}], "both"), ("parallel_tool_calls", True, "both"),
+    ("prediction", {"type": "content", "content": "x"}, "both"), ("guided_json", {"type": "object"}, "both"),
+    ("guided_regex", "[a-z]+", "both"), ("guided_choice", ["a", "b"], "both"), ("guided_grammar", "root ::= x", "both"),
+    ("structured_outputs", {"json": {}}, "both"), ("prompt_logprobs", 1, "both"), ("bad_words", ["sea"], "both"),
+    ("allowed_token_ids", [1, 2], "both"), ("truncate_prompt_tokens", 8, "both"),
+    ("response_format", {"type": "json_object"}, "completion"), ("echo", True, "chat"),
+    ("chat_template", "{{ messages }}", "chat"), ("chat_template_kwargs", {"enable_thinking": True}, "chat"),
+]
+for _field, _value, _where in MEANINGFUL_FIELDS:
+    for _path, _base in (("/v1/completions", _COMPLETION), ("/v1/chat/completions", _CHAT)):
+        if _where == "both" or _where in _path:
+            BAD_REQUESTS.append((f"{_field} on {_path}", _path, {**_base, _field: _value}, 400, _field, _field))
+BAD_REQUESTS.append(("chat_template on /tokenize", "/tokenize", {"prompt": "hi", "chat_template": "x"}, 400,
+                     "chat_template", "chat_template"))
 
 
 def test_bad_input_is_answered_while_a_good_request_completes(server, model_name, auth, max_model_len):
     headers = {**auth, "Content-Type": "application/json"}
+    neutral = {**_COMPLETION, "tool_choice": "none", "bad_words": [], "guided_json": None, "echo": False}
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
@@ -72,12 +115,16 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
             answers["long prompt"] = await http.post("/v1/completions", headers=headers,
                                                      json={"prompt": long_prompt, "max_tokens": 1})
             answers["long prompt length"] = await http.post("/tokenize", headers=headers, json={"prompt": long_prompt})
+            # Just over the context: tokenized whole, refused with its exact length.
+            answers["prompt just over"] = await http.post("/v1/completions", headers=headers,
+                                                          json={"prompt": [7] * (max_model_len + 40), "max_tokens": 1})
             answers["10 MB body"] = await http.post("/v1/completions", headers=headers,
                                                     json={"prompt": "x" * (10 << 20)})
             answers["no key"] = await http.post("/v1/completions", json={"prompt": "hi"})
             answers["wrong key"] = await http.post("/v1/chat/completions", headers={"Authorization": "Bearer nope"},
                                                    content=b"not even json")
             answers["unknown route"] = await http.get("/v2/nothing", headers=headers)
+            answers["neutral values"] = await http.post("/v1/completions", headers=headers, json=neutral)
             answers["health without key"] = await http.get("/health")
             return await good, answers
 
@@ -88,12 +135,17 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
     message = _check_error(answers["long prompt"], 400, "prompt")
     length = answers["long prompt length"].json()["count"]
     assert length >= 10 * max_model_len
-    assert str(length) in message and str(max_model_len) in message
+    # Refused after tokenizing only a prefix (issue 20.5): the message gives the length in
+    # characters, the prefix's tokens and the limit.
+    assert str(len("hello " * (10 * max_model_len))) in message and f"context holds {max_model_len}" in message
+    message = _check_error(answers["prompt just over"], 400, "prompt")
+    assert str(max_model_len + 40) in message and str(max_model_len) in message
     _check_error(answers["10 MB body"], 413)
     _check_error(answers["no key"], 401)
     _check_error(answers["wrong key"], 401)
     _check_error(answers["unknown route"], 404)
     assert answers["health without key"].status_code == 200
+    assert answers["neutral values"].status_code == 200, answers["neutral values"].text
 
     assert good.status_code == 200
     result = good.json()

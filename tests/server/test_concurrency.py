@@ -66,4 +66,7 @@ def test_100_concurrent_streams_match_their_whole_results_and_the_metrics(
     assert idle["tuili:kv_cache_usage"] == 0
     # The engine's utilization meter is exported, and it saw this work.
     assert grew("tuili:decode_tokens_total") > 0 and grew("tuili:prefill_tokens_total") > 0
-    assert after["tuili:prefill_mfu"] > 0 and after["tuili:decode_mbu"] > 0
+    # A gauge is absent while unknown: its peak was exceeded, which a quick estimate on a busy
+    # machine allows (issue 20.9); a figure shown is a real fraction.
+    for gauge in ("tuili:prefill_mfu", "tuili:decode_mbu"):
+        assert gauge not in after or 0 < after[gauge] <= 1, after.get(gauge)

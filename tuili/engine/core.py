@@ -74,6 +74,9 @@ class LLMEngine:
         self._observers: list[StepObserver] = []
         self._synchronize = False  # an observer wants device time and the device runs asynchronously
         self._requests: dict[str, RequestState] = {}
+        # Final outputs of requests aborted between steps, handed out by the next step() so
+        # that a caller waiting for every request to finish (LLM.generate) sees them end.
+        self._aborted: list[RequestOutput] = []
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
         self._prompt_tokens_computed = 0
@@ -178,26 +181,34 @@ class LLMEngine:
         return text, list(ids)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks; unknown or finished ids are ignored."""
+        """Stop a request now and free its KV blocks; unknown or finished ids are ignored.
+
+        The next step() returns its final output: what it generated so far, finished, with
+        finish_reason "abort" on the sequences that had not finished."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return
         for seq in req.seqs:
             if not seq.is_finished:
                 self._retire(seq, "abort")
+        req.metrics.finished_time = time.monotonic()
+        self._aborted.append(self.outputs.output(req))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Whether step() has work: requests to run, or aborted requests' final outputs to return."""
+        return bool(self._requests or self._aborted)
 
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one forward; return the outputs of requests that progressed."""
+        """Schedule and run one forward; return the outputs of requests that progressed, after
+        the final outputs of requests aborted since the last step."""
+        aborted, self._aborted = self._aborted, []
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
-            return []
+            return aborted
         now = time.monotonic()
         prompt_tokens = 0
         for item in out.scheduled:
@@ -225,7 +236,7 @@ class LLMEngine:
             if reason is not None:
                 self._retire(seq, reason)
             touched[req.request_id] = req
-        outputs = []
+        outputs = aborted
         for req in touched.values():
             if req.finished:
                 req.metrics.finished_time = now

@@ -64,6 +64,7 @@ class DecodeGraphs:
         self._arena = Arena()
         self._graphs: dict[tuple[int, int], _Captured] = {}  # (batch size, threads) -> its graph
         self.refused: dict[int, str] = {}  # batch size -> why it runs eagerly
+        self._said: set[tuple[str, int]] = set()  # (what, batch size) already logged at info
 
     def captured_batch_sizes(self) -> list[int]:
         return sorted({size for size, _ in self._graphs})
@@ -118,11 +119,19 @@ class DecodeGraphs:
             log.debug("captured a decode graph of %d sequences: %d kernel calls", len(batch), graph.calls)
             if logits_in_graph:
                 return eager
-            log.info("the logits of decode steps of %d sequences run eagerly: %s", len(batch), reasons[0])
+            self._say("logits", "the logits of decode steps of %d sequences run eagerly: %s", len(batch), reasons[0])
             return model.compute_logits(eager)
         self.refused[len(batch)] = reasons[-1]
-        log.info("decode steps of %d sequences run eagerly: %s", len(batch), reasons[-1])
+        self._say("step", "decode steps of %d sequences run eagerly: %s", len(batch), reasons[-1])
         return None
+
+    def _say(self, what: str, message: str, size: int, reason: str) -> None:
+        """Log `message` at info once per batch size, at debug after that: a server under load
+        meets the same shapes again and again (a new thread count recaptures them), and a line
+        per step grew its log by hundreds of MB an hour (issue 20)."""
+        level = logging.DEBUG if (what, size) in self._said else logging.INFO
+        self._said.add((what, size))
+        log.log(level, message, size, reason)
 
     def _buffers(self, batch_size: int) -> _StepBuffers:
         hidden = self.model.model.embed_tokens.weight

@@ -49,7 +49,8 @@ class LLM:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         All prompts are validated before any runs, so a bad one raises without side effects.
-        `on_step` (optional) sees each step's outputs, e.g. for a progress bar.
+        `on_step` (optional) sees each step's outputs, e.g. for a progress bar; a request it
+        aborts (`llm.engine.abort_request`) is returned as it stood, with finish_reason "abort".
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -76,24 +77,32 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        Message content is text: special-token text in it is not parsed as special tokens
+        unless `content_special_tokens` (Tokenizer.apply_chat_template)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise RequestError("chat needs a tokenizer with a chat template; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)}
+            {"prompt_token_ids": tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, content_special_tokens=content_special_tokens)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
 
     def _run(self, ids: list[str], on_step: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         while len(final) < len(ids):
             outputs = self.engine.step()
             for out in outputs:
-                if out.finished:
+                # Only this call's requests: a step may also return a final output of an
+                # earlier call's request (one aborted when that call raised).
+                if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
             if on_step is not None:
                 on_step(outputs)

@@ -122,7 +122,10 @@ class OutputProcessor:
                     text=state.text,
                     token_ids=seq.output_token_ids,
                     finish_reason=seq.finish_reason,
-                    logprobs=state.logprobs,
+                    # Copies, like token_ids: an output is a snapshot. A reader on another thread
+                    # (the server's streams) formats it while later steps append to the live
+                    # lists, and must see token ids and logprobs of the same length.
+                    logprobs=list(state.logprobs) if state.logprobs is not None else None,
                     cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
                     stop_reason=state.stop_reason,
                 )

@@ -8,6 +8,10 @@ bytes / decode time / memory bandwidth). A step that mixes prefill chunks and de
 measured duration; it is split between the two in proportion to each part's roofline time
 (prefill FLOPs / peak FLOP/s against decode bytes / bandwidth), i.e. as if both parts ran at the
 same efficiency. Pure steps are attributed whole.
+
+A utilization above 100% means the peak it divides by is wrong (a quick estimate measured on a
+busy machine, say), never that the engine beat the hardware: the meter then reports the
+utilization as unknown (None; absent from /metrics), and says why, rather than print it.
 """
 
 from __future__ import annotations
@@ -47,11 +51,24 @@ class UtilizationSummary:
     hardware_origin: str
     compute_dtype: str
 
+    @property
+    def prefill_peak_exceeded(self) -> bool:
+        """The measured prefill rate is above the peak: the peak is an underestimate, MFU unknown."""
+        return self.prefill_seconds > 0 and self.prefill_flops / self.prefill_seconds > self.peak_flops
+
+    @property
+    def decode_peak_exceeded(self) -> bool:
+        return self.decode_seconds > 0 and self.decode_bytes / self.decode_seconds > self.memory_bandwidth
+
     def prometheus(self) -> dict[str, float]:
-        """Samples for the server's /metrics, keyed by metric name."""
-        return {
-            "tuili:prefill_mfu": self.prefill_mfu or 0.0,
-            "tuili:decode_mbu": self.decode_mbu or 0.0,
+        """Samples for the server's /metrics, keyed by metric name. The MFU and MBU gauges are
+        left out while unknown (their peak exceeded); 0 until there is work to judge."""
+        samples = {}
+        if not self.prefill_peak_exceeded:
+            samples["tuili:prefill_mfu"] = self.prefill_mfu or 0.0
+        if not self.decode_peak_exceeded:
+            samples["tuili:decode_mbu"] = self.decode_mbu or 0.0
+        return samples | {
             "tuili:prefill_flops_total": self.prefill_flops,
             "tuili:prefill_seconds_total": self.prefill_seconds,
             "tuili:prefill_tokens_total": float(self.prefill_tokens),
@@ -65,16 +82,23 @@ class UtilizationSummary:
 
     def format(self) -> str:
         """Two lines for a run summary, naming the hardware figures the percentages are against."""
-        def pct(x: float | None) -> str:
+        def pct(x: float | None, exceeded: bool, rate: str) -> str:
+            if exceeded:
+                return f"unknown (measured {rate}, above the peak below: that peak is too low)"
             return "n/a" if x is None else f"{100 * x:.1f}%"
+
+        prefill_rate = self.prefill_flops / self.prefill_seconds / 1e12 if self.prefill_seconds > 0 else 0.0
+        decode_rate = self.decode_bytes / self.decode_seconds / 1e9 if self.decode_seconds > 0 else 0.0
+        mfu = pct(self.prefill_mfu, self.prefill_peak_exceeded, f"{prefill_rate:.2f} TFLOP/s")
+        mbu = pct(self.decode_mbu, self.decode_peak_exceeded, f"{decode_rate:.1f} GB/s")
 
         note = " (an estimate: run `tuili probe` for measured figures)" if self.hardware_origin == "estimate" else ""
         return (
             f"prefill: {self.prefill_tokens} tokens, {self.prefill_flops / 1e12:.3f} TFLOP in "
-            f"{self.prefill_seconds:.3f} s, MFU {pct(self.prefill_mfu)} of "
+            f"{self.prefill_seconds:.3f} s, MFU {mfu} of "
             f"{self.peak_flops / 1e12:.2f} TFLOP/s {self.compute_dtype}\n"
             f"decode: {self.decode_tokens} tokens, {self.decode_bytes / 1e9:.3f} GB read in "
-            f"{self.decode_seconds:.3f} s, MBU {pct(self.decode_mbu)} of "
+            f"{self.decode_seconds:.3f} s, MBU {mbu} of "
             f"{self.memory_bandwidth / 1e9:.1f} GB/s — {self.hardware} [{self.hardware_origin}]{note}"
         )
 
@@ -182,15 +206,14 @@ class UtilizationMeter:
 
     @property
     def prefill_mfu(self) -> float | None:
-        if self.prefill_seconds <= 0:
-            return None
-        return self.prefill_flops / self.prefill_seconds / self.peak_flops
+        """Useful FLOPs / prefill time / peak; None with no prefill yet, or above 100% (the peak
+        is then evidently too low: an estimate measured on a busy machine, a wrong spec)."""
+        return _utilization(self.prefill_flops, self.prefill_seconds, self.peak_flops)
 
     @property
     def decode_mbu(self) -> float | None:
-        if self.decode_seconds <= 0:
-            return None
-        return self.decode_bytes / self.decode_seconds / self.memory_bandwidth
+        """Necessary bytes / decode time / bandwidth; None as for prefill_mfu."""
+        return _utilization(self.decode_bytes, self.decode_seconds, self.memory_bandwidth)
 
     def summary(self) -> UtilizationSummary:
         with self._lock:
@@ -203,3 +226,10 @@ class UtilizationMeter:
                 memory_bandwidth=self.memory_bandwidth, hardware=self.hardware.name,
                 hardware_origin=self.hardware.origin, compute_dtype=self.compute_dtype,
             )
+
+
+def _utilization(work: float, seconds: float, peak: float) -> float | None:
+    if seconds <= 0:
+        return None
+    fraction = work / seconds / peak
+    return fraction if fraction <= 1.0 else None

@@ -11,7 +11,9 @@ schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are bui
     GET  /metrics                                Prometheus text format
 
 With --api-key, the routes marked (key) need `Authorization: Bearer KEY`; /health and
-/metrics stay open for load balancers and scrapers.
+/metrics stay open for load balancers and scrapers. Every request's Host header must name one
+of --allowed-hosts (on a loopback address, by default only loopback names: a web page cannot
+reach a key-less local server through DNS rebinding), and a body must be declared JSON.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ from tuili.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnsupportedFieldError,
 )
 from tuili.server.tokenization import PromptTokenizer
 
 T = TypeVar("T")
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 500, 503)}
 _STREAMABLE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
@@ -71,6 +74,9 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting: int | None = None
     max_request_bytes: int = 4 << 20
+    allowed_hosts: frozenset[str] | None = None  # lowercased host names without ports; None: any
+    content_special_tokens: bool = False  # parse special-token text in message content (unsafe)
+    max_sequences_per_request: int = 256
 
 
 def _cache_samples(stats: CacheStats) -> dict[str, float]:
@@ -93,8 +99,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
-    tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size)
-    backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len)
+    tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size, settings.content_special_tokens)
+    backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len, settings.max_sequences_per_request)
     started = int(time.time())
 
     @asynccontextmanager
@@ -110,8 +116,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                   description="An OpenAI-compatible API over the tuili engine.")
     install_error_handlers(app)
     app.add_middleware(_LimitBody, limit=settings.max_request_bytes)
-    if settings.api_key:  # added last, so it runs first: no key, no body read
+    app.add_middleware(_RequireJson)
+    if settings.api_key:  # added late, so it runs early: no key, no body read
         app.add_middleware(_RequireApiKey, key=settings.api_key)
+    if settings.allowed_hosts is not None:  # first of all: a foreign Host learns nothing, not even 401
+        app.add_middleware(_CheckHost, allowed=settings.allowed_hosts)
 
     @app.get("/health", responses=_ERRORS)
     async def health() -> dict:
@@ -125,7 +134,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        card = ModelCard(id=settings.model_name, created=started, root=str(engine.model_path),
+        # The name, not the model's local path: that would tell any client about the server's disk.
+        card = ModelCard(id=settings.model_name, created=started, root=settings.model_name,
                          max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
@@ -144,6 +154,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(backend, body.model)
+        try:
+            body.check_supported()
+        except UnsupportedFieldError as error:
+            raise as_api_error(error, set(TokenizeRequest.model_fields)) from error
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt (text) and messages (a chat)", param="prompt")
         if body.prompt is not None:
@@ -272,5 +286,57 @@ class _RequireApiKey:
             message = "no API key given" if given is None else "the API key is wrong"
             error = ApiError(401, f"{message}: send the server's key as 'Authorization: Bearer KEY'",
                              code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def host_name(header: bytes) -> str:
+    """The host of a Host header, lowercased, without its port ("[::1]:8000" -> "::1")."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):  # an IPv6 literal
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class _CheckHost:
+    """ASGI middleware: answer 400 to a request whose Host header names none of `allowed`.
+
+    A browser sends the name it resolved; a page on evil.example that rebinds that name to
+    127.0.0.1 can otherwise drive a key-less local server (DNS rebinding)."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+        self._expected = ", ".join(sorted(allowed))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"host")
+        if header is None or host_name(header) not in self.allowed:
+            given = "no Host header" if header is None else f"Host {header.decode('latin-1')!r}"
+            error = ApiError(400, f"{given} is not a name this server answers to: expected one of "
+                             f"{self._expected} (the server's --allowed-hosts)", code="host_not_allowed")
+            return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _RequireJson:
+    """ASGI middleware: a POST body must be declared `application/json`, else 415.
+
+    Parsing any body as JSON would let a web form (text/plain, sent cross-site without a
+    CORS preflight) post to the API."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+        if declared.split(";", 1)[0].strip().lower() != "application/json":
+            given = f"Content-Type {declared!r}" if declared else "no Content-Type"
+            error = ApiError(415, f"the request has {given}: expected application/json",
+                             code="unsupported_media_type")
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)

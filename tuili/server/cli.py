@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import socket
 import sys
@@ -25,8 +26,16 @@ def register(subparsers) -> None:
                       help="require 'Authorization: Bearer KEY' on the API routes (/health and /metrics stay open)")
     http.add_argument("--served-model-name", default=None,
                       help="the model name clients use (default: the model file or directory name)")
+    http.add_argument("--allowed-hosts", default=None,
+                      help="comma-separated host names the Host header may give, '*' for any (default: "
+                      "localhost, 127.0.0.1 and ::1 when --host is a loopback address, else any)")
+    http.add_argument("--special-tokens-in-messages", action="store_true",
+                      help="parse special-token text in chat message content as special tokens, as before "
+                      "(unsafe: a user message can then forge a system turn); by default content is plain text")
     http.add_argument("--max-waiting", type=int, default=None,
                       help="answer 503 while this many sequences wait to be scheduled (default: no limit)")
+    http.add_argument("--max-sequences-per-request", type=int, default=256,
+                      help="most sequences (prompts x n) one request may ask for; more get 400 (default 256)")
     http.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
                       help="largest request body accepted, e.g. 4MiB (default); larger ones get 413")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -61,12 +70,36 @@ def _check_args(args: argparse.Namespace) -> None:
         raise TuiliError(f"--port {args.port} is invalid: expected 0 to 65535")
     if args.max_waiting is not None and args.max_waiting < 1:
         raise TuiliError(f"--max-waiting {args.max_waiting} is invalid: expected at least 1")
+    if args.max_sequences_per_request < 1:
+        raise TuiliError(f"--max-sequences-per-request {args.max_sequences_per_request} is invalid: expected at least 1")
     if args.shutdown_grace < 0:
         raise TuiliError(f"--shutdown-grace {args.shutdown_grace} is invalid: expected seconds >= 0")
     if args.max_request_bytes < 1024:
         raise TuiliError(f"--max-request-bytes {args.max_request_bytes} is invalid: expected at least 1KiB")
+    allowed_hosts(args.allowed_hosts, args.host)  # raises on a bad list
     if args.api_key is not None and not args.api_key:
         raise TuiliError("--api-key is empty: expected a key")
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def allowed_hosts(option: str | None, listen_host: str) -> frozenset[str] | None:
+    """The host names requests may give (None: any). By default a server on a loopback address
+    answers only loopback names, which is what stops DNS rebinding; one listening on another
+    address is meant to be reached by names this process cannot know, so it answers any."""
+    if option is None:
+        try:
+            loopback = ipaddress.ip_address(listen_host).is_loopback
+        except ValueError:
+            loopback = listen_host.lower() == "localhost"
+        return _LOOPBACK_NAMES if loopback else None
+    names = frozenset(name.strip().lower().strip("[]") for name in option.split(",") if name.strip())
+    if "*" in names:
+        return None
+    if not names:
+        raise TuiliError(f"--allowed-hosts {option!r} is invalid: expected comma-separated host names, or '*'")
+    return names
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -96,7 +129,9 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     from tuili.server.serve import serve
 
     name = args.served_model_name or _default_name(engine.model_path)
-    settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes)
+    settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
+                              allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
+                              args.max_sequences_per_request)
     serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log)
     return 0
 

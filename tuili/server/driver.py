@@ -228,10 +228,14 @@ class EngineDriver:
         engine, sub = self.engine, command.submission
         try:
             waiting = engine.stats().num_waiting
-            if self.max_waiting is not None and waiting >= self.max_waiting:
+            incoming = len(command.prompts) * command.params.n
+            # The sequences this call adds count, not only the queue before it. An empty queue
+            # takes any call (one may ask for more than --max-waiting, up to
+            # --max-sequences-per-request), or such a call could never run.
+            if self.max_waiting is not None and waiting and waiting + incoming > self.max_waiting:
                 raise QueueFullError(
-                    f"the server is at capacity: {waiting} sequences are waiting "
-                    f"(--max-waiting {self.max_waiting}); retry later"
+                    f"the server is at capacity: {waiting} sequences are waiting and this request adds "
+                    f"{incoming} (--max-waiting {self.max_waiting}); retry later"
                 )
             added: list[str] = []
             try:

@@ -60,7 +60,9 @@ def as_api_error(error: Exception, fields: set[str] = frozenset()) -> ApiError:
     """The answer to an exception raised while serving a request for `fields`."""
     if isinstance(error, ApiError):
         return error
-    if isinstance(error, (RequestError, UnsupportedFieldError, ValueError)):
+    # Only tuili's own refusals of the request are the client's fault. Any other exception,
+    # ValueError included, is a bug on this side: a generic 500, the details in the log.
+    if isinstance(error, (RequestError, UnsupportedFieldError)):
         return bad_request(error, fields)
     if isinstance(error, QueueFullError):
         return ApiError(503, str(error), type="server_error", code="queue_full")

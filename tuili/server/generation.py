@@ -51,6 +51,20 @@ class Backend:
     tokenizer: PromptTokenizer
     model_name: str
     max_model_len: int
+    max_sequences_per_request: int = 256  # prompts x n of one call (--max-sequences-per-request)
+
+
+def check_sequences(backend: Backend, prompts: int, n: int) -> None:
+    """Refuse a call that asks for more sequences (prompts x n) than one call may: 200 prompts
+    x n=128 in 1.4 KB of JSON would otherwise hold everyone else's requests for a minute."""
+    if prompts * n > backend.max_sequences_per_request:
+        what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+        error = RequestError(
+            f"{what} is {prompts * n} sequences, more than the {backend.max_sequences_per_request} one request "
+            "may ask for (the server's --max-sequences-per-request): split it into smaller requests"
+        )
+        error.field = "n"  # the param the answer names
+        raise error
 
 
 def check_model(backend: Backend, model: str | None) -> None:
@@ -127,10 +141,11 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
         items = list(prompt)
     if not items:
         raise RequestError("prompt=[] is invalid: expected a string, token ids, or a non-empty list of them")
+    check_sequences(backend, len(items), params.n)  # before any tokenizing
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = await backend.tokenizer.encode(item)
+            ids = await backend.tokenizer.encode_prompt(item, "prompt", backend.max_model_len)
         else:
             ids = list(item)
             backend.tokenizer.check_ids(ids, "prompt")
@@ -148,6 +163,7 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     top = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, top)
+    check_sequences(backend, 1, params.n)
     messages = [message.as_template_input() for message in request.messages]
     ids = await backend.tokenizer.apply_chat_template(messages, request.add_generation_prompt)
     check_length("messages", ids, max_tokens, backend.max_model_len)

@@ -8,8 +8,11 @@ engine builds them, so the two must agree (a test sends the boundary values to b
 
 Fields OpenAI defines that tuili cannot honour (echo, suffix, best_of, logit_bias, tools,
 response_format) are declared so that a request using them is refused with a clear 400
-instead of being answered as if they had been applied. Unknown fields are ignored, as vLLM
-does, so clients that send extra vendor fields keep working.
+instead of being answered as if they had been applied. Fields of OpenAI's and vLLM's that
+change what a request means (`tool_choice`, `guided_json`, `chat_template`, ...: `_REFUSED`)
+are refused by name too, unless they carry their neutral value (null, an empty list, ...).
+Other unknown fields are ignored, as vLLM does, so clients that send extra vendor fields keep
+working.
 """
 
 from __future__ import annotations
@@ -17,12 +20,59 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-_REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
+from tuili.errors import RequestError
+
+# extra="allow" keeps unknown fields in `model_extra`, where check_supported looks for the
+# ones it must refuse; the rest are ignored.
+_REQUEST_CONFIG = ConfigDict(strict=True, extra="allow")
+
+# Fields that change a request's meaning and that tuili does not implement yet: a request that
+# gives one a value other than its neutral one (null, [], {}, and the listed values) is refused
+# by name. Ignoring them would answer a different question than the one asked.
+_NEUTRAL = object()
+
+# Stop strings per request and characters per stop string (OpenAI allows 4 strings; vLLM has
+# no limit): enough for any template's turn markers, and a bounded cost per step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+_SAMPLING_REFUSED: dict[str, object] = {
+    "tool_choice": "none", "functions": _NEUTRAL, "function_call": "none", "parallel_tool_calls": _NEUTRAL,
+    "prediction": _NEUTRAL, "structured_outputs": _NEUTRAL, "prompt_logprobs": _NEUTRAL, "bad_words": _NEUTRAL,
+    "allowed_token_ids": _NEUTRAL, "truncate_prompt_tokens": _NEUTRAL, "use_beam_search": False,
+    "logits_processors": _NEUTRAL, "return_tokens_as_token_ids": False,
+}
+_COMPLETION_REFUSED = {**_SAMPLING_REFUSED, "tools": _NEUTRAL, "response_format": {"type": "text"}}
+_CHAT_REFUSED = {**_SAMPLING_REFUSED, "echo": False, "chat_template": _NEUTRAL, "chat_template_kwargs": _NEUTRAL,
+                 "continue_final_message": False, "documents": _NEUTRAL}
+_TOKENIZE_REFUSED = {"tools": _NEUTRAL, "chat_template": _NEUTRAL, "chat_template_kwargs": _NEUTRAL,
+                     "continue_final_message": False, "documents": _NEUTRAL}
 
 
-class UnsupportedFieldError(ValueError):
+def _refuse_meaningful_extras(extra: dict[str, Any] | None, refused: dict[str, object]) -> None:
+    """Raise UnsupportedFieldError for the first field of `refused` that `extra` gives a
+    non-neutral value; every vLLM `guided_*` field counts as one of them."""
+    for name, value in (extra or {}).items():
+        if name in refused:
+            neutral = refused[name]
+        elif name.startswith("guided_"):
+            neutral = _NEUTRAL
+        else:
+            continue
+        if value is None or value == [] or value == {} or (neutral is not _NEUTRAL and value == neutral):
+            continue
+        raise UnsupportedFieldError(
+            name, f"{name}={_short(value)} is not supported by tuili yet: leave it out (or null)"
+        )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class UnsupportedFieldError(RequestError):
     """A request used an OpenAI field tuili does not implement; `field` names it."""
 
     def __init__(self, field: str, message: str) -> None:
@@ -47,15 +97,49 @@ class ErrorResponse(BaseModel):
 # ---- requests -------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+def _lone_surrogate(value: Any) -> str | None:
+    """A description of the first lone UTF-16 surrogate in `value`'s strings, or None.
+
+    JSON may spell one ("\\ud800"), and Python keeps it in a str, but it is not Unicode text:
+    no tokenizer (nor UTF-8) can take it, so it is refused here, naming the field, rather than
+    failing deep in the tokenizer."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return f"a lone surrogate {value[error.start]!r} at character {error.start}"
+        return None
+    if isinstance(value, list):
+        items = value if value and not isinstance(value[0], int) else ()
+        return next((found for item in items if (found := _lone_surrogate(item))), None)
+    if isinstance(value, dict):
+        return next((found for item in (*value, *value.values()) if (found := _lone_surrogate(item))), None)
+    return None  # nested request models check their own fields
+
+
+class _Request(BaseModel):
+    """Every request body: strict types, unknown fields ignored, text that is valid Unicode."""
+
     model_config = _REQUEST_CONFIG
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        found = _lone_surrogate(value)
+        if found is not None:
+            raise ValueError(f"it holds {found}, which is not text: expected valid Unicode (complete surrogate pairs)")
+        return value
+
+
+class StreamOptions(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
-
-    model_config = _REQUEST_CONFIG
 
     model: str | None = Field(None, description="must name the served model when given")
     temperature: float = Field(1.0, ge=0, description="0 is greedy")
@@ -79,8 +163,24 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    _refused = _SAMPLING_REFUSED
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # Every stop string is checked against every sequence's text at every step, on the
+        # engine thread: 100k of them slowed every other stream 25x (issue 20).
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"it has {len(stops)} strings: expected at most {MAX_STOP_STRINGS}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"one is {longest} characters long: expected at most {MAX_STOP_CHARS}")
+        return stop
+
     def check_supported(self) -> None:
         """Raise UnsupportedFieldError for a field tuili would otherwise silently ignore."""
+        _refuse_meaningful_extras(self.model_extra, self._refused)
         if self.logit_bias:
             raise UnsupportedFieldError("logit_bias", "logit_bias is not supported by tuili")
         if self.stream_options is not None and not self.stream:
@@ -97,6 +197,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = Field(None, description="not supported: must be absent")
     best_of: int | None = Field(None, description="not supported beyond best_of == n")
 
+    _refused = _COMPLETION_REFUSED
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
@@ -107,16 +209,26 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedFieldError("best_of", f"best_of={self.best_of} is not supported: expected best_of == n")
 
 
-class TextPart(BaseModel):
-    model_config = _REQUEST_CONFIG
+class TextPart(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = _REQUEST_CONFIG
+class ChatMessage(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")  # only the declared fields reach the template
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, description="null only for an assistant message")
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # A user or system turn without content is a client bug, not an empty string; an
+        # empty list of parts is one for every role (the template would see "").
+        if self.content == []:
+            raise ValueError("content=[] is invalid: expected a string or at least one text part")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content: expected a string or a list of text parts")
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
@@ -132,6 +244,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = Field(None, description="not supported: must be absent or empty")
     response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
 
+    _refused = _CHAT_REFUSED
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
@@ -144,19 +258,20 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs=true")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """Either `prompt` (text) or `messages` (rendered with the chat template)."""
 
-    model_config = _REQUEST_CONFIG
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
+    def check_supported(self) -> None:
+        _refuse_meaningful_extras(self.model_extra, _TOKENIZE_REFUSED)
 
-class DetokenizeRequest(BaseModel):
-    model_config = _REQUEST_CONFIG
+
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 

@@ -20,8 +20,11 @@ T = TypeVar("T")
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, content_special_tokens: bool = False) -> None:
         self._tokenizer = copy.deepcopy(tokenizer)
+        # Whether special-token text in message content is parsed as special tokens (the
+        # --special-tokens-in-messages opt-in); by default content is text (issue 20.4).
+        self.content_special_tokens = content_special_tokens
         self.vocab_size = vocab_size  # the model's: token ids must lie in [0, vocab_size)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuili-tokenizer")
         self._token_strings: list[str] | None = None  # immutable once built
@@ -37,8 +40,28 @@ class PromptTokenizer:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(lambda t: t.encode(text, add_special_tokens=add_special_tokens))
 
+    # A token spans at most a few characters in practice; a prompt this many times the context in
+    # characters is tokenized only as far as it takes to prove it too long.
+    PROBE_CHARS_PER_TOKEN = 8
+
+    async def encode_prompt(self, text: str, field: str, max_model_len: int) -> list[int]:
+        """`encode(text)`, except that a text far longer than the context is refused after
+        tokenizing a prefix: a 1 MB prompt for a 512-token context would otherwise hold the
+        tokenizer thread for a second, only to be refused."""
+        probe = self.PROBE_CHARS_PER_TOKEN * max_model_len
+        if len(text) > probe:
+            head = await self._run(lambda t: t.encode(text[:probe]))
+            # A cut can split a token in two, and BOS counts once: a small margin.
+            if len(head) > max_model_len + 2:
+                raise RequestError(
+                    f"{field} has {len(text)} characters; its first {probe} alone are {len(head)} tokens, but the "
+                    f"context holds {max_model_len}: shorten it"
+                )
+        return await self.encode(text)
+
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        return await self._run(lambda t: t.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        return await self._run(lambda t: t.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, content_special_tokens=self.content_special_tokens))
 
     async def decode(self, token_ids: Sequence[int]) -> str:
         self.check_ids(token_ids, "tokens")
