@@ -50,3 +50,45 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Qwen3-Next's RMSNorm: the weight is stored centred on zero and scales by (1 + weight),
+    applied in float32 before the one rounding to the working dtype (the reference's
+    `(x * w).to(dtype)` order, unlike Llama's `w * x.to(dtype)`). Torch ops: the native fused
+    kernel computes the Llama order. The residual add is folded in as in RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x) over the last dimension; or, given the residual stream, (RMSNorm(x +
+        residual), x + residual), the add in the working dtype as the reference adds."""
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
+        return out.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x gated by SiLU(gate) (Qwen3-Next's linear attention output): the reference's
+    order, normalise in float32, round, scale by the weight in the working dtype, then multiply
+    by SiLU(gate) in float32 and round once more."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
+        return (normed * F.silu(gate.float())).to(dtype)

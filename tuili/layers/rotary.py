@@ -86,3 +86,13 @@ def norm_and_rotate(
         qk = torch.cat([q_norm(qk[:, :num_heads]), k_norm(qk[:, num_heads:])], dim=1)
     q, k = apply_rotary(qk, tables).split([num_heads, num_kv_heads], dim=1)
     return q, k, v
+
+
+def apply_partial_rotary(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate the first `rotary_dim` = 2 * tables' width dimensions of x [T, H, D] (the
+    "rotate half" layout within them) and pass the rest through (Qwen3-Next's
+    partial_rotary_factor). With rotary_dim == D this is `apply_rotary`."""
+    rotary_dim = 2 * tables[0].shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, tables)
+    return torch.cat((apply_rotary(x[..., :rotary_dim], tables), x[..., rotary_dim:]), dim=-1)

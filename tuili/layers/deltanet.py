@@ -1,0 +1,264 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention): a causal depthwise conv over the q/k/v
+channels, then the gated delta rule, a recurrence over a per-head [Dk, Dv] state:
+
+    S_t = exp(g_t) * S_{t-1}                                  (decay)
+    S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T            (delta-rule write)
+    o_t = S_t^T q_t
+
+with q, k L2-normalised and q scaled by Dk^-0.5 (as the reference: transformers'
+torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule, use_qk_l2norm_in_kernel=True).
+Everything inside the rule runs in float32, and the recurrent state is float32 whatever the
+working dtype; the conv state is kept in the working dtype, as the reference keeps it.
+
+Two forms of the rule compute the same thing:
+- `chunk_gated_delta_rule`: one sequence's run of tokens (a prefill chunk), in blocks of
+  `chunk_size` tokens with a few matmuls each, from an initial state to the final one, so a
+  prompt may be split anywhere across steps;
+- `recurrent_gated_delta_rule`: one token for each of a batch of sequences (decodes).
+
+Per-sequence state lives in fixed slots (`DeltaNetState`: [slots, ...] tensors, one pair per
+layer, allocated by the runner); `StateBatch` tells a step's layers which slot each sequence reads
+and writes, and which slots start from zero. This module only computes: the weights come from
+outside (the projections are built by the loader's weight plan; conv1d, A_log, dt_bias and the
+norm's weight are parameters filled by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tuili.layers.norm import GatedRMSNorm
+from tuili.platform import Platform
+
+L2NORM_EPS = 1e-6  # the reference's (FLA's) l2norm epsilon
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last dimension, as FLA and the reference compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32, L2-normalised q and k, each k head repeated for its num_v_heads / num_k_heads
+    consecutive value heads, q scaled by Dk^-0.5. Shapes [..., Hk, Dk] -> [..., Hv, Dk]."""
+    per_k = num_v_heads // q.shape[-2]
+    if per_k > 1:
+        q, k = q.repeat_interleave(per_k, dim=-2), k.repeat_interleave(per_k, dim=-2)
+    q, k = l2norm(q.float()), l2norm(k.float())
+    return q * q.shape[-1] ** -0.5, k
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's L tokens. q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g (log decay, <= 0), beta:
+    [L, Hv]; state: [Hv, Dk, Dv], the state before the first token. Returns (output [L, Hv, Dv]
+    float32, the state after the last token, float32). Within a block of `chunk_size`
+    tokens the delta-rule writes are condensed by the UT transform (a unit lower-triangular
+    solve); blocks are scanned in order, each reading the state the previous one left."""
+    length, num_v_heads, _ = v.shape
+    q, k = _prepare_qk(q, k, num_v_heads)
+    # [H, L, ...] float32
+    q, k, v = (t.transpose(0, 1).float() for t in (q, k, v))
+    g, beta = g.transpose(0, 1).float(), beta.transpose(0, 1).float()
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    if pad:  # zero-padded tokens (k = v = 0, g = 0) leave the state unchanged
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    heads, dk, dv = q.shape[0], q.shape[-1], v.shape[-1]
+    n = (length + pad) // chunk_size
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    q, k, k_beta, v_beta = (t.reshape(heads, n, chunk_size, -1) for t in (q, k, k_beta, v_beta))
+    cum = g.reshape(heads, n, chunk_size).cumsum(-1)  # log of the decay from the block start to each token
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i (masked before exp: no overflow)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # strictly-lower part drives the UT transform
+    intra = (q @ k.transpose(-1, -2)) * decay
+    # The solve reads only the strict lower triangle (unit diagonal): new values u = T^-1 (beta v)
+    # and the decayed keys that read the old state, w = T^-1 (beta k exp(cum)).
+    system = system.masked_fill(~torch.ones_like(upper).tril(-1), 0.0)
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    keys_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    block_decay = cum[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    out = torch.empty(heads, n, chunk_size, dv, dtype=torch.float32, device=q.device)
+    s = state.float()
+    for i in range(n):
+        v_new = values[:, i] - keys_cum[:, i] @ s
+        out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
+        s = s * block_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(heads, -1, dv)[:, :length].transpose(0, 1)
+    assert s.shape == (heads, dk, dv)
+    return out, s
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences. q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv];
+    state: [B, Hv, Dk, Dv]. Returns (output [B, Hv, Dv] float32, the new state float32)."""
+    q, k = _prepare_qk(q, k, v.shape[1])
+    s = state.float() * g.float().exp()[..., None, None]
+    remembered = (s * k[..., None]).sum(dim=-2)  # S^T k: [B, Hv, Dv]
+    delta = (v.float() - remembered) * beta.float()[..., None]
+    s = s + k[..., None] * delta[..., None, :]
+    return (s * q[..., None]).sum(dim=-2), s
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's L new inputs x [L, C] through the depthwise causal conv of width K
+    (weight [C, K]) continuing from `state` [C, K-1] (the K-1 inputs before them; zeros at the
+    start of a sequence), then SiLU. Returns (output [L, C] in x's dtype, the new state: the
+    last K-1 inputs)."""
+    window = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=-1)  # [C, K-1+L]
+    out = F.conv1d(window[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]  # [C, L]
+    # The new state is the last K-1 inputs (state width K-1 >= 1: the config asks K >= 2).
+    return F.silu(out).to(x.dtype).transpose(0, 1), window[:, window.shape[1] - state.shape[1] :]
+
+
+def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new input per sequence: x [B, C], state [B, C, K-1] -> (output [B, C] in x's dtype,
+    new state [B, C, K-1]). Accumulates in float32 and rounds once, as the conv kernel does."""
+    window = torch.cat([state.to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
+    out = (window.float() * weight.float()).sum(dim=-1)
+    return F.silu(out).to(x.dtype), window[..., 1:]
+
+
+@dataclass
+class StateBatch:
+    """Which state slot each sequence of a step reads and writes, built once per step by the
+    runner and shared by every linear-attention layer. Invariant: every row (token) of the step
+    is in exactly one decode row or one chunk; each slot appears at most once."""
+
+    fresh: torch.Tensor  # [F] int64: slots whose sequence's chunk starts at position 0 (zeroed first)
+    decode_rows: torch.Tensor  # [D] int64: rows of single-token items
+    decode_slots: torch.Tensor  # [D] int64: their slots
+    chunks: list[tuple[int, int, int]]  # (first row, tokens, slot) of items of two tokens or more
+
+
+@dataclass
+class DeltaNetState:
+    """One layer's per-sequence state in fixed slots: the conv's last K-1 inputs [slots, C, K-1]
+    (working dtype) and the recurrent state [slots, Hv, Dk, Dv] (float32)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, num_slots: int, conv_dim: int, kernel: int, heads: tuple[int, int, int], dtype: torch.dtype,
+        device: torch.device,
+    ) -> DeltaNetState:  # fmt: skip
+        num_v_heads, dk, dv = heads
+        return cls(
+            torch.zeros(num_slots, conv_dim, kernel - 1, dtype=dtype, device=device),
+            torch.zeros(num_slots, num_v_heads, dk, dv, dtype=torch.float32, device=device),
+        )
+
+
+class CausalConv1d(nn.Module):
+    """Holds the depthwise conv's weight as the checkpoint stores it ([C, 1, K], `conv1d.weight`)."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear-attention token mixer over a flat batch of sequences. The fused input
+    projections are as the checkpoint stores them: `in_proj_qkvz` gives, per key head, [q (Dk), k
+    (Dk), v (r*Dv), z (r*Dv)] with r = Hv / Hk value heads per key head; `in_proj_ba` gives, per
+    key head, [b (r), a (r)]. Module names are the checkpoint's."""
+
+    def __init__(
+        self,
+        in_proj_qkvz: nn.Module,
+        in_proj_ba: nn.Module,
+        out_proj: nn.Module,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+        platform: Platform,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} is not a multiple of num_k_heads={num_k_heads}")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
+        self.conv1d = CausalConv1d(self.conv_dim, conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.platform = platform
+        # Bound by the runner once the state slots exist.
+        self.state: DeltaNetState | None = None
+
+    def state_shapes(self) -> tuple[int, int, tuple[int, int, int]]:
+        """(conv channels, conv width, (Hv, Dk, Dv)): what DeltaNetState.allocate needs."""
+        return self.conv_dim, self.conv_kernel, (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(self, x: torch.Tensor, batch: StateBatch) -> torch.Tensor:
+        state = self.state
+        assert state is not None, "the runner binds the state slots before the first forward"
+        tokens = x.shape[0]
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = hv // hk
+        qkvz = self.in_proj_qkvz(x).view(tokens, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(tokens, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+        z, b, a = z.reshape(tokens, hv, dv), b.reshape(tokens, hv), a.reshape(tokens, hv)
+
+        if batch.fresh.numel():  # a sequence starting at position 0 starts from zero state
+            state.conv.index_fill_(0, batch.fresh, 0)
+            state.recurrent.index_fill_(0, batch.fresh, 0)
+        weight = self.conv1d.weight[:, 0]
+        conv = torch.empty_like(mixed)
+        decodes = batch.decode_rows.numel() > 0
+        if decodes:
+            rows, slots = batch.decode_rows, batch.decode_slots
+            conv[rows], state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], weight)
+        for first, n, slot in batch.chunks:
+            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], state.conv[slot], weight)
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = q.view(tokens, hk, dk), k.view(tokens, hk, dk), v.view(tokens, hv, dv)
+
+        beta = b.sigmoid()
+        # float32 as the reference: in fp16/bf16 exp(A_log) and the softplus would lose the decay
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty(tokens, hv, dv, dtype=x.dtype, device=x.device)
+        if decodes:
+            o, state.recurrent[slots] = recurrent_gated_delta_rule(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slots]
+            )
+            out[rows] = o.to(x.dtype)
+        for first, n, slot in batch.chunks:
+            span = slice(first, first + n)
+            o, state.recurrent[slot] = chunk_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span], state.recurrent[slot])
+            out[span] = o.to(x.dtype)
+        normed = self.norm(out.reshape(-1, dv), z.reshape(-1, dv))
+        return self.out_proj(normed.view(tokens, hv * dv))
