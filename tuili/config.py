@@ -18,7 +18,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",  # its own network: tuili/models/qwen3_next.py
 }
+
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 _REQUIRED_FIELDS = (
     "vocab_size",
@@ -39,6 +42,21 @@ class MoEConfig:
     norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: a mixture of experts (else the dense MLP)
     shared_intermediate_size: int = 0  # a shared expert with a sigmoid gate when > 0 (none in Qwen3-MoE)
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next), validated when read."""
+
+    num_k_heads: int  # query/key heads (linear_num_key_heads)
+    num_v_heads: int  # value heads, a multiple of num_k_heads (linear_num_value_heads)
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int  # width of the causal depthwise conv over the q/k/v channels (>= 2)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
 
 
 @dataclass(frozen=True)
@@ -66,7 +84,25 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
+    # Per layer "full_attention" or "linear_attention" (hybrid models); empty: all full attention.
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionConfig | None = None  # set exactly when some layer is linear attention
+    rotary_dim: int | None = None  # leading dims of each head that RoPE rotates; None: all (head_dim)
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention, with per-sequence state beside the KV cache."""
+        return self.linear is not None
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (full attention)."""
+        return self.layer_types.count("full_attention") if self.layer_types else self.num_layers
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count("linear_attention")
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -128,12 +164,78 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or (family in _ATTENTION_BIAS_FAMILIES and attention_bias),
             o_bias=family in _ATTENTION_BIAS_FAMILIES and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=_moe_config(cfg, num_layers) if family == "qwen3_moe" else None,
+            moe=_moe_config(cfg, num_layers) if family == "qwen3_moe" or (
+                family == "qwen3_next" and _expert_count(cfg) != 0
+            ) else None,
+            **(_hybrid_fields(cfg, num_layers, int(head_dim)) if family == "qwen3_next" else {}),
             raw=dict(cfg),
+        )  # fmt: skip
+
+
+def _integer(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"config {key}={value!r} is invalid: expected an integer >= {minimum}")
+    return value
+
+
+def _expert_count(cfg: dict[str, Any]) -> Any:
+    """The expert count as written (num_experts or num_local_experts), None when neither is."""
+    return next((cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None), None)
+
+
+def _hybrid_fields(cfg: dict[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:
+    """Qwen3-Next's layer pattern, linear-attention shape and partial rotary, each checked once.
+    layer_types is read as written, else built as transformers builds it: every
+    `full_attention_interval`-th layer (1-based, default 4) full attention, the others linear."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = _integer("full_attention_interval", cfg.get("full_attention_interval", 4), 1)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise CheckpointError(
+            f"config layer_types={types!r} is invalid: expected {num_layers} entries (num_hidden_layers), "
+            f"each one of {', '.join(LAYER_TYPES)}"
         )
+    if "full_attention" not in types:
+        raise UnsupportedModelError(
+            "config layer_types has no full_attention layer: tuili's hybrid models need at least one (the KV cache)"
+        )
+    fields = {}
+    for key, default in (("linear_num_key_heads", None), ("linear_num_value_heads", None),
+                         ("linear_key_head_dim", None), ("linear_value_head_dim", None),
+                         ("linear_conv_kernel_dim", 4)):  # fmt: skip
+        value = cfg.get(key, default)
+        if value is None:
+            raise CheckpointError(f"config is missing required field {key!r} for a Qwen3-Next model")
+        fields[key] = _integer(key, value, 2 if key == "linear_conv_kernel_dim" else 1)
+    hk, hv = fields["linear_num_key_heads"], fields["linear_num_value_heads"]
+    if hv % hk:
+        raise CheckpointError(
+            f"config linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}"
+        )
+    linear = LinearAttentionConfig(hk, hv, fields["linear_key_head_dim"], fields["linear_value_head_dim"],
+                                   fields["linear_conv_kernel_dim"])  # fmt: skip
+    # Published checkpoints write partial_rotary_factor at the top level; transformers >= 5 in
+    # rope_parameters.
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise CheckpointError(f"config partial_rotary_factor={factor!r} is invalid: expected a number in (0, 1]")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise CheckpointError(
+            f"config partial_rotary_factor={factor!r} rotates {rotary_dim} of head_dim={head_dim} dimensions: "
+            "expected an even number >= 2"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"config hidden_act={act!r} is not supported: Qwen3-Next's conv and MLPs are SiLU")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModelError("config attention_bias=true is not supported for Qwen3-Next (no checkpoint has it)")
+    return dict(layer_types=tuple(types), linear=linear, rotary_dim=rotary_dim)
 
 
 def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
@@ -148,7 +250,7 @@ def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
 
     counts = {k: cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
     if not counts:
-        raise CheckpointError("config has neither num_experts nor num_local_experts: a Qwen3-MoE model needs its expert count")
+        raise CheckpointError("config has neither num_experts nor num_local_experts: a mixture-of-experts model needs its expert count")
     if len(set(map(repr, counts.values()))) > 1:
         raise CheckpointError(f"config num_experts={counts['num_experts']!r} and num_local_experts="
                               f"{counts['num_local_experts']!r} disagree")
@@ -156,7 +258,7 @@ def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
     num_experts = integer(key, value, 1)
     for required in ("num_experts_per_tok", "moe_intermediate_size"):
         if cfg.get(required) is None:
-            raise CheckpointError(f"config is missing required field {required!r} for a Qwen3-MoE model")
+            raise CheckpointError(f"config is missing required field {required!r} for a mixture-of-experts model")
     top_k = integer("num_experts_per_tok", cfg["num_experts_per_tok"], 1)
     if top_k > num_experts:
         raise CheckpointError(f"config num_experts_per_tok={top_k} exceeds the number of experts ({num_experts})")
@@ -179,7 +281,8 @@ def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
     # As transformers decides it: a layer is sparse unless listed in mlp_only_layers, every
     # decoder_sparse_step-th layer (1-based).
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    return MoEConfig(num_experts, top_k, inter, norm, sparse)
+    shared = _integer("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size") or 0, 0)
+    return MoEConfig(num_experts, top_k, inter, norm, sparse, shared)
 
 
 def _refuse_sliding_window(family: str, cfg: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 
 import torch
@@ -30,6 +31,7 @@ from tuili.engine.pool import plan_pool
 from tuili.engine.request import RequestMetrics, RequestOutput, Sequence
 from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import Scheduler, SchedulerOutput
+from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
 from tuili.engine.stopping import StopTokens
 from tuili.errors import RequestError
@@ -39,6 +41,8 @@ from tuili.sampling import SamplingParams
 from tuili.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -58,6 +62,16 @@ class LLMEngine:
         self.model_path = loaded.path
         self.tokenizer: Tokenizer | None = loaded.tokenizer
 
+        if self.model_config.is_hybrid and config.enable_prefix_caching:
+            # A cached prefix gives the KV of its full-attention layers but not the linear
+            # layers' state after it, so a hit would continue from the wrong state. Off until
+            # the state is checkpointed at block boundaries.
+            logger.info(
+                "prefix caching is off for %s: its linear-attention state cannot be restored from "
+                "the cache yet", self.model_config.architecture,
+            )  # fmt: skip
+            config = dataclasses.replace(config, enable_prefix_caching=False)
+            self.config = config
         self.pool = plan_pool(self.model_config, config, self.dtype, self.device)
         self.max_model_len = self.pool.max_model_len
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
@@ -66,7 +80,10 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching, self.pool.num_host_blocks,
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        # A hybrid model runs at most as many sequences as the plan reserved state slots for.
+        state_slots = StateSlots(self.pool.num_state_slots) if self.pool.num_state_slots else None
+        max_num_seqs = min(config.max_num_seqs, self.pool.num_state_slots or config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, max_num_seqs, state_slots)
         self.runner = ModelRunner(
             loaded.model, self.pool, RunnerConfig(self.device, self.dtype, stop_tokens, config.enforce_eager),
         )

@@ -28,7 +28,11 @@ class PoolPlan:
     num_host_blocks: int  # the prefix cache's host tier; 0 = off
     kv_dtype: torch.dtype
     max_model_len: int  # after capping at what the pool holds
-    bytes_per_block: int  # keys and values of every layer for block_size tokens
+    bytes_per_block: int  # keys and values of every full-attention layer for block_size tokens
+    # Hybrid models: per-sequence linear-attention state slots, reserved from the same budget;
+    # at most this many sequences run at once. 0 for models without linear attention.
+    num_state_slots: int = 0
+    state_bytes_per_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +47,19 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     """Keys and values of every layer for `block_size` tokens, stored in `dtype` (an fp8 cache's
     per-head scales are a few bytes per layer, not per block)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+    return 2 * cfg.num_attention_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+
+def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One sequence's state in every linear-attention layer: the conv's last K-1 inputs in the
+    working `dtype` and the float32 recurrent state [Hv, Dk, Dv]. 0 without linear attention."""
+    lin = cfg.linear
+    if lin is None:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    conv = lin.conv_dim * (lin.conv_kernel - 1) * element
+    recurrent = lin.num_v_heads * lin.head_k_dim * lin.head_v_dim * 4
+    return cfg.num_linear_layers * (conv + recurrent)
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
@@ -64,6 +80,11 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or dtype
     block_bytes = kv_bytes_per_block(model, config.block_size, kv_dtype)
     budget = config.kv_cache_memory or default_kv_cache_memory(device)
+    slot_bytes = state_bytes_per_slot(model, dtype)
+    num_slots = 0
+    if slot_bytes:
+        num_slots = _state_slots(model, config, budget, block_bytes, slot_bytes)
+        budget -= num_slots * slot_bytes
     num_blocks = budget // block_bytes
     pool_tokens = num_blocks * config.block_size
     max_len = config.max_model_len or model.max_position_embeddings
@@ -76,4 +97,29 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
             f"max_model_len={max_len}: raise kv_cache_memory or lower max_model_len"
         )
     num_host_blocks = config.kv_offload_memory // block_bytes if config.enable_prefix_caching else 0
-    return PoolPlan(num_blocks, config.block_size, num_host_blocks, kv_dtype, max_len, block_bytes)
+    return PoolPlan(num_blocks, config.block_size, num_host_blocks, kv_dtype, max_len, block_bytes, num_slots, slot_bytes)
+
+
+def _state_slots(model: ModelConfig, config: EngineConfig, budget: int, block_bytes: int, slot_bytes: int) -> int:
+    """How many sequences' linear-attention state the budget reserves: max_num_seqs, capped
+    (and logged) so that the KV blocks keep their floor, which is room for a set max_model_len,
+    else half the budget (an unset max_model_len is then capped at what the blocks hold)."""
+    if config.max_model_len is not None:
+        kv_floor = -(-config.max_model_len // config.block_size) * block_bytes
+    else:
+        kv_floor = budget // 2
+    fits = (budget - kv_floor) // slot_bytes
+    if fits < 1:
+        raise TuiliError(
+            f"kv_cache_memory={budget} bytes cannot hold one sequence's linear-attention state "
+            f"({slot_bytes} bytes) beside {kv_floor} bytes of KV blocks"
+            + (f" for max_model_len={config.max_model_len}" if config.max_model_len is not None else
+               " (half the budget)")
+            + ": raise kv_cache_memory" + (" or lower max_model_len" if config.max_model_len is not None else "")
+        )  # fmt: skip
+    if fits < config.max_num_seqs:
+        logger.info(
+            "capping concurrent sequences at %d (max_num_seqs=%d): each holds %d bytes of linear-attention state",
+            fits, config.max_num_seqs, slot_bytes,
+        )  # fmt: skip
+    return min(fits, config.max_num_seqs)

@@ -37,6 +37,8 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Hybrid models: the linear-attention state slot held while running (tuili/engine/state_slots.py).
+    state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

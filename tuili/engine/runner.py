@@ -1,7 +1,9 @@
 """The model runner: turns a scheduled batch into tensors, runs the network, samples.
 
-It owns the KV pool (one key and one value tensor per layer) and the per-sequence
-random generators. It knows nothing of HTTP or of scheduling policy.
+It owns the KV pool (one key and one value tensor per full-attention layer), a hybrid model's
+linear-attention state slots (a conv and a recurrent state tensor per linear layer, indexed by
+the slot ids the scheduler hands out) and the per-sequence random generators. It knows nothing
+of HTTP or of scheduling policy.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.stopping import StopTokens
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
+from tuili.layers.deltanet import DeltaNetState, StateBatch
 from tuili.layers.linear import PanelLinear
 from tuili.layers.moe import SparseMoE
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
+from tuili.models.qwen3_next import Qwen3NextForCausalLM
+
+CausalLM = LlamaForCausalLM | Qwen3NextForCausalLM
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,7 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: PoolPlan, config: RunnerConfig) -> None:
+    def __init__(self, model: CausalLM, pool: PoolPlan, config: RunnerConfig) -> None:
         device, dtype = config.device, config.dtype
         self.model = model
         self.device = device
@@ -50,12 +56,23 @@ class ModelRunner:
         # a mixture of experts, whose routing (softmax, top-k, sort by expert) is torch ops and
         # whose products depend on the step's routing, which a graph cannot replay.
         self.graphs: DecodeGraphs | None = None
-        if self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
+        # Nor a hybrid model: its linear layers' state slots are indexed per step.
+        self.hybrid = cfg.is_hybrid
+        if (
+            self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None
+            and not self.hybrid
+        ):  # fmt: skip
             max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (pool.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers():
             attn.kv_cache = KVCache.allocate(shape, kv_dtype, device)
+        linear_layers = model.linear_attention_layers()
+        if linear_layers and pool.num_state_slots < 1:
+            raise ValueError("a model with linear-attention layers needs a pool plan with state slots")
+        for layer in linear_layers:
+            conv_dim, kernel, heads = layer.state_shapes()
+            layer.state = DeltaNetState.allocate(pool.num_state_slots, conv_dim, kernel, heads, dtype, device)
         # The prefix cache's second tier: the same layout in host memory (pinned on a GPU so
         # host-to-device copies run asynchronously), as raw bytes (index_put has no float8
         # kernel; copies of bytes are exact). On a CPU it is simply a separate pool.
@@ -180,9 +197,25 @@ class ModelRunner:
         decodes: list[tuple[int, int, int, list[int]]] = []
         chunks: list[tuple[int, int, int, list[int]]] = []
         spans: list[CausalSpan] = []
+        # Hybrid models: state slots zeroed first (chunks at position 0), single-token items
+        # (rows, slots) stepped together, longer chunks (first row, tokens, slot) one by one.
+        fresh: list[int] = []
+        state_rows: list[int] = []
+        state_slots: list[int] = []
+        state_chunks: list[tuple[int, int, int]] = []
         for item in batch:
             seq, start, n = item.seq, item.start, item.num_tokens
             query_start = len(input_ids)
+            if self.hybrid:
+                state_slot = seq.state_slot
+                assert state_slot is not None, f"sequence {seq.seq_id} runs without a state slot"
+                if start == 0:
+                    fresh.append(state_slot)
+                if n == 1:
+                    state_rows.append(query_start)
+                    state_slots.append(state_slot)
+                else:
+                    state_chunks.append((query_start, n, state_slot))
             input_ids.extend(seq.token_ids[start : start + n])
             span = range(start, start + n)
             positions.extend(span)
@@ -203,6 +236,16 @@ class ModelRunner:
             meta = AttentionMetadata(slot_mapping, groups, spans, self._paged_batch(decodes))
         else:
             meta = AttentionMetadata(slot_mapping, ([self._group(decodes)] if decodes else []) + groups, spans)
+        if self.hybrid:
+            # The state continues from the slot only where this chunk continues what the slot
+            # holds: prefix caching is off for hybrid models, so a sequence's first chunk after
+            # admission (or a preemption) always starts at position 0 and zeroes its slot.
+            meta.states = StateBatch(
+                torch.tensor(fresh, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(state_rows, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(state_slots, dtype=torch.long).to(dev, non_blocking=True),
+                state_chunks,
+            )
         return (
             torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),

@@ -11,7 +11,11 @@ preempted: its blocks are freed and it goes back to the front of the queue with
 `num_computed_tokens = 0`, to recompute prompt and generated tokens later. Its sampled
 tokens are kept, so the resumed output is the same as an uninterrupted run.
 
-The scheduler knows no tensors: it works on Sequence and BlockManager only.
+Hybrid models (linear attention beside full attention): a sequence also holds a state slot
+while it runs (StateSlots), taken at admission and returned with its blocks on finish, abort and
+preemption; max_num_seqs is never more than the slots, so admission never waits on one.
+
+The scheduler knows no tensors: it works on Sequence, BlockManager and StateSlots (ids) only.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 from tuili.engine.block_manager import BlockCopies, BlockManager
 from tuili.engine.request import Sequence, SequenceStatus
+from tuili.engine.state_slots import StateSlots
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+        state_slots: StateSlots | None = None,
+    ) -> None:  # fmt: skip
+        if state_slots is not None and max_num_seqs > state_slots.num_slots:
+            raise ValueError(f"max_num_seqs={max_num_seqs} exceeds the {state_slots.num_slots} state slots")
         self.blocks = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.state_slots = state_slots  # hybrid models only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # ordered by arrival
 
@@ -109,6 +120,8 @@ class Scheduler:
                 seq.num_cached_tokens = match.tokens
             self.waiting.popleft()
             self.blocks.grow(seq, seq.num_computed_tokens + n)
+            if self.state_slots is not None:
+                self.state_slots.take(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
@@ -131,6 +144,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)  # recompute restarts the state from zero
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -149,5 +164,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -168,3 +168,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def linear_attention_layers(self) -> list[nn.Module]:
+        """None: every layer is full attention (Qwen3NextForCausalLM has some)."""
+        return []

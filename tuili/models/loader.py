@@ -18,6 +18,7 @@ from tuili.errors import CheckpointError
 from tuili.layers.attention import attention_backend
 from tuili.layers.linear import PanelLinear
 from tuili.models.llama import LlamaForCausalLM
+from tuili.models.qwen3_next import Qwen3NextForCausalLM
 from tuili.models.weights import TensorSource, WeightPlan
 from tuili.platform import Platform
 from tuili.tokenizer import Tokenizer
@@ -28,9 +29,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# The network class of each family that does not run as the Llama family.
+NETWORKS: dict[str, type[LlamaForCausalLM] | type[Qwen3NextForCausalLM]] = {"qwen3_next": Qwen3NextForCausalLM}
+
+
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | Qwen3NextForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer | None
     path: Path
@@ -78,12 +83,21 @@ def load_model(
     else:
         cfg, tensors, tokenizer = _open_hf_dir(path)
         ckpt, weight_format = None, "safetensors"
+    network_class = NETWORKS.get(cfg.family, LlamaForCausalLM)
+    if network_class is Qwen3NextForCausalLM:
+        if weight_format == "gguf":
+            raise CheckpointError(f"{path}: {cfg.architecture} is read from safetensors only (no GGUF yet)")
+        mtp = [name for name in tensors if name.startswith("mtp.")]
+        if mtp:
+            # The multi-token-prediction head is a draft model for speculative decoding, which
+            # tuili does not run; the main network does not read it.
+            logger.info("skipping %d multi-token-prediction tensors (mtp.*): not used", len(mtp))
     plan = WeightPlan(
-        platform, dtype, tensors, LlamaForCausalLM.stacked_projections, str(path), quantization,
+        platform, dtype, tensors, network_class.stacked_projections, str(path), quantization,
         quantized_dtype=packed_dtype or dtype,
         gguf_packed=ckpt if quantization is None and packed_dtype is not None else None,
     )  # fmt: skip
-    network = LlamaForCausalLM(cfg, max_positions or cfg.max_position_embeddings, plan, attention_backend(platform, dtype))
+    network = network_class(cfg, max_positions or cfg.max_position_embeddings, plan, attention_backend(platform, dtype))
     plan.fill(network)
     network = network.to(platform.device).eval()
     panels = sum(isinstance(m, PanelLinear) for m in network.modules())

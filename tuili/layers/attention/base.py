@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tuili.layers.deltanet import StateBatch
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 FP8_HEADROOM = 4.0  # calibrated fp8 scales leave room for values 4x the first ones seen
 
@@ -128,6 +130,8 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     spans: list[CausalSpan]
     paged: PagedBatch | None = None  # the decodes, when the native kernel runs them
+    # Hybrid models: each sequence's state slot for the linear-attention layers (None otherwise).
+    states: StateBatch | None = None
 
 
 class AttentionBackend(ABC):

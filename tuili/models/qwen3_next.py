@@ -1,0 +1,159 @@
+"""Qwen3-Next: a hybrid decoder. Per `layer_types`, each layer's token mixer is either Gated
+DeltaNet linear attention (tuili/layers/deltanet.py, per-sequence state in fixed slots) or gated
+full attention over the paged KV cache; the MLP is a mixture of experts with a shared expert
+(tuili/layers/moe.py, `ModelConfig.moe`) or dense where the config says so.
+
+This file describes the network and nothing else. What differs from the Llama family: RMSNorm
+weights stored centred on zero (scale 1 + w, `OffsetRMSNorm`) for the layer norms, the final norm
+and q/k norms; the full attention's q_proj also yields a per-head output gate (rows [q, gate] per
+head), applied as sigmoid(gate) before o_proj; RoPE rotates only the first `rotary_dim`
+dimensions of each head (partial_rotary_factor). Module paths follow the Hugging Face
+checkpoints; multi-token-prediction weights (`mtp.*`) are not part of this network (the loader
+notes and skips them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuili.config import ModelConfig
+from tuili.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from tuili.layers.deltanet import GatedDeltaNet
+from tuili.layers.norm import OffsetRMSNorm
+from tuili.layers.rotary import RotaryEmbedding, apply_partial_rotary
+from tuili.models.llama import MLP, Rope, sparse_moe
+from tuili.models.weights import WeightPlan
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, prefix: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q_proj (2 * q_size rows: per head its query, then its gate), k_proj, v_proj as one matmul.
+        self.qkv_proj = plan.linear(f"{prefix}.qkv_proj", cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, False)
+        self.o_proj = plan.linear(f"{prefix}.o_proj", self.q_size, cfg.hidden_size, False)
+        self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.backend = backend
+        self.scale = cfg.head_dim**-0.5
+        # Bound by the runner once the KV pool exists.
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        query_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = query_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_partial_rotary(self.q_norm(q), rope)
+        k = apply_partial_rotary(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), rope)
+        # Contiguous like k (normed and rotated, so a new tensor): backends store k and v a token apart alike.
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()
+        assert self.kv_cache is not None, "the runner binds the KV cache before the first forward"
+        self.backend.store(self.kv_cache, k, v, meta.slot_mapping)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale).reshape(tokens, self.q_size)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, self.q_size)))
+
+
+def gated_deltanet(cfg: ModelConfig, plan: WeightPlan, prefix: str) -> GatedDeltaNet:
+    lin = cfg.linear
+    assert lin is not None
+    key_dim, value_dim = lin.num_k_heads * lin.head_k_dim, lin.num_v_heads * lin.head_v_dim
+    return GatedDeltaNet(
+        plan.linear(f"{prefix}.in_proj_qkvz", cfg.hidden_size, 2 * key_dim + 2 * value_dim, False),
+        plan.linear(f"{prefix}.in_proj_ba", cfg.hidden_size, 2 * lin.num_v_heads, False),
+        plan.linear(f"{prefix}.out_proj", value_dim, cfg.hidden_size, False),
+        lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.conv_kernel, cfg.rms_norm_eps,
+        plan.platform,
+    )  # fmt: skip
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, index: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.linear = cfg.layer_types[index] == "linear_attention"
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Exactly one token mixer, under the checkpoint's name for it.
+        if self.linear:
+            self.linear_attn = gated_deltanet(cfg, plan, f"{prefix}.linear_attn")
+        else:
+            self.self_attn = GatedAttention(cfg, plan, backend, f"{prefix}.self_attn")
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+            self.mlp = sparse_moe(cfg, plan, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(plan, f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the Llama layer: returns this layer's output and the residual stream."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        if self.linear:
+            assert meta.states is not None, "the runner gives hybrid models the step's state slots"
+            mixed = self.linear_attn(h, meta.states)
+        else:
+            mixed = self.self_attn(h, rope, meta)
+        h, residual = self.post_attention_layernorm(mixed, residual)
+        return self.mlp(h), residual
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, plan: WeightPlan, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, plan, backend, i) for i in range(cfg.num_layers))
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        return self.embed_tokens(input_ids), self.rotary.tables(positions)
+
+    def run_layers(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)[0]
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """The interface of LlamaForCausalLM (forward -> final hidden states, compute_logits on the
+    sampled rows, attention_layers for the KV pool), plus linear_attention_layers for the state
+    slots."""
+
+    stacked_projections = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, plan: WeightPlan, attention: AttentionBackend) -> None:
+        super().__init__()
+        if not cfg.is_hybrid or cfg.rotary_dim is None:
+            raise ValueError("Qwen3NextForCausalLM needs a config read as qwen3_next (layer types, linear attention)")
+        self.config = cfg
+        self.platform, self.attention = plan.platform, attention
+        self.model = Qwen3NextModel(cfg, max_positions, plan, attention)
+        self.lm_head = plan.output_head("lm_head", self.model.embed_tokens, cfg.tie_word_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.run_layers(*self.model.embed(input_ids, positions), meta)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        return self.model.embed(input_ids, positions)
+
+    def run_layers(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.run_layers(x, rope, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the rows of `hidden`."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[GatedAttention]:
+        """The full-attention layers, in order: the ones with a KV cache."""
+        return [layer.self_attn for layer in self.model.layers if not layer.linear]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """The Gated DeltaNet layers, in order: the ones with state slots."""
+        return [layer.linear_attn for layer in self.model.layers if layer.linear]
