@@ -1,0 +1,310 @@
+"""tuili's Qwen3-Next (hybrid Gated DeltaNet + gated full attention) against Hugging Face
+transformers on the same random weights.
+
+Each case writes a tiny random Qwen3-Next checkpoint with `save_pretrained` (4 layers in the
+3:1 linear:full pattern), then checks logits for a batch of prompts and 32 greedy tokens per
+prompt against transformers' `generate`, with block_size=4 and a 7-token step budget, so that
+prompts are split at odd positions across steps and steps mix prefill chunks with decodes; on
+the native kernels and on the portable torch path (TUILI_NATIVE_KERNELS=0). Also: a run under
+preemption (a KV/state budget too small for all sequences at once), every state slot free after
+finish and abort, prefix caching off (never a wrong hit), bf16, MTP tensors skipped, and the
+config's checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tuili import LLM, SamplingParams
+from tuili.config import EngineConfig, ModelConfig
+from tuili.engine.pool import kv_bytes_per_block, plan_pool, state_bytes_per_slot
+from tuili.engine.request import Sequence
+from tuili.engine.scheduler import ScheduledSeq
+from tuili.errors import TuiliError
+from tuili.layers.deltanet import GatedDeltaNet
+from tuili.layers.moe import SparseMoE
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,  # layer_types: linear, linear, linear, full
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,  # sharper distributions: no near-ties for greedy to trip on
+    rms_norm_eps=1e-6,
+)
+
+CASES = {
+    # Hv = 2 Hk; every layer a mixture of 4 experts (top-2, renormalised) plus the shared expert
+    "moe-shared-hv4": dict(linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    # Hv = Hk; layer 1 dense by mlp_only_layers; tied embeddings; half the head rotated
+    "hv2-mlp-only-tied": dict(linear_num_value_heads=2, num_experts=4, num_experts_per_tok=1,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[1],
+                              tie_word_embeddings=True, partial_rotary_factor=0.5),
+}  # fmt: skip
+
+PROMPTS = [
+    [5, 17, 250, 3, 99, 100, 101, 7, 8, 9, 10, 11, 12, 13],
+    [42],
+    list(range(30, 53)),
+    [7, 7, 7, 200, 201],
+]
+STEPS = 32
+
+
+def _hf_model(name: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(**COMMON, **CASES[name])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # transformers starts every norm at its identity: a norm loaded wrong would not show
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if ".linear_attn.norm" in param_name else 0.0))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    model = _hf_model(request.param)
+    path = tmp_path_factory.mktemp("ckpt") / request.param
+    model.save_pretrained(path)
+    greedy = {}
+    with torch.no_grad():
+        for ids in PROMPTS:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS)
+            greedy[tuple(ids)] = out[0, len(ids) :].tolist()
+    return path, model, greedy
+
+
+def _llm(path, **options) -> LLM:
+    options = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20) | options
+    return LLM(model=str(path), **options)
+
+
+def _batch_logits(llm: LLM) -> torch.Tensor:
+    """Every prompt's logits in one step, each prompt one fresh chunk."""
+    engine = llm.engine
+    batch = []
+    for i, ids in enumerate(PROMPTS):
+        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids), params=SamplingParams())
+        engine.block_manager.grow(seq, len(ids))
+        engine.scheduler.state_slots.take(seq)
+        batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
+    logits = engine.runner.logits(batch)
+    for item in batch:
+        engine.block_manager.free(item.seq)
+        engine.scheduler.state_slots.free(item.seq)
+    return logits
+
+
+def _assert_logits_match(ours: torch.Tensor, hf: transformers.PreTrainedModel, **tol) -> None:
+    offset = 0
+    with torch.no_grad():
+        for ids in PROMPTS:
+            ref = hf(torch.tensor([ids])).logits[0].float()
+            torch.testing.assert_close(ours[offset : offset + len(ids)], ref, **(tol or dict(atol=2e-5, rtol=1e-4)))
+            offset += len(ids)
+
+
+def _assert_all_state_free(llm: LLM) -> None:
+    slots = llm.engine.scheduler.state_slots
+    assert slots is not None and slots.num_free == slots.num_slots
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_logits_match_transformers(checkpoint):
+    path, hf, _ = checkpoint
+    llm = _llm(path)
+    layers = llm.engine.runner.model.model.layers
+    assert [isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet) for layer in layers] == [True, True, True, False]
+    expect_sparse = [i not in hf.config.mlp_only_layers for i in range(4)]
+    assert [isinstance(layer.mlp, SparseMoE) for layer in layers] == expect_sparse
+    _assert_logits_match(_batch_logits(llm), hf)
+
+
+class _MixedSteps:
+    """Counts steps that hold a prefill chunk and decodes together, and chunks that end a
+    prompt's piece at an odd position."""
+
+    wants_device_time = False
+
+    def __init__(self) -> None:
+        self.count = self.odd_splits = 0
+
+    def on_step(self, record) -> None:
+        self.count += bool(record.prefill_chunks and record.decode_context_lens)
+        self.odd_splits += sum((start + n) % 2 for start, n in record.prefill_chunks)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_greedy_matches_transformers_generate_with_split_prompts(checkpoint, path, monkeypatch):
+    """A 7-token budget: the prompts are split at odd positions (7, 14, ...) and most steps mix
+    one sequence's prefill chunk with the others' decodes."""
+    from tuili import kernels
+
+    if path == "torch":
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    checkpoint_path, _, greedy = checkpoint
+    llm = _llm(checkpoint_path, max_num_batched_tokens=7)
+    assert llm.engine.runner.native_attention == (path == "native" and kernels.available())
+    assert llm.engine.runner.graphs is None
+    mixed = _MixedSteps()
+    llm.engine.add_observer(mixed)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert mixed.count > 0 and mixed.odd_splits > 0
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == greedy[tuple(ids)]
+        assert out.outputs[0].finish_reason == "length"
+    _assert_all_state_free(llm)
+
+
+def test_preemption_recomputes_state_from_zero(checkpoint):
+    """Room for 16 KV blocks (64 tokens) while the four sequences need 171 tokens in all: the
+    newest running ones are preempted, their slots freed, and they restart from position 0."""
+    path, hf, greedy = checkpoint
+    cfg = ModelConfig.from_hf_config(hf.config.to_dict() | {"architectures": ["Qwen3NextForCausalLM"]})
+    budget = 16 * kv_bytes_per_block(cfg, 4, torch.float32) + 4 * state_bytes_per_slot(cfg, torch.float32)
+    llm = _llm(path, kv_cache_memory=budget, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=9)
+    assert llm.engine.pool.num_blocks == 16 and llm.engine.pool.num_state_slots == 4
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert llm.engine.stats().num_preemptions > 0
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == greedy[tuple(ids)]
+    _assert_all_state_free(llm)
+
+
+def test_slots_are_freed_on_abort_and_reused(checkpoint):
+    path, _, greedy = checkpoint
+    llm = _llm(path, max_num_batched_tokens=5, max_num_seqs=2)
+    engine = llm.engine
+    assert engine.scheduler.state_slots.num_slots == 2
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in PROMPTS[:3]]
+    for _ in range(3):  # the first two are running (one mid-prefill), the third waits for a slot
+        engine.step()
+    assert engine.scheduler.state_slots.num_free == 0 and len(engine.scheduler.waiting) == 1
+    engine.abort_request(ids[0])
+    engine.abort_request(ids[2])
+    assert engine.scheduler.state_slots.num_free == 1
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[ids[1]].outputs[0].token_ids == greedy[tuple(PROMPTS[1])]
+    _assert_all_state_free(llm)
+    # The freed slots carry the old sequences' state; a new sequence must not see it.
+    out = llm.generate([{"prompt_token_ids": PROMPTS[3]}], params)[0]
+    assert out.outputs[0].token_ids == greedy[tuple(PROMPTS[3])]
+    _assert_all_state_free(llm)
+
+
+def test_prefix_caching_is_off_with_a_reason(checkpoint, caplog):
+    path, _, greedy = checkpoint
+    with caplog.at_level(logging.INFO, logger="tuili.engine.core"):
+        llm = _llm(path, enable_prefix_caching=True, kv_offload_memory=1 << 16)
+    assert "prefix caching is off" in caplog.text and "linear-attention state" in caplog.text
+    assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.pool.num_host_blocks == 0
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    for _ in range(2):  # the same prompt twice: the second is computed again, never a cache hit
+        out = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params)[0]
+        assert out.outputs[0].token_ids == greedy[tuple(PROMPTS[2])]
+    assert llm.engine.stats().prefix_cache.hit_tokens == 0
+
+
+def test_bf16_runs_close_to_transformers_bf16(checkpoint):
+    path, hf, _ = checkpoint
+    llm = _llm(path, dtype="bfloat16")
+    assert llm.engine.runner.model.model.layers[0].linear_attn.state.recurrent.dtype == torch.float32
+    hf_bf16 = _hf_model(next(n for n in CASES if n in str(path))).to(torch.bfloat16)
+    _assert_logits_match(_batch_logits(llm), hf_bf16, atol=0.1, rtol=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    _assert_all_state_free(llm)
+
+
+def test_mtp_tensors_are_skipped_with_a_note(tmp_path, caplog):
+    hf = _hf_model("moe-shared-hv4")
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="tuili.models.loader"):
+        llm = _llm(tmp_path)
+    assert "skipping 2 multi-token-prediction tensors" in caplog.text
+    _assert_logits_match(_batch_logits(llm), hf)
+
+
+def test_pool_reserves_state_and_caps_sequences():
+    cfg = ModelConfig.from_hf_config(_config())
+    slot, block = state_bytes_per_slot(cfg, torch.float32), kv_bytes_per_block(cfg, 4, torch.float32)
+    # 3 linear layers: conv (2*2*16 + 4*16 channels, 3 columns) + recurrent (4 x 16 x 16), float32
+    assert slot == 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+    assert block == 2 * 1 * 4 * 2 * 16 * 4  # one full-attention layer holds KV
+    budget = 20 * block + 3 * slot
+    plan = plan_pool(cfg, EngineConfig(block_size=4, max_model_len=80, kv_cache_memory=budget, max_num_seqs=64),
+                     torch.float32, torch.device("cpu"))  # fmt: skip
+    assert (plan.num_state_slots, plan.num_blocks) == (3, 20)
+    with pytest.raises(TuiliError, match=r"cannot hold one sequence's linear-attention state"):
+        plan_pool(cfg, EngineConfig(block_size=4, max_model_len=80, kv_cache_memory=20 * block + slot - 1),
+                  torch.float32, torch.device("cpu"))  # fmt: skip
+
+
+def _config(**changes) -> dict:
+    cfg = transformers.Qwen3NextConfig(**COMMON, **CASES["moe-shared-hv4"]).to_dict()
+    cfg["architectures"] = ["Qwen3NextForCausalLM"]
+    cfg.update(changes)
+    return json.loads(json.dumps(cfg))
+
+
+def test_config_is_read_once():
+    cfg = ModelConfig.from_hf_config(_config())
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.linear.num_k_heads, cfg.linear.num_v_heads, cfg.linear.conv_kernel) == (2, 4, 4)
+    assert cfg.rotary_dim == 4 and cfg.moe.shared_intermediate_size == 48 and cfg.num_attention_layers == 1
+    # published checkpoints: no layer_types (full_attention_interval), partial_rotary_factor on top
+    published = {k: v for k, v in _config().items() if k not in ("layer_types", "rope_parameters")}
+    published |= dict(full_attention_interval=2, partial_rotary_factor=0.5, rope_theta=1e6)
+    cfg = ModelConfig.from_hf_config(published)
+    assert cfg.layer_types == ("linear_attention", "full_attention") * 2 and cfg.rotary_dim == 8
+    assert cfg.rope_theta == 1e6
+    assert ModelConfig.from_hf_config(_config(num_experts=0)).moe is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(layer_types=["linear_attention"] * 3), r"layer_types=.* expected 4 entries"),
+        (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), r"each one of full_attention"),
+        (dict(layer_types=["linear_attention"] * 4), r"has no full_attention layer"),
+        (dict(linear_num_value_heads=3), r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+        (dict(linear_key_head_dim=None), r"missing required field 'linear_key_head_dim'"),
+        (dict(linear_conv_kernel_dim=1), r"linear_conv_kernel_dim=1 is invalid"),
+        (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.1}), r"rotates 1 of head_dim=16"),
+        (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 1.5}), r"partial_rotary_factor=1.5"),
+        (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 exceeds the number of experts \(4\)"),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+    ],
+)
+def test_bad_config_is_refused_by_name(changes, message):
+    with pytest.raises(TuiliError, match=message):
+        ModelConfig.from_hf_config(_config(**changes))
