@@ -29,6 +29,7 @@ from tuili.engine.scheduler import ScheduledSeq
 from tuili.errors import TuiliError
 from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.moe import SparseMoE
+from tuili.perf.meter import UtilizationMeter
 
 COMMON = dict(
     vocab_size=320,
@@ -182,6 +183,10 @@ def test_preemption_recomputes_state_from_zero(checkpoint):
     budget = 16 * kv_bytes_per_block(cfg, 4, torch.float32) + 4 * state_bytes_per_slot(cfg, torch.float32)
     llm = _llm(path, kv_cache_memory=budget, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=9)
     assert llm.engine.pool.num_blocks == 16 and llm.engine.pool.num_state_slots == 4
+    # live MBU counts each decoding sequence's state as the engine holds it, read and written
+    meter = UtilizationMeter.for_engine(llm.engine, "h100")
+    assert meter.state_bytes_per_sequence == state_bytes_per_slot(cfg, torch.float32) > 0
+    assert meter.step_decode_bytes([5, 9]) - meter.step_decode_bytes([5]) >= 2 * meter.state_bytes_per_sequence
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
     assert llm.engine.stats().num_preemptions > 0

@@ -159,6 +159,8 @@ class UtilizationMeter:
         return cls(
             ModelCost.from_config(engine.model_config.raw), spec, engine.weight_bytes(), engine.pool.kv_bytes_per_token,
             compute_dtype=canonical_dtype(str(engine.dtype)),
+            # the state slots as the engine holds them (the conv state in the working dtype)
+            state_bytes_per_sequence=engine.pool.state_bytes_per_slot,
             decode_weight_bytes=engine.decode_weight_bytes() if engine.weights_quantized else None,
         )
 
