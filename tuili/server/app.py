@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -63,6 +64,7 @@ from tuili.server.protocol import (
 from tuili.server.tokenization import PromptTokenizer
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 500, 503)}
 _STREAMABLE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
@@ -114,6 +116,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="tuili", version="0.1.0", lifespan=lifespan,
                   description="An OpenAI-compatible API over the tuili engine.")
+    app.state.abort_all = driver.abort_all  # shutdown's grace is over (serve.py)
     install_error_handlers(app)
     app.add_middleware(_LimitBody, limit=settings.max_request_bytes)
     app.add_middleware(_RequireJson)
@@ -121,6 +124,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(_RequireApiKey, key=settings.api_key)
     if settings.allowed_hosts is not None:  # first of all: a foreign Host learns nothing, not even 401
         app.add_middleware(_CheckHost, allowed=settings.allowed_hosts)
+    app.add_middleware(_QuietShutdownCut, closing=lambda: driver.closing)
 
     @app.get("/health", responses=_ERRORS)
     async def health() -> dict:
@@ -232,6 +236,23 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+class _QuietShutdownCut:
+    """ASGI middleware, outermost: a response that uvicorn cancels at shutdown (its client read
+    nothing, even after every request was aborted) ends with one log line, not a traceback."""
+
+    def __init__(self, app: ASGIApp, closing) -> None:
+        self.app = app
+        self.closing = closing
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if scope["type"] != "http" or not self.closing():
+                raise
+            logger.warning("%s %s was cut at shutdown: its client was not reading", scope["method"], scope["path"])
 
 
 class _LimitBody:

@@ -41,6 +41,10 @@ class QueueFullError(Exception):
     """The engine's waiting queue is at --max-waiting; the client should retry later."""
 
 
+class ShuttingDownError(Exception):
+    """The server is shutting down and its grace period is over: no new request is taken."""
+
+
 class EngineError(Exception):
     """The engine failed while running a request (a bug, logged with its traceback)."""
 
@@ -112,6 +116,11 @@ class _Abort:
     submission: Submission
 
 
+class _AbortAll:
+    """Shutdown's grace is over: abort every request, but deliver their final outputs
+    (finish_reason "abort"), so that every response and stream still ends properly."""
+
+
 _STOP = object()
 
 
@@ -138,6 +147,7 @@ class EngineDriver:
         self.stats: EngineStats = engine.stats()  # replaced whole by the engine thread, so any thread may read it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead = False  # set by the engine thread when it fails
+        self._closing = False  # set by abort_all(): new requests are refused
         self._thread = threading.Thread(target=self._run, name="tuili-engine", daemon=True)
 
     # ---- the asyncio side --------------------------------------------------------------
@@ -181,6 +191,18 @@ class EngineDriver:
         if not submission.finished:
             self._commands.put(_Abort(submission))
 
+    @property
+    def closing(self) -> bool:
+        """Whether abort_all() was called: the server is shutting down."""
+        return self._closing
+
+    def abort_all(self) -> None:
+        """End every request now, as shutdown does once its grace is over: each gets its final
+        output with finish_reason "abort" on the choices that had not finished, so streams end
+        with a finish reason and [DONE]; requests submitted from now on are refused (503)."""
+        self._closing = True
+        self._commands.put(_AbortAll())
+
     async def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the engine thread."""
         self._commands.put(_STOP)
@@ -209,6 +231,10 @@ class EngineDriver:
                     return
                 if isinstance(command, _Add):
                     self._add(command)
+                elif isinstance(command, _AbortAll):
+                    # Stay tracked: the next step() returns their final outputs, which are delivered.
+                    for request_id in self._tracked:
+                        engine.abort_request(request_id)
                 else:
                     self._abort([r for r in command.submission.request_ids if r in self._tracked])
             if engine.has_unfinished_requests():
@@ -227,6 +253,8 @@ class EngineDriver:
     def _add(self, command: _Add) -> None:
         engine, sub = self.engine, command.submission
         try:
+            if self._closing:
+                raise ShuttingDownError("the server is shutting down and takes no new requests")
             waiting = engine.stats().num_waiting
             incoming = len(command.prompts) * command.params.n
             # The sequences this call adds count, not only the queue before it. An empty queue
@@ -246,7 +274,7 @@ class EngineDriver:
                 for request_id in added:
                     engine.abort_request(request_id)
                 raise
-        except Exception as error:  # RequestError, ValueError, QueueFullError: the caller's answer
+        except Exception as error:  # RequestError, ValueError, QueueFullError, ShuttingDownError: the caller's answer
             self._call_soon(_settle, command.future, error)
             return
         for request_id, ids in zip(sub.request_ids, command.prompts, strict=True):

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tuili.errors import RequestError
-from tuili.server.driver import EngineError, QueueFullError
+from tuili.server.driver import EngineError, QueueFullError, ShuttingDownError
 from tuili.server.protocol import ErrorInfo, ErrorResponse, UnsupportedFieldError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ def as_api_error(error: Exception, fields: set[str] = frozenset()) -> ApiError:
         return bad_request(error, fields)
     if isinstance(error, QueueFullError):
         return ApiError(503, str(error), type="server_error", code="queue_full")
+    if isinstance(error, ShuttingDownError):
+        return ApiError(503, str(error), type="server_error", code="shutting_down")
     if isinstance(error, EngineError):
         return ApiError(500, str(error), type="server_error")
     logger.error("unexpected error while serving a request", exc_info=error)
