@@ -1,7 +1,7 @@
 """A full waiting queue answers 503; SIGTERM lets the request in flight finish, then exits 0;
 past --shutdown-grace every request ends with finish_reason "abort" (own server).
 
-Both run on the `tight_server` (one sequence running, at most one waiting); the shutdown test
+The first two run on the `tight_server` (one sequence running, at most one waiting); the SIGTERM test
 ends that server, so it comes last in this module.
 """
 
