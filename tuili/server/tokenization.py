@@ -48,6 +48,13 @@ class PromptTokenizer:
         """`encode(text)`, except that a text far longer than the context is refused after
         tokenizing a prefix: a 1 MB prompt for a 512-token context would otherwise hold the
         tokenizer thread for a second, only to be refused."""
+        await self.check_text_length(text, field, max_model_len)
+        return await self.encode(text)
+
+    async def check_text_length(self, text: str, field: str, max_model_len: int) -> None:
+        """Refuse `text` if it has more than PROBE_CHARS_PER_TOKEN x max_model_len characters
+        and a prefix of that many characters alone overflows the context; a shorter text, or
+        one whose prefix fits, passes (it is tokenized whole, and checked exactly, later)."""
         probe = self.PROBE_CHARS_PER_TOKEN * max_model_len
         if len(text) > probe:
             head = await self._run(lambda t: t.encode(text[:probe]))
@@ -57,7 +64,6 @@ class PromptTokenizer:
                     f"{field} has {len(text)} characters; its first {probe} alone are {len(head)} tokens, but the "
                     f"context holds {max_model_len}: shorten it"
                 )
-        return await self.encode(text)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         return await self._run(lambda t: t.apply_chat_template(
