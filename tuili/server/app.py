@@ -79,6 +79,7 @@ class ServerSettings:
     allowed_hosts: frozenset[str] | None = None  # lowercased host names without ports; None: any
     content_special_tokens: bool = False  # parse special-token text in message content (unsafe)
     max_sequences_per_request: int = 256
+    body_timeout: float = 60.0  # seconds from a request's headers to the end of its body (--body-timeout)
 
 
 def _cache_samples(stats: CacheStats) -> dict[str, float]:
@@ -118,7 +119,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                   description="An OpenAI-compatible API over the tuili engine.")
     app.state.abort_all = driver.abort_all  # shutdown's grace is over (serve.py)
     install_error_handlers(app)
-    app.add_middleware(_LimitBody, limit=settings.max_request_bytes)
+    app.add_middleware(_LimitBody, limit=settings.max_request_bytes, timeout=settings.body_timeout)
     app.add_middleware(_RequireJson)
     if settings.api_key:  # added late, so it runs early: no key, no body read
         app.add_middleware(_RequireApiKey, key=settings.api_key)
@@ -258,27 +259,48 @@ class _QuietShutdownCut:
 class _LimitBody:
     """ASGI middleware: a body over `limit` bytes is answered 413, at once when Content-Length
     declares it (after reading and discarding what the client sends, so that it reads the
-    answer instead of a reset connection), else as soon as the bytes received pass it."""
+    answer instead of a reset connection), else as soon as the bytes received pass it. A body
+    not complete `timeout` seconds after the request began is answered 408 (and the connection
+    closed), so a client trickling a body in cannot hold a request open forever."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout: float = 60.0) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
         self._message = f"the request body is larger than {limit} bytes, the most this server accepts"
+        self._late = f"the request body did not arrive within {timeout:g} seconds (the server's --body-timeout)"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        complete = False
+
+        async def timed() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on, not on 3.10
+                raise HTTPException(408, self._late, headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            while (message := await receive())["type"] == "http.request" and message.get("more_body"):
-                pass
+            try:
+                while (message := await timed())["type"] == "http.request" and message.get("more_body"):
+                    pass
+            except HTTPException:
+                pass  # answer the 413 all the same; the connection closes after it
             error = ApiError(413, self._message, code="request_too_large")
             return await error.response()(scope, receive, send)
         received = 0
 
         async def counted() -> Message:
             nonlocal received
-            message = await receive()
+            message = await timed()
             received += len(message.get("body", b""))
             if received > self.limit:
                 raise HTTPException(413, self._message)  # FastAPI re-raises it from its body read

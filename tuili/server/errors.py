@@ -106,7 +106,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         # Starlette's own answers: unknown route (404), wrong method (405), body too large (413).
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 408: "body_timeout",
+                413: "request_too_large"}.get(exc.status_code)
         message = {
             400: "the request body could not be read: expected a JSON object in UTF-8",  # e.g. bad UTF-8
             404: f"{request.url.path} is not an endpoint of this server",

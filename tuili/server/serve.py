@@ -13,6 +13,7 @@ import uvicorn
 
 from tuili.engine.core import LLMEngine
 from tuili.server.app import ServerSettings, build_app
+from tuili.server.connections import ConnectionGuard
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,12 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(engine: LLMEngine, settings: ServerSettings, sock: socket.socket, shutdown_grace: float,
-          log_level: str = "info", access_log: bool = False) -> None:
+          log_level: str = "info", access_log: bool = False, header_timeout: float = 10.0,
+          max_connections: int = 1000) -> None:
     """Serve until SIGINT / SIGTERM. `sock` is bound; listening starts here."""
     app = build_app(engine, settings)
-    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on")
+    guard = ConnectionGuard(header_timeout, settings.body_timeout, max_connections)
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on", http=guard.protocol())
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
