@@ -191,3 +191,32 @@ def test_admission_counts_the_sequences_a_request_adds():
             await driver.stop()
 
     asyncio.run(run())
+
+
+def test_a_call_with_many_sequences_does_not_starve_a_small_request(server, auth):
+    """A 200-sequence call fills every slot of the engine (--max-num-seqs 64) and would hold
+    them for four rounds of generation; a 2-token request sent after it gets its share of
+    slots and budget at once, and finishes while the big call is still generating."""
+    big = {"prompt": ["Tell a long story.", "Write a poem."], "n": 100, "max_tokens": 200, "ignore_eos": True,
+           "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=big, headers=auth, timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the call is running
+        started = time.monotonic()
+        small = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=30,
+                           json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+        elapsed = time.monotonic() - started
+        assert small.status_code == 200, small.text
+        assert small.json()["usage"]["completion_tokens"] == 2
+        pending = _take(lines, 20)
+        assert "data: [DONE]" not in pending, "the big call finished first: the test proves nothing"
+    assert elapsed < 20, elapsed
+
+
+def _take(lines, count: int) -> list[str]:
+    taken = []
+    for line in lines:
+        taken.append(line)
+        if len(taken) == count:
+            break
+    return taken

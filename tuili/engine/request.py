@@ -37,6 +37,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None
     num_preemptions: int = 0
+    group: str = ""  # who it is scheduled fairly against (the server's API call); "": the default group
 
     @property
     def num_tokens(self) -> int:

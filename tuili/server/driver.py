@@ -55,8 +55,9 @@ class Submission:
     Written only through `_receive` / `_fail`, which the engine thread schedules on the loop.
     """
 
-    def __init__(self, request_ids: list[str], arrival_time: float) -> None:
+    def __init__(self, request_ids: list[str], arrival_time: float, group: str | None = None) -> None:
         self.request_ids = request_ids
+        self.group = group  # the engine schedules the call's requests fairly against other calls
         self.arrival_time = arrival_time  # when the HTTP side received the call (time.monotonic)
         self._fresh: dict[str, RequestOutput] = {}  # newest output not yet read, per request
         self._final: dict[str, RequestOutput] = {}
@@ -173,7 +174,7 @@ class EngineDriver:
         Raises RequestError or ValueError for a request the engine refuses, QueueFullError
         when --max-waiting is reached.
         """
-        submission = Submission([f"{api_id}-{i}" for i in range(len(prompts))], arrival_time)
+        submission = Submission([f"{api_id}-{i}" for i in range(len(prompts))], arrival_time, group=api_id)
         future = asyncio.get_running_loop().create_future()
         self._commands.put(_Add(submission, prompts, prompt_texts, params, future))
         if self._dead:  # checked after the put: a thread that died before it will not drain it
@@ -268,7 +269,8 @@ class EngineDriver:
             added: list[str] = []
             try:
                 for request_id, ids, text in zip(sub.request_ids, command.prompts, command.prompt_texts, strict=True):
-                    engine.add_request({"prompt_token_ids": ids, "prompt": text}, command.params, request_id)
+                    engine.add_request({"prompt_token_ids": ids, "prompt": text}, command.params, request_id,
+                                       group=sub.group)
                     added.append(request_id)
             except BaseException:
                 for request_id in added:
