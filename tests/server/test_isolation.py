@@ -220,3 +220,28 @@ def _take(lines, count: int) -> list[str]:
         if len(taken) == count:
             break
     return taken
+
+
+def test_a_long_tokenization_does_not_hold_up_a_small_request(server, auth):
+    """3 MB of spaces pass the prompt's prefix check (64 spaces are one token) and take
+    seconds to tokenize, only to be refused as too long; a small request sent meanwhile is
+    tokenized on the other lane and finishes first."""
+    import asyncio
+
+    async def run() -> list[str]:
+        finished = []
+        async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=120) as http:
+            async def post(name: str, body: dict) -> httpx.Response:
+                response = await http.post("/v1/completions", json=body)
+                finished.append(name)
+                return response
+
+            big = asyncio.create_task(post("big", {"prompt": " " * (3 << 20), "max_tokens": 1}))
+            await asyncio.sleep(0.5)  # its body is read and its tokenization has begun
+            small = await post("small", {"prompt": "Hi", "max_tokens": 1})
+            assert small.status_code == 200, small.text
+            refused = await big
+            assert refused.status_code == 400 and "context holds" in refused.json()["error"]["message"]
+        return finished
+
+    assert asyncio.run(run()) == ["small", "big"]
