@@ -105,3 +105,23 @@ def test_stalled_connections_past_the_cap_leave_room_for_real_requests(guarded):
     finally:
         for sock in stalled:
             sock.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--header-timeout", "0"], "--header-timeout 0.0 is invalid: expected seconds > 0"),
+    (["--body-timeout", "-1"], "--body-timeout -1.0 is invalid: expected seconds > 0"),
+    (["--max-connections", "0"], "--max-connections 0 is invalid: expected at least 1"),
+    (["--max-connections", str(10**9)], "--max-connections 1000000000 needs 1000000256 open files"),
+])
+def test_bad_limits_are_refused_at_start(argv, message):
+    import argparse
+
+    from tuili.errors import TuiliError
+    from tuili.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", *argv])
+    with pytest.raises(TuiliError) as refused:
+        cli._check_args(args)
+    assert message in str(refused.value)

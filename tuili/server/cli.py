@@ -107,14 +107,19 @@ def _ensure_file_descriptors(max_connections: int) -> None:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = max_connections + _SPARE_FDS
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        if hard == resource.RLIM_INFINITY or hard >= needed:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-        else:
-            raise TuiliError(
-                f"--max-connections {max_connections} needs {needed} open files but this process may have at "
-                f"most {hard} (ulimit -Hn): lower --max-connections to {max(1, hard - _SPARE_FDS)} or raise the limit"
-            )
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise TuiliError(
+            f"--max-connections {max_connections} needs {needed} open files but this process may have at "
+            f"most {hard} (ulimit -Hn): lower --max-connections to {max(1, hard - _SPARE_FDS)} or raise the limit"
+        )
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    except (ValueError, OSError) as e:  # e.g. above the kernel's nr_open
+        raise TuiliError(
+            f"--max-connections {max_connections} needs {needed} open files but raising the limit failed: {e}"
+        ) from e
 
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
