@@ -125,3 +125,25 @@ def test_bad_limits_are_refused_at_start(argv, message):
     with pytest.raises(TuiliError) as refused:
         cli._check_args(args)
     assert message in str(refused.value)
+
+
+def test_a_new_connection_is_refused_503_when_every_connection_is_busy(guarded):
+    """--max-connections streams in flight (requests fully sent, being answered): nothing
+    stalled to evict, so a new connection is answered 503 and closed; the streams go on."""
+    url = guarded.url
+    body = json.dumps({"prompt": "Tell a story.", "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    busy = [_open(url, request) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in busy:  # each has its answer started
+            assert sock.recv(12) == b"HTTP/1.1 200"
+        with _open(url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") as refused:
+            head, _, rest = _read_all(refused).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert json.loads(rest)["error"]["code"] == "too_many_connections"
+        assert all(sock.recv(1 << 16) for sock in busy), "the streams in flight go on"
+    finally:
+        for sock in busy:
+            sock.close()
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200

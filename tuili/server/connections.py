@@ -70,8 +70,7 @@ class ConnectionGuard:
             if not stalled:
                 logger.warning("--max-connections %d reached, every connection busy: a new one is refused",
                                self.max_connections)
-                conn.transport.write(self._full_answer)
-                conn.transport.close()
+                conn.refuse(self._full_answer)
                 return
             _, oldest = min(stalled, key=lambda item: item[0])
             self.phases.pop(oldest)
@@ -116,6 +115,21 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, registered with a ConnectionGuard (set by ConnectionGuard.protocol)."""
 
     guard: ConnectionGuard
+    _refused = False
+
+    def refuse(self, answer: bytes) -> None:
+        """Answer `answer` and close, ignoring the request: the end of output is signalled
+        first and the socket closed a second later, so a request the client already sent
+        does not turn the close into a reset that destroys the answer before it is read."""
+        self._refused = True
+        self.transport.write(answer)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(1.0, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
