@@ -387,3 +387,23 @@ def test_message_content_cannot_forge_special_tokens(tokenizers, name):
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
         text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert tokenizer.apply_chat_template(messages) == hf.encode(text, add_special_tokens=False)
+
+
+def test_stop_matcher_holds_back_exactly_the_longest_tail_that_begins_a_stop_string():
+    """What feed() emits at once is everything but the longest tail of the text that is a
+    proper prefix of a stop string (found by last character, not by trying every length)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab ") for _ in range(rng.randint(1, 12))) for _ in range(rng.randint(1, 4))]
+        matcher, seen, emitted = StopStringMatcher(stops), "", ""
+        for _ in range(8):
+            delta = "".join(rng.choice("ab ") for _ in range(rng.randint(1, 5)))
+            piece, stopped = matcher.feed(delta)
+            if stopped:
+                break
+            seen += delta
+            emitted += piece
+            held = max((k for s in stops for k in range(1, len(s)) if seen.endswith(s[:k])), default=0)
+            assert len(seen) - len(emitted) == held, (stops, seen, emitted)

@@ -15,6 +15,7 @@ non-streaming run returns.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -319,6 +320,15 @@ class StopStringMatcher:
         if any(not isinstance(s, str) or not s for s in stop_strings):
             raise RequestError(f"stop={list(stop_strings)!r} is invalid: expected non-empty strings")
         self._stops = list(stop_strings)
+        # Per stop string, for each character, the prefix lengths k (ascending) whose last
+        # character it is: a held tail must end with the pending text's last character, so only
+        # these k are tried (a stop string of spaces no longer costs 255 tries per step).
+        self._prefix_ends: list[dict[str, list[int]]] = []
+        for stop in self._stops:
+            ends: dict[str, list[int]] = {}
+            for k in range(1, len(stop)):  # ascending, for bisect
+                ends.setdefault(stop[k - 1], []).append(k)
+            self._prefix_ends.append(ends)
         self._include = include_stop_str_in_output
         self._pending = ""  # text received but not yet emitted
         self.stopped = False
@@ -362,10 +372,19 @@ class StopStringMatcher:
 
     def _held_length(self) -> int:
         """Length of the longest tail of the pending text that is a proper prefix of a stop string."""
-        held = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._pending)), held, -1):
-                if self._pending.endswith(stop[:k]):
+        pending = self._pending
+        if not pending:
+            return 0
+        held, last, size = 0, pending[-1], len(pending)
+        for stop, ends in zip(self._stops, self._prefix_ends, strict=True):
+            lengths = ends.get(last)
+            if not lengths:
+                continue
+            for i in range(bisect.bisect_right(lengths, size) - 1, -1, -1):  # longest first
+                k = lengths[i]
+                if k <= held:
+                    break
+                if pending.endswith(stop[:k]):
                     held = k
                     break
         return held

@@ -80,3 +80,71 @@ def test_continuous_batching_admits_new_requests_while_others_run(tiny_llama):
                 results[out.request_id] = out
     assert order == [second, first], "the short late request joins the running batch and leaves first"
     assert results[first].outputs[0].token_ids == alone
+
+
+def _steps_until_finished(engine, request_id, limit=200):
+    """Step the engine until `request_id` finishes; return how many steps that took."""
+    for step in range(1, limit + 1):
+        if any(out.request_id == request_id and out.finished for out in engine.step()):
+            return step
+    raise AssertionError(f"{request_id} did not finish in {limit} steps")
+
+
+def test_a_call_holding_every_slot_makes_room_for_a_small_request(tiny_llama):
+    """Eight requests of one call (group) take all four slots; a 2-token request that comes
+    later gets a slot at once (a sequence of the call is preempted), not after the call."""
+    llm = _llm(tiny_llama, 512, max_num_seqs=4)
+    engine = llm.engine
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]] * 4, long)]
+    call = [engine.add_request({"prompt_token_ids": p}, long, f"call-{i}", group="call")
+            for i, p in enumerate(PROMPTS[:2] * 4)]
+    for _ in range(3):
+        engine.step()
+    small = engine.add_request({"prompt_token_ids": PROMPTS[5]}, SamplingParams(temperature=0.0, max_tokens=2))
+    assert _steps_until_finished(engine, small) <= 3
+    assert engine.stats().num_preemptions >= 1
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+    assert [results[r].outputs[0].token_ids for r in call] == alone, "preemption changed no output"
+
+
+def test_a_call_prefilling_long_prompts_leaves_a_share_of_the_budget(tiny_llama):
+    """Four long prompts of one call being prefilled would take the whole token budget for
+    many steps; a small request gets its share and finishes in a few."""
+    llm = _llm(tiny_llama, 512, max_num_batched_tokens=16, max_num_seqs=8)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(4):
+        engine.add_request({"prompt_token_ids": list(range(1 + i, 121 + i))}, params, f"long-{i}", group="call")
+    engine.step()
+    small = engine.add_request({"prompt_token_ids": PROMPTS[0][:6]}, SamplingParams(temperature=0.0, max_tokens=2))
+    assert _steps_until_finished(engine, small) <= 3
+    assert engine.has_unfinished_requests(), "the long prompts are still being prefilled"
+
+
+def test_fair_shares_under_preemption_keep_outputs_and_invariants(tiny_llama):
+    """Three groups arriving over time, a pool small enough to preempt, few slots and a small
+    budget: every request's output equals its run alone, the budget and slots hold, and the
+    pool ends empty."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [list(range(3 + i, 15 + 3 * i)) for i in range(9)]
+    reference = [o.outputs[0].token_ids for o in _llm(tiny_llama, 512).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    llm = _llm(tiny_llama, 20, max_model_len=48, max_num_batched_tokens=12, max_num_seqs=3)
+    engine, steps = llm.engine, _Steps()
+    engine.add_observer(steps)
+    results, pending = {}, list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        for _ in range(2):  # two requests arrive every step, in groups a, b, c
+            if pending:
+                i, prompt = pending.pop(0)
+                engine.add_request({"prompt_token_ids": prompt}, params, f"r{i}", group="abc"[i % 3])
+        for out in engine.step():
+            results[out.request_id] = out
+    assert [results[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == reference
+    assert all(s.num_tokens <= 12 and len(s.prefill_chunks) + len(s.decode_context_lens) <= 3 for s in steps)
+    stats = engine.stats()
+    assert stats.num_preemptions and stats.num_free_blocks == stats.num_blocks

@@ -99,6 +99,7 @@ BAD_REQUESTS.append(("chat_template on /tokenize", "/tokenize", {"prompt": "hi",
 def test_bad_input_is_answered_while_a_good_request_completes(server, model_name, auth, max_model_len):
     headers = {**auth, "Content-Type": "application/json"}
     neutral = {**_COMPLETION, "tool_choice": "none", "bad_words": [], "guided_json": None, "echo": False}
+    half = "hello " * (5 * max_model_len)  # half of a chat too long in characters
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
@@ -115,6 +116,10 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
             answers["long prompt"] = await http.post("/v1/completions", headers=headers,
                                                      json={"prompt": long_prompt, "max_tokens": 1})
             answers["long prompt length"] = await http.post("/tokenize", headers=headers, json={"prompt": long_prompt})
+            # The same for a chat, its content spread over messages and parts.
+            answers["long chat"] = await http.post("/v1/chat/completions", headers=headers, json={
+                "messages": [{"role": "system", "content": half},
+                             {"role": "user", "content": [{"type": "text", "text": half}]}], "max_tokens": 1})
             # Just over the context: tokenized whole, refused with its exact length.
             answers["prompt just over"] = await http.post("/v1/completions", headers=headers,
                                                           json={"prompt": [7] * (max_model_len + 40), "max_tokens": 1})
@@ -138,6 +143,8 @@ def test_bad_input_is_answered_while_a_good_request_completes(server, model_name
     # Refused after tokenizing only a prefix (issue 20.5): the message gives the length in
     # characters, the prefix's tokens and the limit.
     assert str(len("hello " * (10 * max_model_len))) in message and f"context holds {max_model_len}" in message
+    message = _check_error(answers["long chat"], 400, "messages")
+    assert f"messages has {2 * len(half) + 1} characters" in message and f"context holds {max_model_len}" in message
     message = _check_error(answers["prompt just over"], 400, "prompt")
     assert str(max_model_len + 40) in message and str(max_model_len) in message
     _check_error(answers["10 MB body"], 413)

@@ -191,3 +191,57 @@ def test_admission_counts_the_sequences_a_request_adds():
             await driver.stop()
 
     asyncio.run(run())
+
+
+def test_a_call_with_many_sequences_does_not_starve_a_small_request(server, auth):
+    """A 200-sequence call fills every slot of the engine (--max-num-seqs 64) and would hold
+    them for four rounds of generation; a 2-token request sent after it gets its share of
+    slots and budget at once, and finishes while the big call is still generating."""
+    big = {"prompt": ["Tell a long story.", "Write a poem."], "n": 100, "max_tokens": 200, "ignore_eos": True,
+           "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=big, headers=auth, timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the call is running
+        started = time.monotonic()
+        small = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=30,
+                           json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+        elapsed = time.monotonic() - started
+        assert small.status_code == 200, small.text
+        assert small.json()["usage"]["completion_tokens"] == 2
+        pending = _take(lines, 20)
+        assert "data: [DONE]" not in pending, "the big call finished first: the test proves nothing"
+    assert elapsed < 20, elapsed
+
+
+def _take(lines, count: int) -> list[str]:
+    taken = []
+    for line in lines:
+        taken.append(line)
+        if len(taken) == count:
+            break
+    return taken
+
+
+def test_a_long_tokenization_does_not_hold_up_a_small_request(server, auth):
+    """3 MB of spaces pass the prompt's prefix check (64 spaces are one token) and take
+    seconds to tokenize, only to be refused as too long; a small request sent meanwhile is
+    tokenized on the other lane and finishes first."""
+    import asyncio
+
+    async def run() -> list[str]:
+        finished = []
+        async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=120) as http:
+            async def post(name: str, body: dict) -> httpx.Response:
+                response = await http.post("/v1/completions", json=body)
+                finished.append(name)
+                return response
+
+            big = asyncio.create_task(post("big", {"prompt": " " * (3 << 20), "max_tokens": 1}))
+            await asyncio.sleep(0.5)  # its body is read and its tokenization has begun
+            small = await post("small", {"prompt": "Hi", "max_tokens": 1})
+            assert small.status_code == 200, small.text
+            refused = await big
+            assert refused.status_code == 400 and "context holds" in refused.json()["error"]["message"]
+        return finished
+
+    assert asyncio.run(run()) == ["small", "big"]

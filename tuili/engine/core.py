@@ -140,8 +140,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Validate and queue a request; raises RequestError (nothing queued) when it is bad."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    group: str | None = None) -> str:
+        """Validate and queue a request; raises RequestError (nothing queued) when it is bad.
+
+        `group` names who the request is scheduled fairly against (the server gives every
+        request of one API call the call's id); requests without one share one group, which
+        the scheduler serves first come, first served."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -166,6 +171,7 @@ class LLMEngine:
                 prompt_len=len(token_ids),
                 params=params,
                 arrival_time=now,
+                group=group or "",
             )
             req.seqs.append(seq)
             req.texts[seq.seq_id] = self.outputs.new_text(token_ids, params)

@@ -39,6 +39,7 @@ class Sequence:
     num_preemptions: int = 0
     # Hybrid models: the linear-attention state slot held while running (tuili/engine/state_slots.py).
     state_slot: int | None = None
+    group: str = ""  # who it is scheduled fairly against (the server's API call); "": the default group
 
     @property
     def num_tokens(self) -> int:

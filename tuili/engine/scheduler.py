@@ -1,15 +1,26 @@
-"""Continuous batching with chunked prefill, first come first served, preemption by recompute.
+"""Continuous batching with chunked prefill, fair across groups, preemption by recompute.
 
-Every step, `schedule()` spends a token budget (`max_num_batched_tokens`):
-  1. running sequences first, oldest first: one token each when decoding, or the next
-     slice of a prompt being prefilled in chunks;
-  2. then waiting sequences, oldest first, while budget, sequence slots and KV blocks last.
-     A waiting sequence that does not fit stops admission (no overtaking), so arrival order
-     is kept.
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks are freed and it goes back to the front of the queue with
-`num_computed_tokens = 0`, to recompute prompt and generated tokens later. Its sampled
-tokens are kept, so the resumed output is the same as an uninterrupted run.
+A sequence belongs to a group (`Sequence.group`: the server's API call, by default its
+request), and groups share a step fairly: with G groups running or waiting, each is owed
+1/G of the step's token budget (`max_num_batched_tokens`) and of the sequence slots
+(`max_num_seqs`). With one group everything below reduces to first come, first served.
+
+Every step, `schedule()`:
+  0. makes slots: when every slot is taken and a waiting group holds fewer than its share,
+     the newest running sequences of the groups holding the most slots (more than their
+     share) are preempted, one per slot owed;
+  1. schedules running sequences, oldest first, each up to its group's share of the budget
+     left: one token when decoding, or the next slice of a prompt being prefilled;
+  2. admits waiting sequences, the group with the fewest running sequences first (then
+     arrival order; preempted sequences are at the front), while budget, slots and KV blocks
+     last, each up to its group's share. A sequence that does not fit stops admission (no
+     overtaking); a group whose share is spent waits for the next step;
+  3. gives the budget still left to the scheduled sequences, oldest first, as far as their
+     blocks can grow without preempting anyone: no budget is left idle because of shares.
+When a running sequence needs a block and none is free, the newest running sequence not yet
+scheduled in this step is preempted: its blocks are freed and it goes back to the front of the
+queue with `num_computed_tokens = 0`, to recompute prompt and generated tokens later. Its
+sampled tokens are kept, so the resumed output is the same as an uninterrupted run.
 
 Hybrid models (linear attention beside full attention): a sequence also holds a state slot
 while it runs (StateSlots), taken at admission and returned with its blocks on finish, abort and
@@ -20,7 +31,7 @@ The scheduler knows no tensors: it works on Sequence, BlockManager and StateSlot
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from tuili.engine.block_manager import BlockCopies, BlockManager
@@ -80,10 +91,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.state_slots = state_slots  # hybrid models only
         self.waiting: deque[Sequence] = deque()
+        self._waiting_groups: Counter[str] = Counter()  # waiting sequences per group
         self.running: list[Sequence] = []  # ordered by arrival
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._waiting_groups[seq.group] += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,26 +104,45 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        waiting_groups = +self._waiting_groups  # the groups with waiting sequences
+        running_groups = Counter(seq.group for seq in self.running)
+        num_groups = max(1, len(waiting_groups.keys() | running_groups.keys()))
+        token_share = max(1, budget // num_groups)
+        self._make_slots(waiting_groups, running_groups, num_groups, out)
 
-        scheduled_ids: set[int] = set()
+        allotted: dict[Sequence, int] = {}  # the tokens each scheduled sequence computes, in order
+        spent: Counter[str] = Counter()  # tokens per group
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, token_share - spent[seq.group])
+            if n <= 0:
+                continue  # its group's share is spent: step 3 may add to it
+            if not self._make_room(seq, seq.num_computed_tokens + n, allotted, out):
                 continue  # seq itself was preempted
             self.blocks.grow(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
-            scheduled_ids.add(seq.seq_id)
+            allotted[seq] = n
+            spent[seq.group] += n
             budget -= n
 
+        admitted: Counter[str] = Counter(seq.group for seq in self.running)
+        # Each group's waiting sequences, groups in queue order (with one group, the queue itself).
+        queues: dict[str, deque[Sequence]] = {}
+        waiting_groups = +self._waiting_groups  # again: preemptions above added to the queue
+        if len(waiting_groups) == 1:
+            queues[next(iter(waiting_groups))] = deque(self.waiting)
+        elif waiting_groups:
+            for seq in self.waiting:
+                queues.setdefault(seq.group, deque()).append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting(queues, admitted, spent, token_share)
+            if seq is None:
+                break  # every waiting group has spent its share of this step
             match = self.blocks.match_prefix(seq)
             seq.num_computed_tokens = match.tokens
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, token_share - spent[seq.group])
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 self.blocks.free(seq)  # the matched blocks stay cached for the next try
                 seq.num_computed_tokens = 0
@@ -118,23 +150,74 @@ class Scheduler:
             self.blocks.record_query(seq, match)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = match.tokens
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            self._waiting_groups[seq.group] -= 1
+            queues[seq.group].popleft()
             self.blocks.grow(seq, seq.num_computed_tokens + n)
             if self.state_slots is not None:
                 self.state_slots.take(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
+            allotted[seq] = n
+            admitted[seq.group] += 1
+            spent[seq.group] += n
             budget -= n
+
+        if budget and num_groups > 1:  # shares held back budget: give it out, oldest first
+            for seq in self.running:
+                if budget == 0:
+                    break
+                have = allotted.get(seq, 0)
+                more = min(seq.num_tokens - seq.num_computed_tokens - have, budget)
+                if more <= 0 or seq.status is not SequenceStatus.RUNNING:
+                    continue
+                total = seq.num_computed_tokens + have + more
+                if not self.blocks.can_grow(seq, total):
+                    continue
+                self.blocks.grow(seq, total)
+                allotted[seq] = have + more
+                budget -= more
+
+        out.scheduled = [ScheduledSeq.next_chunk(seq, n) for seq, n in allotted.items()]
         out.copies = self.blocks.take_copies()
         return out
 
-    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
-        """Preempt the newest unscheduled running sequences until `seq` can hold `num_tokens`.
-        Returns False when `seq` itself had to be preempted."""
+    @staticmethod
+    def _next_waiting(queues: dict[str, deque[Sequence]], admitted: Counter[str], spent: Counter[str],
+                      token_share: int) -> Sequence | None:
+        """The waiting sequence to admit next: the first of the group with the fewest running
+        sequences (the earlier group in the queue on a tie) whose share of the budget is left."""
+        best = None
+        for group, queue in queues.items():
+            if queue and spent[group] < token_share and (best is None or admitted[group] < admitted[best]):
+                best = group
+        return queues[best][0] if best is not None else None
+
+    def _make_slots(self, waiting_groups: Counter[str], running_groups: Counter[str], num_groups: int,
+                    out: SchedulerOutput) -> None:
+        """Preempt sequences of the groups over their share of the slots, as many as the
+        waiting groups under their share are owed beyond the free slots."""
+        if not waiting_groups or len(self.running) < self.max_num_seqs or num_groups == 1:
+            return
+        share = max(1, self.max_num_seqs // num_groups)
+        owed = sum(min(share - running_groups[g], count) for g, count in waiting_groups.items()
+                   if running_groups[g] < share)
+        owed -= self.max_num_seqs - len(self.running)
+        while owed > 0:
+            group, holding = running_groups.most_common(1)[0]
+            if holding <= share:
+                return
+            victim = next(seq for seq in reversed(self.running) if seq.group == group)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            running_groups[group] -= 1
+            owed -= 1
+
+    def _make_room(self, seq: Sequence, num_tokens: int, allotted: dict[Sequence, int], out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences not yet scheduled in this step until `seq` can
+        hold `num_tokens`. Returns False when `seq` itself had to be preempted."""
         while not self.blocks.can_grow(seq, num_tokens):
-            victim = self.running[-1]
-            assert victim.seq_id not in scheduled_ids, "victims come from the unscheduled tail"
+            victim = next(v for v in reversed(self.running) if v not in allotted)  # seq at the latest
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
@@ -150,6 +233,7 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._waiting_groups[seq.group] += 1
 
     def update(self, out: SchedulerOutput) -> None:
         """Record that the scheduled tokens are now in the KV cache (call after the forward)."""
@@ -163,6 +247,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._waiting_groups[seq.group] -= 1
         self.blocks.free(seq)
         if self.state_slots is not None:
             self.state_slots.free(seq)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -63,6 +64,7 @@ from tuili.server.protocol import (
 from tuili.server.tokenization import PromptTokenizer
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 500, 503)}
 _STREAMABLE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
@@ -77,6 +79,7 @@ class ServerSettings:
     allowed_hosts: frozenset[str] | None = None  # lowercased host names without ports; None: any
     content_special_tokens: bool = False  # parse special-token text in message content (unsafe)
     max_sequences_per_request: int = 256
+    body_timeout: float = 60.0  # seconds from a request's headers to the end of its body (--body-timeout)
 
 
 def _cache_samples(stats: CacheStats) -> dict[str, float]:
@@ -114,13 +117,15 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="tuili", version="0.1.0", lifespan=lifespan,
                   description="An OpenAI-compatible API over the tuili engine.")
+    app.state.abort_all = driver.abort_all  # shutdown's grace is over (serve.py)
     install_error_handlers(app)
-    app.add_middleware(_LimitBody, limit=settings.max_request_bytes)
+    app.add_middleware(_LimitBody, limit=settings.max_request_bytes, timeout=settings.body_timeout)
     app.add_middleware(_RequireJson)
     if settings.api_key:  # added late, so it runs early: no key, no body read
         app.add_middleware(_RequireApiKey, key=settings.api_key)
     if settings.allowed_hosts is not None:  # first of all: a foreign Host learns nothing, not even 401
         app.add_middleware(_CheckHost, allowed=settings.allowed_hosts)
+    app.add_middleware(_QuietShutdownCut, closing=lambda: driver.closing)
 
     @app.get("/health", responses=_ERRORS)
     async def health() -> dict:
@@ -234,30 +239,68 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
+class _QuietShutdownCut:
+    """ASGI middleware, outermost: a response that uvicorn cancels at shutdown (its client read
+    nothing, even after every request was aborted) ends with one log line, not a traceback."""
+
+    def __init__(self, app: ASGIApp, closing) -> None:
+        self.app = app
+        self.closing = closing
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if scope["type"] != "http" or not self.closing():
+                raise
+            logger.warning("%s %s was cut at shutdown: its client was not reading", scope["method"], scope["path"])
+
+
 class _LimitBody:
     """ASGI middleware: a body over `limit` bytes is answered 413, at once when Content-Length
     declares it (after reading and discarding what the client sends, so that it reads the
-    answer instead of a reset connection), else as soon as the bytes received pass it."""
+    answer instead of a reset connection), else as soon as the bytes received pass it. A body
+    not complete `timeout` seconds after the request began is answered 408 (and the connection
+    closed), so a client trickling a body in cannot hold a request open forever."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout: float = 60.0) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
         self._message = f"the request body is larger than {limit} bytes, the most this server accepts"
+        self._late = f"the request body did not arrive within {timeout:g} seconds (the server's --body-timeout)"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        complete = False
+
+        async def timed() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on, not on 3.10
+                raise HTTPException(408, self._late, headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            while (message := await receive())["type"] == "http.request" and message.get("more_body"):
-                pass
+            try:
+                while (message := await timed())["type"] == "http.request" and message.get("more_body"):
+                    pass
+            except HTTPException:
+                pass  # answer the 413 all the same; the connection closes after it
             error = ApiError(413, self._message, code="request_too_large")
             return await error.response()(scope, receive, send)
         received = 0
 
         async def counted() -> Message:
             nonlocal received
-            message = await receive()
+            message = await timed()
             received += len(message.get("body", b""))
             if received > self.limit:
                 raise HTTPException(413, self._message)  # FastAPI re-raises it from its body read

@@ -38,6 +38,15 @@ def register(subparsers) -> None:
                       help="most sequences (prompts x n) one request may ask for; more get 400 (default 256)")
     http.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
                       help="largest request body accepted, e.g. 4MiB (default); larger ones get 413")
+    http.add_argument("--header-timeout", type=float, default=10.0,
+                      help="seconds a connection may take to send a request's headers before it is answered 408 "
+                      "and closed (default 10)")
+    http.add_argument("--body-timeout", type=float, default=60.0,
+                      help="seconds from a request's headers to the end of its body before it is answered 408 "
+                      "(default 60)")
+    http.add_argument("--max-connections", type=int, default=1000,
+                      help="most connections open at once; at the cap a new one evicts the one that has waited "
+                      "longest for its request, or is refused 503 if all are busy (default 1000)")
     http.add_argument("--shutdown-grace", type=float, default=30.0,
                       help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are "
                       "aborted (default 30)")
@@ -74,11 +83,43 @@ def _check_args(args: argparse.Namespace) -> None:
         raise TuiliError(f"--max-sequences-per-request {args.max_sequences_per_request} is invalid: expected at least 1")
     if args.shutdown_grace < 0:
         raise TuiliError(f"--shutdown-grace {args.shutdown_grace} is invalid: expected seconds >= 0")
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(args, name) > 0:
+            raise TuiliError(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: expected seconds > 0")
+    if args.max_connections < 1:
+        raise TuiliError(f"--max-connections {args.max_connections} is invalid: expected at least 1")
+    _ensure_file_descriptors(args.max_connections)
     if args.max_request_bytes < 1024:
         raise TuiliError(f"--max-request-bytes {args.max_request_bytes} is invalid: expected at least 1KiB")
     allowed_hosts(args.allowed_hosts, args.host)  # raises on a bad list
     if args.api_key is not None and not args.api_key:
         raise TuiliError("--api-key is empty: expected a key")
+
+
+_SPARE_FDS = 256  # model files, the tokenizer, logs, threads: what the process needs besides connections
+
+
+def _ensure_file_descriptors(max_connections: int) -> None:
+    """Raise the soft open-files limit so --max-connections connections fit, or refuse to start."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_connections + _SPARE_FDS
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise TuiliError(
+            f"--max-connections {max_connections} needs {needed} open files but this process may have at "
+            f"most {hard} (ulimit -Hn): lower --max-connections to {max(1, hard - _SPARE_FDS)} or raise the limit"
+        )
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    except (ValueError, OSError) as e:  # e.g. above the kernel's nr_open
+        raise TuiliError(
+            f"--max-connections {max_connections} needs {needed} open files but raising the limit failed: {e}"
+        ) from e
 
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -131,8 +172,9 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     name = args.served_model_name or _default_name(engine.model_path)
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
                               allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
-                              args.max_sequences_per_request)
-    serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log)
+                              args.max_sequences_per_request, args.body_timeout)
+    serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log,
+          header_timeout=args.header_timeout, max_connections=args.max_connections)
     return 0
 
 

@@ -41,6 +41,10 @@ class QueueFullError(Exception):
     """The engine's waiting queue is at --max-waiting; the client should retry later."""
 
 
+class ShuttingDownError(Exception):
+    """The server is shutting down and its grace period is over: no new request is taken."""
+
+
 class EngineError(Exception):
     """The engine failed while running a request (a bug, logged with its traceback)."""
 
@@ -51,8 +55,9 @@ class Submission:
     Written only through `_receive` / `_fail`, which the engine thread schedules on the loop.
     """
 
-    def __init__(self, request_ids: list[str], arrival_time: float) -> None:
+    def __init__(self, request_ids: list[str], arrival_time: float, group: str | None = None) -> None:
         self.request_ids = request_ids
+        self.group = group  # the engine schedules the call's requests fairly against other calls
         self.arrival_time = arrival_time  # when the HTTP side received the call (time.monotonic)
         self._fresh: dict[str, RequestOutput] = {}  # newest output not yet read, per request
         self._final: dict[str, RequestOutput] = {}
@@ -112,6 +117,11 @@ class _Abort:
     submission: Submission
 
 
+class _AbortAll:
+    """Shutdown's grace is over: abort every request, but deliver their final outputs
+    (finish_reason "abort"), so that every response and stream still ends properly."""
+
+
 _STOP = object()
 
 
@@ -138,6 +148,7 @@ class EngineDriver:
         self.stats: EngineStats = engine.stats()  # replaced whole by the engine thread, so any thread may read it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead = False  # set by the engine thread when it fails
+        self._closing = False  # set by abort_all(): new requests are refused
         self._thread = threading.Thread(target=self._run, name="tuili-engine", daemon=True)
 
     # ---- the asyncio side --------------------------------------------------------------
@@ -163,7 +174,7 @@ class EngineDriver:
         Raises RequestError or ValueError for a request the engine refuses, QueueFullError
         when --max-waiting is reached.
         """
-        submission = Submission([f"{api_id}-{i}" for i in range(len(prompts))], arrival_time)
+        submission = Submission([f"{api_id}-{i}" for i in range(len(prompts))], arrival_time, group=api_id)
         future = asyncio.get_running_loop().create_future()
         self._commands.put(_Add(submission, prompts, prompt_texts, params, future))
         if self._dead:  # checked after the put: a thread that died before it will not drain it
@@ -180,6 +191,18 @@ class EngineDriver:
         """The caller is done with `submission`: abort what is unfinished, freeing its KV blocks now."""
         if not submission.finished:
             self._commands.put(_Abort(submission))
+
+    @property
+    def closing(self) -> bool:
+        """Whether abort_all() was called: the server is shutting down."""
+        return self._closing
+
+    def abort_all(self) -> None:
+        """End every request now, as shutdown does once its grace is over: each gets its final
+        output with finish_reason "abort" on the choices that had not finished, so streams end
+        with a finish reason and [DONE]; requests submitted from now on are refused (503)."""
+        self._closing = True
+        self._commands.put(_AbortAll())
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the engine thread."""
@@ -209,6 +232,10 @@ class EngineDriver:
                     return
                 if isinstance(command, _Add):
                     self._add(command)
+                elif isinstance(command, _AbortAll):
+                    # Stay tracked: the next step() returns their final outputs, which are delivered.
+                    for request_id in self._tracked:
+                        engine.abort_request(request_id)
                 else:
                     self._abort([r for r in command.submission.request_ids if r in self._tracked])
             if engine.has_unfinished_requests():
@@ -227,6 +254,8 @@ class EngineDriver:
     def _add(self, command: _Add) -> None:
         engine, sub = self.engine, command.submission
         try:
+            if self._closing:
+                raise ShuttingDownError("the server is shutting down and takes no new requests")
             waiting = engine.stats().num_waiting
             incoming = len(command.prompts) * command.params.n
             # The sequences this call adds count, not only the queue before it. An empty queue
@@ -240,13 +269,14 @@ class EngineDriver:
             added: list[str] = []
             try:
                 for request_id, ids, text in zip(sub.request_ids, command.prompts, command.prompt_texts, strict=True):
-                    engine.add_request({"prompt_token_ids": ids, "prompt": text}, command.params, request_id)
+                    engine.add_request({"prompt_token_ids": ids, "prompt": text}, command.params, request_id,
+                                       group=sub.group)
                     added.append(request_id)
             except BaseException:
                 for request_id in added:
                     engine.abort_request(request_id)
                 raise
-        except Exception as error:  # RequestError, ValueError, QueueFullError: the caller's answer
+        except Exception as error:  # RequestError, ValueError, QueueFullError, ShuttingDownError: the caller's answer
             self._call_soon(_settle, command.future, error)
             return
         for request_id, ids in zip(sub.request_ids, command.prompts, strict=True):

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tuili.errors import RequestError
-from tuili.server.driver import EngineError, QueueFullError
+from tuili.server.driver import EngineError, QueueFullError, ShuttingDownError
 from tuili.server.protocol import ErrorInfo, ErrorResponse, UnsupportedFieldError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ def as_api_error(error: Exception, fields: set[str] = frozenset()) -> ApiError:
         return bad_request(error, fields)
     if isinstance(error, QueueFullError):
         return ApiError(503, str(error), type="server_error", code="queue_full")
+    if isinstance(error, ShuttingDownError):
+        return ApiError(503, str(error), type="server_error", code="shutting_down")
     if isinstance(error, EngineError):
         return ApiError(500, str(error), type="server_error")
     logger.error("unexpected error while serving a request", exc_info=error)
@@ -104,7 +106,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         # Starlette's own answers: unknown route (404), wrong method (405), body too large (413).
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 408: "body_timeout",
+                413: "request_too_large"}.get(exc.status_code)
         message = {
             400: "the request body could not be read: expected a JSON object in UTF-8",  # e.g. bad UTF-8
             404: f"{request.url.path} is not an endpoint of this server",

@@ -165,9 +165,24 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
     params = sampling_params(request, max_tokens, top)
     check_sequences(backend, 1, params.n)
     messages = [message.as_template_input() for message in request.messages]
+    # The template only adds to the content, so content whose own prefix overflows the context
+    # is refused before the whole chat is rendered and tokenized.
+    await backend.tokenizer.check_text_length(_content_text(messages), "messages", backend.max_model_len)
     ids = await backend.tokenizer.apply_chat_template(messages, request.add_generation_prompt)
     check_length("messages", ids, max_tokens, backend.max_model_len)
     return await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival)
+
+
+def _content_text(messages: list[dict]) -> str:
+    """The chat's message content, as one text (parts joined with newlines, as rendered)."""
+    texts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif content:
+            texts.extend(part["text"] for part in content)
+    return "\n".join(texts)
 
 
 async def _submit(backend: Backend, kind: str, api_id: str, prompts: list[list[int]], texts: list[str | None],
