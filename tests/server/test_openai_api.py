@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import httpx
+import openai
 import pytest
 
 from tuili.sampling import SamplingParams
@@ -168,6 +169,17 @@ def test_models_and_tokenizer_endpoints(server, client, model_name, offline_llm,
     assert chat["tokens"] == hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
     back = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=auth).json()
     assert back["prompt"] == hf.decode(tokens["tokens"], skip_special_tokens=True)
+
+
+def test_retrieve_one_model_and_an_unknown_one(client, model_name):
+    model = client.models.retrieve(model_name)
+    assert (model.id, model.object, model.owned_by) == (model_name, "model", "tuili")
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("no-such-model")
+    error = raised.value.body  # the client unwraps OpenAI's {"error": {...}}
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "no-such-model" in error["message"]
+    assert error["type"] == "invalid_request_error"
 
 
 def test_usage_reports_prefix_cache_hits(client, model_name, server, scrape):

@@ -5,7 +5,7 @@ and an OpenAPI schema from the same declarations (the property-based test runs a
 schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are built on.
 
     POST /v1/completions, /v1/chat/completions   generation, streamed or not  (key)
-    GET  /v1/models                              the served model             (key)
+    GET  /v1/models, /v1/models/{id}             the served model             (key)
     POST /tokenize, /detokenize                  the model's tokenizer        (key)
     GET  /health                                 200 while the engine thread lives
     GET  /metrics                                Prometheus text format
@@ -137,12 +137,18 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def card(name: str) -> ModelCard:
+        # The name, not the model's local path: that would tell any client about the server's disk.
+        return ModelCard(id=name, created=started, root=settings.model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        # The name, not the model's local path: that would tell any client about the server's disk.
-        card = ModelCard(id=settings.model_name, created=started, root=settings.model_name,
-                         max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[card(settings.model_name)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        check_model(backend, model_id)
+        return card(model_id)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMABLE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
