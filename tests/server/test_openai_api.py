@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.server.conftest import MODEL_ALIAS
 from tuili.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -160,7 +161,7 @@ def test_chat_logprobs(client, model_name):
 
 def test_models_and_tokenizer_endpoints(server, client, model_name, offline_llm, auth):
     models = client.models.list().data
-    assert [m.id for m in models] == [model_name]
+    assert [m.id for m in models] == [model_name, MODEL_ALIAS]
     hf = offline_llm.get_tokenizer().hf_tokenizer  # transformers' tokenizer of the same model
     text = "Hello, wörld! 你好"
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=auth).json()
@@ -180,6 +181,20 @@ def test_retrieve_one_model_and_an_unknown_one(client, model_name):
     error = raised.value.body  # the client unwraps OpenAI's {"error": {...}}
     assert error["code"] == "model_not_found" and error["param"] == "model" and "no-such-model" in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_every_served_name_is_a_model_and_answers(client, model_name):
+    assert client.models.retrieve(MODEL_ALIAS).id == MODEL_ALIAS  # a name with a slash
+    kwargs = dict(prompt=PROMPT, max_tokens=4, temperature=0)
+    by_default = client.completions.create(model=model_name, **kwargs)
+    by_alias = client.completions.create(model=MODEL_ALIAS, **kwargs)
+    assert (by_default.model, by_alias.model) == (model_name, MODEL_ALIAS)  # each answer names the name asked
+    assert by_alias.choices[0].text == by_default.choices[0].text
+    chat = client.chat.completions.create(model=MODEL_ALIAS, messages=CHAT, max_tokens=2, temperature=0)
+    assert chat.model == MODEL_ALIAS
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="tuili-test", **kwargs)
+    assert raised.value.body["code"] == "model_not_found" and MODEL_ALIAS in raised.value.body["message"]
 
 
 def test_usage_reports_prefix_cache_hits(client, model_name, server, scrape):

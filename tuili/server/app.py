@@ -80,6 +80,11 @@ class ServerSettings:
     content_special_tokens: bool = False  # parse special-token text in message content (unsafe)
     max_sequences_per_request: int = 256
     body_timeout: float = 60.0  # seconds from a request's headers to the end of its body (--body-timeout)
+    more_model_names: tuple[str, ...] = ()  # --served-model-name's other names, after model_name
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.more_model_names)
 
 
 def _cache_samples(stats: CacheStats) -> dict[str, float]:
@@ -103,7 +108,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size, settings.content_special_tokens)
-    backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len, settings.max_sequences_per_request)
+    backend = Backend(driver, tokenizer, settings.model_names, engine.max_model_len, settings.max_sequences_per_request)
     started = int(time.time())
 
     @asynccontextmanager
@@ -143,7 +148,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[card(settings.model_name)])
+        return ModelList(data=[card(name) for name in settings.model_names])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def model(model_id: str) -> ModelCard:
