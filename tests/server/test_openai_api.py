@@ -46,6 +46,18 @@ def test_greedy_chat_equals_offline_chat(client, model_name, offline_llm):
     assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 
+def test_a_developer_message_is_a_system_message(client, model_name, server, auth):
+    as_developer = [{"role": "developer", "content": CHAT[0]["content"]}, *CHAT[1:]]
+    kwargs = dict(model=model_name, max_tokens=8, temperature=0)
+    developer = client.chat.completions.create(messages=as_developer, **kwargs)
+    system = client.chat.completions.create(messages=CHAT, **kwargs)
+    assert developer.choices[0].message.content == system.choices[0].message.content
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    tokens = [httpx.post(f"{server.url}/tokenize", json={"messages": m}, headers=auth).json()["tokens"]
+              for m in (as_developer, CHAT)]
+    assert tokens[0] == tokens[1]
+
+
 def test_content_as_text_parts_is_the_joined_string(client, model_name):
     parts = [{"type": "text", "text": "Say hello"}, {"type": "text", "text": "in French."}]
     as_parts = client.chat.completions.create(
