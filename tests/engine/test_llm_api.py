@@ -1,0 +1,48 @@
+"""The offline `LLM` API in the shapes vLLM users write: use_tqdm, {"prompt": text} prompts,
+gpu_memory_utilization."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuili import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "One, two, three,"]
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+
+
+def test_use_tqdm_shows_a_bar_only_when_asked(llm, capsys):
+    quiet = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    shown = llm.generate(PROMPTS, GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err and "tok/s" in err
+    assert [r.outputs[0].text for r in shown] == [r.outputs[0].text for r in quiet]
+    assert llm.generate(PROMPTS, GREEDY)[0].outputs[0].text == quiet[0].outputs[0].text  # default: quiet
+    assert capsys.readouterr().err == ""
+
+
+def test_use_tqdm_takes_a_bar_class(llm):
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.done, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def set_postfix_str(self, text):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=Bar)
+    assert [(b.total, b.done, b.closed) for b in bars] == [(1, 1, True)]
