@@ -46,3 +46,29 @@ def test_use_tqdm_takes_a_bar_class(llm):
 
     llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=Bar)
     assert [(b.total, b.done, b.closed) for b in bars] == [(1, 1, True)]
+
+
+def test_a_text_prompt_dict_is_the_text(llm):
+    as_text = llm.generate(PROMPTS, GREEDY)
+    as_dicts = llm.generate([{"prompt": p} for p in PROMPTS], GREEDY)
+    assert [r.outputs[0].text for r in as_dicts] == [r.outputs[0].text for r in as_text]
+    assert [r.prompt_token_ids for r in as_dicts] == [r.prompt_token_ids for r in as_text]
+    assert [r.prompt for r in as_dicts] == PROMPTS
+    one = llm.generate({"prompt": PROMPTS[0]}, GREEDY)  # a lone dict is one prompt
+    assert len(one) == 1 and one[0].outputs[0].text == as_text[0].outputs[0].text
+    ids = llm.generate({"prompt_token_ids": as_text[1].prompt_token_ids}, GREEDY)
+    assert ids[0].outputs[0].text == as_text[1].outputs[0].text
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": 5}, "'prompt'=5 is invalid: expected text"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({}, "expected 'prompt' (text) or 'prompt_token_ids'"),
+    ({"prompt": "Hi", "multi_modal_data": {}}, "keys ['multi_modal_data', 'prompt'] is invalid"),
+])
+def test_a_bad_prompt_dict_is_refused_by_name(llm, prompt, message):
+    from tuili.errors import RequestError
+
+    with pytest.raises(RequestError) as refused:
+        llm.generate(prompt, GREEDY)
+    assert message in str(refused.value)
