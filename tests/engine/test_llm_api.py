@@ -72,3 +72,33 @@ def test_a_bad_prompt_dict_is_refused_by_name(llm, prompt, message):
     with pytest.raises(RequestError) as refused:
         llm.generate(prompt, GREEDY)
     assert message in str(refused.value)
+
+
+def test_gpu_memory_utilization_is_that_fraction_of_available_ram_on_a_cpu(tiny_llama, monkeypatch):
+    from tuili.engine import pool
+
+    monkeypatch.setattr(pool, "available_ram", lambda: 64 << 20)
+
+    def pool_tokens(**options) -> int:
+        return LLM(str(tiny_llama), device="cpu", **options).engine.pool.num_tokens
+
+    half, quarter = pool_tokens(gpu_memory_utilization=0.5), pool_tokens(gpu_memory_utilization=0.25)
+    assert half == pool_tokens(kv_cache_memory=32 << 20)
+    assert quarter == pool_tokens(kv_cache_memory=16 << 20) and 0 < quarter < half
+    assert pool_tokens(gpu_memory_utilization=1) == pool_tokens(kv_cache_memory=64 << 20)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization=0 is invalid: expected a fraction, 0 < x <= 1"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization=1.5 is invalid"),
+    ({"gpu_memory_utilization": True}, "gpu_memory_utilization=True is invalid"),
+    ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization='0.9' is invalid"),
+    ({"gpu_memory_utilization": 0.5, "kv_cache_memory": 1 << 20},
+     "gpu_memory_utilization=0.5 and kv_cache_memory=1048576 both size the KV cache: give one of them"),
+])
+def test_bad_gpu_memory_utilization_is_refused(tiny_llama, options, message):
+    from tuili.errors import TuiliError
+
+    with pytest.raises(TuiliError) as refused:
+        LLM(str(tiny_llama), device="cpu", **options)
+    assert message in str(refused.value)

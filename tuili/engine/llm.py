@@ -28,7 +28,9 @@ class LLM:
         """`model`: a Hugging Face directory or .gguf file (None: the embedded SmolLM2).
         `options`: any EngineConfig field — dtype, device, block_size, max_num_batched_tokens
         (default here OFFLINE_MAX_NUM_BATCHED_TOKENS, not the engine's 512),
-        max_num_seqs, max_model_len, kv_cache_memory, enable_prefix_caching,
+        max_num_seqs, max_model_len, kv_cache_memory or gpu_memory_utilization (the KV budget
+        as a fraction of the memory free after loading on a GPU, of the RAM available on a CPU;
+        docs/engine.md), enable_prefix_caching,
         kv_offload_memory, quantization, kv_cache_dtype, hardware (the spec a UtilizationMeter
         built with `for_engine` judges this engine against), seed."""
         known = {f.name for f in fields(EngineConfig)} - {"model"}
