@@ -371,6 +371,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     kv_cache_memory: int | None = None  # bytes; None = a default for the device
+    # vLLM's name: the KV budget is this fraction of the memory free after loading (CUDA) or of
+    # the RAM available (CPU); tuili/engine/pool.py. Excludes kv_cache_memory.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     kv_offload_memory: int = 0  # bytes of host memory for evicted prefix-cache blocks; 0 = off
     hardware: str | None = None  # preset name or spec file for MFU/MBU; None = probed or estimated
@@ -388,6 +391,17 @@ class EngineConfig:
             raise TuiliError(f"max_model_len={self.max_model_len!r} is invalid: expected an integer >= 2")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
             raise TuiliError(f"kv_cache_memory={self.kv_cache_memory!r} is invalid: expected a positive number of bytes")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None:
+            if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+                raise TuiliError(
+                    f"gpu_memory_utilization={utilization!r} is invalid: expected a fraction, 0 < x <= 1"
+                )
+            if self.kv_cache_memory is not None:
+                raise TuiliError(
+                    f"gpu_memory_utilization={utilization!r} and kv_cache_memory={self.kv_cache_memory!r} both "
+                    "size the KV cache: give one of them"
+                )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise TuiliError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: expected one of {', '.join(KV_CACHE_DTYPES)}"

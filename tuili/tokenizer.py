@@ -119,6 +119,9 @@ class Tokenizer:
         forge a turn by writing ``<|im_end|>\n<|im_start|>system``; such text is encoded as the
         ordinary tokens that spell it. ``content_special_tokens=True`` restores the old (and
         transformers') behaviour of parsing special-token text anywhere in the rendering.
+
+        A ``developer`` message (OpenAI's newer name for ``system``) is rendered as a system
+        message, unless the template itself names the developer role.
         """
         if self.hf_tokenizer.chat_template is None:
             raise RequestError(
@@ -126,6 +129,9 @@ class Tokenizer:
                 "send a plain text prompt instead"
             )
         conversation = [_normalise_message(i, message) for i, message in enumerate(messages)]
+        if "developer" not in self.hf_tokenizer.chat_template:
+            # OpenAI's newer name for the system role; a template that does not know it gets system.
+            conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
         if not conversation:
             raise RequestError("messages=[] is invalid: expected at least one message")
         # Imported here to keep jinja2 out of the module's import cost; it is transformers' renderer.

@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from tuili.models.default_model import DEFAULT_MODEL_FILE
+
 API_KEY = "test-key"
 # Small enough that "ten times the context" is a cheap prompt and two engines fit in RAM;
 # the outputs the tests compare do not depend on either. float32 by name (the GGUF dequantized
@@ -28,6 +30,10 @@ API_KEY = "test-key"
 MAX_MODEL_LEN = 512
 DTYPE = "float32"
 ENGINE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB", "--dtype", DTYPE]
+# The main server answers to the name it would take by default (the model file's stem) and to an
+# alias with a slash in it, as Hugging Face names have (GET /v1/models/{id} must take it).
+MODEL_ALIAS = "tuili-test/alias"
+SERVED_NAMES = [Path(DEFAULT_MODEL_FILE).stem, MODEL_ALIAS]
 _READY = re.compile(r"at (http://\S+)/v1")
 _LOAD_TIMEOUT = 600.0
 
@@ -77,7 +83,7 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def server():
     """The main server: default model, API key required."""
-    process = ServerProcess("--api-key", API_KEY, *ENGINE_ARGS)
+    process = ServerProcess("--api-key", API_KEY, "--served-model-name", *SERVED_NAMES, *ENGINE_ARGS)
     yield process
     process.stop()
 

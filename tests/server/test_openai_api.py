@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 
 import httpx
+import openai
 import pytest
 
+from tests.server.conftest import MODEL_ALIAS
 from tuili.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,6 +44,18 @@ def test_greedy_chat_equals_offline_chat(client, model_name, offline_llm):
     assert choice.finish_reason == expected.outputs[0].finish_reason
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_a_developer_message_is_a_system_message(client, model_name, server, auth):
+    as_developer = [{"role": "developer", "content": CHAT[0]["content"]}, *CHAT[1:]]
+    kwargs = dict(model=model_name, max_tokens=8, temperature=0)
+    developer = client.chat.completions.create(messages=as_developer, **kwargs)
+    system = client.chat.completions.create(messages=CHAT, **kwargs)
+    assert developer.choices[0].message.content == system.choices[0].message.content
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    tokens = [httpx.post(f"{server.url}/tokenize", json={"messages": m}, headers=auth).json()["tokens"]
+              for m in (as_developer, CHAT)]
+    assert tokens[0] == tokens[1]
 
 
 def test_content_as_text_parts_is_the_joined_string(client, model_name):
@@ -159,7 +173,7 @@ def test_chat_logprobs(client, model_name):
 
 def test_models_and_tokenizer_endpoints(server, client, model_name, offline_llm, auth):
     models = client.models.list().data
-    assert [m.id for m in models] == [model_name]
+    assert [m.id for m in models] == [model_name, MODEL_ALIAS]
     hf = offline_llm.get_tokenizer().hf_tokenizer  # transformers' tokenizer of the same model
     text = "Hello, wörld! 你好"
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=auth).json()
@@ -168,6 +182,31 @@ def test_models_and_tokenizer_endpoints(server, client, model_name, offline_llm,
     assert chat["tokens"] == hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
     back = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=auth).json()
     assert back["prompt"] == hf.decode(tokens["tokens"], skip_special_tokens=True)
+
+
+def test_retrieve_one_model_and_an_unknown_one(client, model_name):
+    model = client.models.retrieve(model_name)
+    assert (model.id, model.object, model.owned_by) == (model_name, "model", "tuili")
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("no-such-model")
+    error = raised.value.body  # the client unwraps OpenAI's {"error": {...}}
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "no-such-model" in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_every_served_name_is_a_model_and_answers(client, model_name):
+    assert client.models.retrieve(MODEL_ALIAS).id == MODEL_ALIAS  # a name with a slash
+    kwargs = dict(prompt=PROMPT, max_tokens=4, temperature=0)
+    by_default = client.completions.create(model=model_name, **kwargs)
+    by_alias = client.completions.create(model=MODEL_ALIAS, **kwargs)
+    assert (by_default.model, by_alias.model) == (model_name, MODEL_ALIAS)  # each answer names the name asked
+    assert by_alias.choices[0].text == by_default.choices[0].text
+    chat = client.chat.completions.create(model=MODEL_ALIAS, messages=CHAT, max_tokens=2, temperature=0)
+    assert chat.model == MODEL_ALIAS
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="tuili-test", **kwargs)
+    assert raised.value.body["code"] == "model_not_found" and MODEL_ALIAS in raised.value.body["message"]
 
 
 def test_usage_reports_prefix_cache_hits(client, model_name, server, scrape):

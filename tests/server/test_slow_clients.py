@@ -112,6 +112,8 @@ def test_stalled_connections_past_the_cap_leave_room_for_real_requests(guarded):
     (["--body-timeout", "-1"], "--body-timeout -1.0 is invalid: expected seconds > 0"),
     (["--max-connections", "0"], "--max-connections 0 is invalid: expected at least 1"),
     (["--max-connections", str(10**9)], "--max-connections 1000000000 needs 1000000256 open files"),
+    (["--served-model-name", "a", "b", "a"], "--served-model-name ['a', 'b', 'a'] is invalid: a name is given twice"),
+    (["--served-model-name", "a", " "], "--served-model-name ['a', ' '] is invalid: a name is empty"),
 ])
 def test_bad_limits_are_refused_at_start(argv, message):
     import argparse

@@ -215,22 +215,9 @@ def _read_prompts(path: Path, tokenizer) -> list:
 
 
 def _generate_file(llm, path: Path, output: Path | None, params) -> None:
-    from tqdm import tqdm
-
     prompts = _read_prompts(path, llm.get_tokenizer())
-    bar = tqdm(total=len(prompts), unit="req", file=sys.stderr, dynamic_ncols=True)
     start = time.perf_counter()
-    generated_before = llm.engine.stats().generation_tokens
-
-    def on_step(outputs) -> None:
-        generated = llm.engine.stats().generation_tokens - generated_before
-        finished = sum(1 for o in outputs if o.finished)
-        elapsed = time.perf_counter() - start
-        bar.set_postfix_str(f"{generated / elapsed:.1f} tok/s")
-        bar.update(finished)
-
-    results = llm.generate(prompts, params, on_step=on_step)
-    bar.close()
+    results = llm.generate(prompts, params, use_tqdm=True)  # a bar of finished prompts, with tokens/s
     elapsed = time.perf_counter() - start
     sink = output.open("w") if output else sys.stdout
     try:

@@ -181,10 +181,19 @@ class LLMEngine:
         return request_id
 
     def _tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise RequestError(f"prompt dict needs 'prompt_token_ids', got keys {sorted(prompt)}")
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt {"prompt_token_ids": [...]} or TextPrompt {"prompt": text}
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown or not prompt:
+                raise RequestError(
+                    f"prompt dict with keys {sorted(prompt)} is invalid: expected 'prompt' (text) or "
+                    "'prompt_token_ids' (tuili takes no other prompt inputs)"
+                )
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif isinstance(prompt["prompt"], str):
+                return self._tokenize_prompt(prompt["prompt"])
+            else:
+                raise RequestError(f"prompt dict's 'prompt'={prompt['prompt']!r} is invalid: expected text")
         elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(

@@ -8,8 +8,11 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from typing import Any
 
 from tuili.config import EngineConfig
 from tuili.engine.core import LLMEngine, Prompt
@@ -25,7 +28,9 @@ class LLM:
         """`model`: a Hugging Face directory or .gguf file (None: the embedded SmolLM2).
         `options`: any EngineConfig field — dtype, device, block_size, max_num_batched_tokens
         (default here OFFLINE_MAX_NUM_BATCHED_TOKENS, not the engine's 512),
-        max_num_seqs, max_model_len, kv_cache_memory, enable_prefix_caching,
+        max_num_seqs, max_model_len, kv_cache_memory or gpu_memory_utilization (the KV budget
+        as a fraction of the memory free after loading on a GPU, of the RAM available on a CPU;
+        docs/engine.md), enable_prefix_caching,
         kv_offload_memory, quantization, kv_cache_dtype, hardware (the spec a UtilizationMeter
         built with `for_engine` judges this engine against), seed."""
         known = {f.name for f in fields(EngineConfig)} - {"model"}
@@ -44,13 +49,17 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        *,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         All prompts are validated before any runs, so a bad one raises without side effects.
-        `on_step` (optional) sees each step's outputs, e.g. for a progress bar; a request it
-        aborts (`llm.engine.abort_request`) is returned as it stood, with finish_reason "abort".
+        `use_tqdm` (vLLM's argument, but off by default): True shows a tqdm bar on stderr, of
+        finished prompts with the output tokens/s; a callable is used in tqdm's place.
+        `on_step` (optional) sees each step's outputs; a request it aborts
+        (`llm.engine.abort_request`) is returned as it stood, with finish_reason "abort".
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -67,7 +76,13 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 ids.append(self.engine.add_request(prompt, params))
-            return self._run(ids, on_step)
+            if use_tqdm:
+                on_step = self._progress_bar(set(ids), use_tqdm, on_step)
+            try:
+                return self._run(ids, on_step)
+            finally:
+                if use_tqdm:
+                    on_step.bar.close()
         finally:
             for request_id in ids:  # no-op for finished ones; frees blocks after an exception
                 self.engine.abort_request(request_id)
@@ -78,6 +93,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
         content_special_tokens: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
@@ -92,7 +108,28 @@ class LLM:
                 conv, add_generation_prompt=add_generation_prompt, content_special_tokens=content_special_tokens)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _progress_bar(self, ids: set[str], use_tqdm: bool | Callable[..., Any],
+                      then: Callable[[list[RequestOutput]], None] | None) -> Callable[[list[RequestOutput]], None]:
+        """An on_step that advances a progress bar (its `bar` attribute), then calls `then`."""
+        if callable(use_tqdm):
+            make_bar = use_tqdm
+        else:
+            from tqdm import tqdm as make_bar
+        bar = make_bar(total=len(ids), unit="req", desc="Processed prompts", file=sys.stderr, dynamic_ncols=True)
+        start = time.perf_counter()
+        generated_before = self.engine.stats().generation_tokens
+
+        def on_step(outputs: list[RequestOutput]) -> None:
+            generated = self.engine.stats().generation_tokens - generated_before
+            bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
+            bar.update(sum(1 for o in outputs if o.finished and o.request_id in ids))
+            if then is not None:
+                then(outputs)
+
+        on_step.bar = bar
+        return on_step
 
     def _run(self, ids: list[str], on_step: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

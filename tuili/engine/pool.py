@@ -8,6 +8,7 @@ is allocated; the runner allocates what the plan says and the block manager hand
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +63,32 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.num_linear_layers * (conv + recurrent)
 
 
-def default_kv_cache_memory(device: torch.device) -> int:
-    """2 GiB on a CPU (ample for the small models CPU serving targets; set kv_cache_memory
-    for more); on a GPU 90% of the memory still free after the weights, less a reserve of
-    1 GiB for activations."""
+_ACTIVATION_RESERVE = 1 << 30  # GPU memory left beside the KV pool for activations
+
+
+def default_kv_cache_memory(device: torch.device, utilization: float | None = None) -> int:
+    """The KV budget when kv_cache_memory is not given. On a GPU, `utilization` (default 0.9)
+    of the memory still free after the weights, less a reserve of 1 GiB for activations. On a
+    CPU, `utilization` of the RAM available now (MemAvailable) when it is given, else 2 GiB
+    (ample for the small models CPU serving targets; set kv_cache_memory for more)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return max(int(free * 0.9) - (1 << 30), 0)
-    return 2 << 30
+        return max(int(free * (0.9 if utilization is None else utilization)) - _ACTIVATION_RESERVE, 0)
+    if utilization is None:
+        return 2 << 30
+    return int(available_ram() * utilization)
+
+
+def available_ram() -> int:
+    """Bytes of RAM the kernel says can be had without swapping (MemAvailable), else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> PoolPlan:
@@ -79,7 +98,7 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
     Call after the weights are loaded: a GPU's default budget is what they left free."""
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or dtype
     block_bytes = kv_bytes_per_block(model, config.block_size, kv_dtype)
-    budget = config.kv_cache_memory or default_kv_cache_memory(device)
+    budget = config.kv_cache_memory or default_kv_cache_memory(device, config.gpu_memory_utilization)
     slot_bytes = state_bytes_per_slot(model, dtype)
     num_slots = 0
     if slot_bytes:

@@ -5,7 +5,7 @@ and an OpenAPI schema from the same declarations (the property-based test runs a
 schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are built on.
 
     POST /v1/completions, /v1/chat/completions   generation, streamed or not  (key)
-    GET  /v1/models                              the served model             (key)
+    GET  /v1/models, /v1/models/{id}             the served model             (key)
     POST /tokenize, /detokenize                  the model's tokenizer        (key)
     GET  /health                                 200 while the engine thread lives
     GET  /metrics                                Prometheus text format
@@ -80,6 +80,11 @@ class ServerSettings:
     content_special_tokens: bool = False  # parse special-token text in message content (unsafe)
     max_sequences_per_request: int = 256
     body_timeout: float = 60.0  # seconds from a request's headers to the end of its body (--body-timeout)
+    more_model_names: tuple[str, ...] = ()  # --served-model-name's other names, after model_name
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.more_model_names)
 
 
 def _cache_samples(stats: CacheStats) -> dict[str, float]:
@@ -103,7 +108,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size, settings.content_special_tokens)
-    backend = Backend(driver, tokenizer, settings.model_name, engine.max_model_len, settings.max_sequences_per_request)
+    backend = Backend(driver, tokenizer, settings.model_names, engine.max_model_len, settings.max_sequences_per_request)
     started = int(time.time())
 
     @asynccontextmanager
@@ -137,12 +142,18 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def card(name: str) -> ModelCard:
+        # The name, not the model's local path: that would tell any client about the server's disk.
+        return ModelCard(id=name, created=started, root=settings.model_name, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        # The name, not the model's local path: that would tell any client about the server's disk.
-        card = ModelCard(id=settings.model_name, created=started, root=settings.model_name,
-                         max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[card(name) for name in settings.model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        check_model(backend, model_id)
+        return card(model_id)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMABLE})
     async def completions(body: CompletionRequest, request: Request) -> Response:

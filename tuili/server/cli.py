@@ -24,8 +24,9 @@ def register(subparsers) -> None:
     http.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     http.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer KEY' on the API routes (/health and /metrics stay open)")
-    http.add_argument("--served-model-name", default=None,
-                      help="the model name clients use (default: the model file or directory name)")
+    http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                      help="the names /v1/models lists and a request's model may give; the first is the default "
+                      "(default: the model file or directory name)")
     http.add_argument("--allowed-hosts", default=None,
                       help="comma-separated host names the Host header may give, '*' for any (default: "
                       "localhost, 127.0.0.1 and ::1 when --host is a loopback address, else any)")
@@ -92,6 +93,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_request_bytes < 1024:
         raise TuiliError(f"--max-request-bytes {args.max_request_bytes} is invalid: expected at least 1KiB")
     allowed_hosts(args.allowed_hosts, args.host)  # raises on a bad list
+    names = args.served_model_name or []
+    if any(not name.strip() for name in names):
+        raise TuiliError(f"--served-model-name {names} is invalid: a name is empty")
+    if len(set(names)) != len(names):
+        raise TuiliError(f"--served-model-name {names} is invalid: a name is given twice")
     if args.api_key is not None and not args.api_key:
         raise TuiliError("--api-key is empty: expected a key")
 
@@ -169,10 +175,10 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     from tuili.server.app import ServerSettings
     from tuili.server.serve import serve
 
-    name = args.served_model_name or _default_name(engine.model_path)
+    name, *more = args.served_model_name or [_default_name(engine.model_path)]
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
                               allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
-                              args.max_sequences_per_request, args.body_timeout)
+                              args.max_sequences_per_request, args.body_timeout, tuple(more))
     serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log,
           header_timeout=args.header_timeout, max_connections=args.max_connections)
     return 0

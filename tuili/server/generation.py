@@ -49,9 +49,13 @@ class Backend:
 
     driver: EngineDriver
     tokenizer: PromptTokenizer
-    model_name: str
+    model_names: tuple[str, ...]  # what `model` may name (--served-model-name); the first is the default
     max_model_len: int
     max_sequences_per_request: int = 256  # prompts x n of one call (--max-sequences-per-request)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
 
 def check_sequences(backend: Backend, prompts: int, n: int) -> None:
@@ -67,12 +71,17 @@ def check_sequences(backend: Backend, prompts: int, n: int) -> None:
         raise error
 
 
-def check_model(backend: Backend, model: str | None) -> None:
-    if model is not None and model != backend.model_name:
+def check_model(backend: Backend, model: str | None) -> str:
+    """The served name `model` asks for (None: the default one); 404 for a name not served."""
+    if model is None:
+        return backend.model_name
+    if model not in backend.model_names:
+        served = ", ".join(repr(name) for name in backend.model_names)
         raise ApiError(
-            404, f"model {model!r} does not exist: this server serves {backend.model_name!r}",
+            404, f"model {model!r} does not exist: this server serves {served}",
             param="model", code="model_not_found",
         )
+    return model
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -154,7 +163,8 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
         check_length("prompt", ids, params.max_tokens, backend.max_model_len)
         prompts.append(ids)
         texts.append(item if isinstance(item, str) else None)
-    return await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival)
+    return await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
+                         request.model)
 
 
 async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: float) -> Generation:
@@ -170,7 +180,8 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
     await backend.tokenizer.check_text_length(_content_text(messages), "messages", backend.max_model_len)
     ids = await backend.tokenizer.apply_chat_template(messages, request.add_generation_prompt)
     check_length("messages", ids, max_tokens, backend.max_model_len)
-    return await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival)
+    return await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival,
+                         request.model)
 
 
 def _content_text(messages: list[dict]) -> str:
@@ -186,10 +197,10 @@ def _content_text(messages: list[dict]) -> str:
 
 
 async def _submit(backend: Backend, kind: str, api_id: str, prompts: list[list[int]], texts: list[str | None],
-                  params: SamplingParams, arrival: float) -> Generation:
+                  params: SamplingParams, arrival: float, model: str | None) -> Generation:
     strings = await backend.tokenizer.token_strings() if params.logprobs is not None else None
     submission = await backend.driver.submit(api_id, prompts, texts, params, arrival)
-    return Generation(kind, api_id, backend.model_name, params.n, submission, [len(p) for p in prompts],
+    return Generation(kind, api_id, model or backend.model_name, params.n, submission, [len(p) for p in prompts],
                       params.logprobs, strings)
 
 

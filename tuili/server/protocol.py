@@ -217,7 +217,8 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     model_config = ConfigDict(strict=True, extra="ignore")  # only the declared fields reach the template
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="developer: OpenAI's newer name for system, rendered as system")
     content: str | list[TextPart] | None = Field(None, description="null only for an assistant message")
 
     @model_validator(mode="after")

@@ -73,8 +73,8 @@ def serve(engine: LLMEngine, settings: ServerSettings, sock: socket.socket, shut
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     logger.info(
-        "serving %s as %r: %s on %s, KV pool %d tokens, max_model_len %d, at http://%s:%d/v1",
-        engine.model_path, settings.model_name, str(engine.dtype).removeprefix("torch."), engine.device,
+        "serving %s as %s: %s on %s, KV pool %d tokens, max_model_len %d, at http://%s:%d/v1",
+        engine.model_path, ", ".join(map(repr, settings.model_names)), str(engine.dtype).removeprefix("torch."), engine.device,
         engine.pool.num_tokens, engine.max_model_len, url_host, port,
     )
     GracefulServer(config, shutdown_grace, app.state.abort_all).run(sockets=[sock])
