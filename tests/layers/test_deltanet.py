@@ -146,19 +146,11 @@ def test_mixer_over_split_prompts_and_decodes_matches_reference(hk, hv):
     got = {slot: [] for slot in seqs}
     with torch.no_grad():
         for step in steps:
-            rows, fresh, dec_rows, dec_slots, chunks = [], [], [], [], []
+            rows, items = [], []
             for slot, (start, n) in step.items():
-                first = sum(r.shape[0] for r in rows)
+                items.append((sum(r.shape[0] for r in rows), start, n, slot))
                 rows.append(seqs[slot][start : start + n])
-                if start == 0:
-                    fresh.append(slot)
-                if n == 1:
-                    dec_rows.append(first)
-                    dec_slots.append(slot)
-                else:
-                    chunks.append((first, n, slot))
-            batch = StateBatch(torch.tensor(fresh, dtype=torch.long), torch.tensor(dec_rows, dtype=torch.long),
-                               torch.tensor(dec_slots, dtype=torch.long), chunks)  # fmt: skip
+            batch = StateBatch.build(items, torch.device("cpu"))
             out = ours(torch.cat(rows), batch)
             first = 0
             for slot, (_, n) in step.items():

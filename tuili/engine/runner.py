@@ -197,25 +197,15 @@ class ModelRunner:
         decodes: list[tuple[int, int, int, list[int]]] = []
         chunks: list[tuple[int, int, int, list[int]]] = []
         spans: list[CausalSpan] = []
-        # Hybrid models: state slots zeroed first (chunks at position 0), single-token items
-        # (rows, slots) stepped together, longer chunks (first row, tokens, slot) one by one.
-        fresh: list[int] = []
-        state_rows: list[int] = []
-        state_slots: list[int] = []
-        state_chunks: list[tuple[int, int, int]] = []
+        # Hybrid models: each item's (first row, first position, tokens, state slot).
+        state_items: list[tuple[int, int, int, int]] = []
         for item in batch:
             seq, start, n = item.seq, item.start, item.num_tokens
             query_start = len(input_ids)
             if self.hybrid:
                 state_slot = seq.state_slot
                 assert state_slot is not None, f"sequence {seq.seq_id} runs without a state slot"
-                if start == 0:
-                    fresh.append(state_slot)
-                if n == 1:
-                    state_rows.append(query_start)
-                    state_slots.append(state_slot)
-                else:
-                    state_chunks.append((query_start, n, state_slot))
+                state_items.append((query_start, start, n, state_slot))
             input_ids.extend(seq.token_ids[start : start + n])
             span = range(start, start + n)
             positions.extend(span)
@@ -240,12 +230,7 @@ class ModelRunner:
             # The state continues from the slot only where this chunk continues what the slot
             # holds: prefix caching is off for hybrid models, so a sequence's first chunk after
             # admission (or a preemption) always starts at position 0 and zeroes its slot.
-            meta.states = StateBatch(
-                torch.tensor(fresh, dtype=torch.long).to(dev, non_blocking=True),
-                torch.tensor(state_rows, dtype=torch.long).to(dev, non_blocking=True),
-                torch.tensor(state_slots, dtype=torch.long).to(dev, non_blocking=True),
-                state_chunks,
-            )
+            meta.states = StateBatch.build(state_items, dev)
         return (
             torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),

@@ -152,6 +152,19 @@ class StateBatch:
     decode_slots: torch.Tensor  # [D] int64: their slots
     chunks: list[tuple[int, int, int]]  # (first row, tokens, slot) of items of two tokens or more
 
+    @classmethod
+    def build(cls, items: list[tuple[int, int, int, int]], device: torch.device) -> StateBatch:
+        """From the step's items as (first row, first position, tokens, slot): a chunk starting
+        at position 0 zeroes its slot first; single-token items are stepped together."""
+        fresh = [slot for _, start, _, slot in items if start == 0]
+        decodes = [(row, slot) for row, _, n, slot in items if n == 1]
+        chunks = [(row, n, slot) for row, _, n, slot in items if n > 1]
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        return cls(column(fresh), column([r for r, _ in decodes]), column([s for _, s in decodes]), chunks)
+
 
 @dataclass
 class DeltaNetState:
