@@ -78,10 +78,10 @@ def load_model(
     packed_dtype every weight is dequantized to `dtype`."""
     path = resolve_model_path(model)
     if path.is_file():
-        cfg, tensors, tokenizer, ckpt = _open_gguf(path)
+        cfg, tensors, shapes, tokenizer, ckpt = _open_gguf(path)
         weight_format = "gguf"
     else:
-        cfg, tensors, tokenizer = _open_hf_dir(path)
+        cfg, tensors, shapes, tokenizer = _open_hf_dir(path)
         ckpt, weight_format = None, "safetensors"
     network_class = NETWORKS.get(cfg.family, LlamaForCausalLM)
     if network_class is Qwen3NextForCausalLM:
@@ -95,7 +95,7 @@ def load_model(
     plan = WeightPlan(
         platform, dtype, tensors, network_class.stacked_projections, str(path), quantization,
         quantized_dtype=packed_dtype or dtype,
-        gguf_packed=ckpt if quantization is None and packed_dtype is not None else None,
+        gguf_packed=ckpt if quantization is None and packed_dtype is not None else None, shapes=shapes,
     )  # fmt: skip
     network = network_class(cfg, max_positions or cfg.max_position_embeddings, plan, attention_backend(platform, dtype))
     plan.fill(network)
@@ -108,7 +108,7 @@ def load_model(
     return LoadedModel(network, cfg, tokenizer, path, weight_format, plan.quantized)
 
 
-def _open_hf_dir(path: Path) -> tuple[ModelConfig, TensorSource, Tokenizer | None]:
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict[str, tuple[int, ...]], Tokenizer | None]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json: expected a Hugging Face model directory")
@@ -118,14 +118,16 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, TensorSource, Tokenizer | Non
         raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
     cfg = ModelConfig.from_hf_config(raw)
     tensors: TensorSource = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in _safetensors_files(path):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
             for name in handle.keys():
                 tensors[name] = functools.partial(_read_tensor, handle, name, file)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
-    return cfg, tensors, Tokenizer.from_pretrained_dir(path)
+    return cfg, tensors, shapes, Tokenizer.from_pretrained_dir(path)
 
 
 def _read_tensor(handle: Any, name: str, file: Path) -> torch.Tensor:
@@ -153,14 +155,17 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _open_gguf(path: Path) -> tuple[ModelConfig, TensorSource, Tokenizer | None, GGUFCheckpoint]:
+def _open_gguf(
+    path: Path,
+) -> tuple[ModelConfig, TensorSource, dict[str, tuple[int, ...]], Tokenizer | None, GGUFCheckpoint]:
     from tuili.models.gguf import open_gguf
 
     ckpt = open_gguf(path)
     cfg = ModelConfig.from_hf_config(ckpt.config)
     tensors: TensorSource = {name: functools.partial(ckpt.load_tensor, name, torch.float32) for name in ckpt.tensor_names()}
+    shapes = {name: tuple(ckpt.tensor_info(name).shape) for name in ckpt.tensor_names()}
     hf_tokenizer = ckpt.load_tokenizer()
     # Chat models end a turn with an end-of-turn token that llama.cpp records apart from EOS.
     eot = [ckpt.metadata(key, None) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
     tokenizer = Tokenizer(hf_tokenizer, [int(t) for t in eot if t is not None]) if hf_tokenizer else None
-    return cfg, tensors, tokenizer, ckpt
+    return cfg, tensors, shapes, tokenizer, ckpt

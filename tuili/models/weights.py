@@ -65,7 +65,8 @@ class WeightPlan:
     quantized_dtype: torch.dtype = torch.bfloat16  # what quantized linears compute in
     gguf_packed: GGUFCheckpoint | None = None  # a GGUF file whose Q4_0/Q4_1/Q8_0 linears run as stored
     group_size: int = DEFAULT_INT4_GROUP_SIZE
-    _used: set[str] = field(default_factory=set)  # checkpoint tensors the plan has placed
+    # checkpoint name -> shape, as the file's header records it (read without loading the tensor)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_METHODS):
@@ -192,7 +193,6 @@ class WeightPlan:
         if missing:
             _raise_missing(self.source, missing)
         pieces = [self.tensors[n]().to(device=self.device, dtype=self.dtype) for n in names]
-        self._used.update(names)
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if tuple(tensor.shape) != shape:
             shown = names[0] if len(names) == 1 else f"{', '.join(names)} stacked"
@@ -216,7 +216,6 @@ class WeightPlan:
         b = None
         if bias:
             b = self._stacked([f"{p}.bias" for p in parts], (sum(w.q.shape[0] for w in weights),))
-        self._used.update(names)
         stacked = type(weights[0]).cat(weights)  # type: ignore[arg-type]
         return make_linear(stacked, b, self.quantized_dtype, platform=self.platform).to(self.device)
 
@@ -240,14 +239,11 @@ class WeightPlan:
 
     def _linear_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(checkpoint name, shape) of every 2-D linear weight the checkpoint holds (for checks
-        that must run before anything is built)."""
+        that must run before anything is built), from the header where the loader gave it."""
         shapes = []
         for name, load in self.tensors.items():
             if name.endswith(".weight") and (name.startswith("model.layers.") or _is_output(name)):
-                if self.gguf_packed is not None and name in self.gguf_packed.tensor_names():
-                    shape = tuple(self.gguf_packed.tensor_info(name).shape)
-                else:
-                    shape = tuple(load().shape)
+                shape = self.shapes.get(name) or tuple(load().shape)
                 if len(shape) == 2:
                     shapes.append((name.removesuffix(".weight"), shape))
         return shapes
