@@ -52,15 +52,20 @@ def _prompt_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     from tuili.engine.request import Sequence
     from tuili.engine.scheduler import ScheduledSeq
 
-    batch = []
+    engine, batch = llm.engine, []
+    slots = engine.scheduler.state_slots  # hybrid models: each prompt's linear-attention state
     for i, ids in enumerate(prompts):
         seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids),
                        params=SamplingParams())
-        llm.engine.block_manager.grow(seq, len(ids))
+        engine.block_manager.grow(seq, len(ids))
+        if slots is not None:
+            slots.take(seq)
         batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
-    logits = llm.engine.runner.logits(batch)
+    logits = engine.runner.logits(batch)
     for seq in (item.seq for item in batch):
-        llm.engine.block_manager.free(seq)
+        engine.block_manager.free(seq)
+        if slots is not None:
+            slots.free(seq)
     return logits
 
 
@@ -68,5 +73,5 @@ def _prompt_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 def prompt_logits():
     """`prompt_logits(llm, prompts)`: float32 logits [total tokens, vocab] of every token of
     every prompt (lists of token ids), scored in one batched prefill through the engine's runner,
-    outside the scheduler; the prompts' KV blocks are freed afterwards."""
+    outside the scheduler; the prompts' KV blocks (and state slots) are freed afterwards."""
     return _prompt_logits

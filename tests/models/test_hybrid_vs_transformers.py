@@ -24,8 +24,6 @@ from safetensors.torch import load_file, save_file
 from tuili import LLM, SamplingParams
 from tuili.config import EngineConfig, ModelConfig
 from tuili.engine.pool import kv_bytes_per_block, plan_pool, state_bytes_per_slot
-from tuili.engine.request import Sequence
-from tuili.engine.scheduler import ScheduledSeq
 from tuili.errors import TuiliError
 from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.moe import SparseMoE
@@ -96,31 +94,6 @@ def _llm(path, **options) -> LLM:
     return LLM(model=str(path), **options)
 
 
-def _batch_logits(llm: LLM) -> torch.Tensor:
-    """Every prompt's logits in one step, each prompt one fresh chunk."""
-    engine = llm.engine
-    batch = []
-    for i, ids in enumerate(PROMPTS):
-        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids), params=SamplingParams())
-        engine.block_manager.grow(seq, len(ids))
-        engine.scheduler.state_slots.take(seq)
-        batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
-    logits = engine.runner.logits(batch)
-    for item in batch:
-        engine.block_manager.free(item.seq)
-        engine.scheduler.state_slots.free(item.seq)
-    return logits
-
-
-def _assert_logits_match(ours: torch.Tensor, hf: transformers.PreTrainedModel, **tol) -> None:
-    offset = 0
-    with torch.no_grad():
-        for ids in PROMPTS:
-            ref = hf(torch.tensor([ids])).logits[0].float()
-            torch.testing.assert_close(ours[offset : offset + len(ids)], ref, **(tol or dict(atol=2e-5, rtol=1e-4)))
-            offset += len(ids)
-
-
 def _assert_all_state_free(llm: LLM) -> None:
     slots = llm.engine.scheduler.state_slots
     assert slots is not None and slots.num_free == slots.num_slots
@@ -128,14 +101,14 @@ def _assert_all_state_free(llm: LLM) -> None:
     assert stats.num_free_blocks == stats.num_blocks
 
 
-def test_logits_match_transformers(checkpoint):
+def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_match):
     path, hf, _ = checkpoint
     llm = _llm(path)
     layers = llm.engine.runner.model.model.layers
     assert [isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet) for layer in layers] == [True, True, True, False]
     expect_sparse = [i not in hf.config.mlp_only_layers for i in range(4)]
     assert [isinstance(layer.mlp, SparseMoE) for layer in layers] == expect_sparse
-    _assert_logits_match(_batch_logits(llm), hf)
+    assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
 
 
 class _MixedSteps:
@@ -234,19 +207,19 @@ def test_prefix_caching_is_off_with_a_reason(checkpoint, caplog):
     assert llm.engine.stats().prefix_cache.hit_tokens == 0
 
 
-def test_bf16_runs_close_to_transformers_bf16(checkpoint):
+def test_bf16_runs_close_to_transformers_bf16(checkpoint, prompt_logits, assert_logits_match):
     path, hf, _ = checkpoint
     llm = _llm(path, dtype="bfloat16")
     assert llm.engine.runner.model.model.layers[0].linear_attn.state.recurrent.dtype == torch.float32
     hf_bf16 = _hf_model(next(n for n in CASES if n in str(path))).to(torch.bfloat16)
-    _assert_logits_match(_batch_logits(llm), hf_bf16, atol=0.1, rtol=0.05)
+    assert_logits_match(prompt_logits(llm, PROMPTS), hf_bf16, PROMPTS, atol=0.1, rtol=0.05)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     _assert_all_state_free(llm)
 
 
-def test_mtp_tensors_are_skipped_with_a_note(tmp_path, caplog):
+def test_mtp_tensors_are_skipped_with_a_note(tmp_path, caplog, prompt_logits, assert_logits_match):
     hf = _hf_model("moe-shared-hv4")
     hf.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -256,7 +229,7 @@ def test_mtp_tensors_are_skipped_with_a_note(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tuili.models.loader"):
         llm = _llm(tmp_path)
     assert "skipping 2 multi-token-prediction tensors" in caplog.text
-    _assert_logits_match(_batch_logits(llm), hf)
+    assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
 
 
 def test_pool_reserves_state_and_caps_sequences():

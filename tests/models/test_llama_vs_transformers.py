@@ -78,35 +78,14 @@ def checkpoint(request, tmp_path_factory):
     return path, model
 
 
-def test_logits_match_transformers(checkpoint):
+def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_match):
     path, hf = checkpoint
     llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20)
-    runner = llm.engine.runner
-    batch = []
-    for i, ids in enumerate(PROMPTS):
-        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids), params=SamplingParams())
-        llm.engine.block_manager.grow(seq, len(ids))
-        batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
-    ours = runner.logits(batch)
-    offset = 0
-    with torch.no_grad():
-        for ids in PROMPTS:
-            ref = hf(torch.tensor([ids])).logits[0]
-            torch.testing.assert_close(ours[offset : offset + len(ids)], ref, atol=2e-5, rtol=1e-4)
-            offset += len(ids)
-
-
-def _hf_greedy(model, ids, steps):
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[-steps:]
+    assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
 
 
 @pytest.mark.parametrize("path", ["graphs", "native-eager", "torch"])
-def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, monkeypatch):
+def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, monkeypatch, hf_greedy):
     """Every way a step runs: the native kernels (where they build, as on our machines) with pure
     decode steps replayed from CPU graphs, the same kernels called eagerly (enforce_eager), and
     the portable torch path (TUILI_NATIVE_KERNELS=0)."""
@@ -126,7 +105,7 @@ def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, 
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
     for ids, out in zip(PROMPTS, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, ids, steps)
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, steps)
         assert out.outputs[0].finish_reason == "length"
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_blocks

@@ -22,8 +22,6 @@ from safetensors.torch import save_file
 
 from tuili import LLM, SamplingParams
 from tuili.config import ModelConfig
-from tuili.engine.request import Sequence
-from tuili.engine.scheduler import ScheduledSeq
 from tuili.errors import CheckpointError, TuiliError
 from tuili.layers.moe import SparseMoE
 
@@ -83,44 +81,17 @@ def checkpoint(request, tmp_path_factory):
     return path, model, request.param
 
 
-def _batch_logits(llm: LLM) -> torch.Tensor:
-    batch = []
-    for i, ids in enumerate(PROMPTS):
-        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids), params=SamplingParams())
-        llm.engine.block_manager.grow(seq, len(ids))
-        batch.append(ScheduledSeq.next_chunk(seq, len(ids)))
-    return llm.engine.runner.logits(batch)
-
-
-def _assert_logits_match(ours: torch.Tensor, hf: transformers.PreTrainedModel) -> None:
-    offset = 0
-    with torch.no_grad():
-        for ids in PROMPTS:
-            ref = hf(torch.tensor([ids])).logits[0]
-            torch.testing.assert_close(ours[offset : offset + len(ids)], ref, atol=2e-5, rtol=1e-4)
-            offset += len(ids)
-
-
-def test_logits_match_transformers(checkpoint):
+def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_match):
     path, hf, name = checkpoint
     llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20)
     # the layers the config makes sparse are mixtures of experts, the others dense
     layers = llm.engine.runner.model.model.layers
     assert [isinstance(layer.mlp, SparseMoE) for layer in layers] == CASES[name][1]
-    _assert_logits_match(_batch_logits(llm), hf)
-
-
-def _hf_greedy(model, ids, steps):
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[-steps:]
+    assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, monkeypatch):
+def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, monkeypatch, hf_greedy):
     """The native kernels (where they build) and the portable torch path (TUILI_NATIVE_KERNELS=0,
     read when the engine is built). A mixture of experts runs every step eagerly: no CPU graphs."""
     from tuili import kernels
@@ -138,13 +109,13 @@ def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, 
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
     for ids, out in zip(PROMPTS, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, ids, steps)
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, steps)
         assert out.outputs[0].finish_reason == "length"
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
 
 
-def test_fused_expert_checkpoint_loads(tmp_path):
+def test_fused_expert_checkpoint_loads(tmp_path, prompt_logits, assert_logits_match):
     """A checkpoint storing each layer's experts as the two 3-D tensors transformers holds in
     memory (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) gives the same
     logits as transformers."""
@@ -155,7 +126,7 @@ def test_fused_expert_checkpoint_loads(tmp_path):
     config = hf.config.to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20)
-    _assert_logits_match(_batch_logits(llm), hf)
+    assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

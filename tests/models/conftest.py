@@ -1,0 +1,39 @@
+"""What the model tests share: transformers' side of each comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens after `ids` from a transformers model, one full forward per token."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[-steps:]
+
+
+def _assert_logits_match(ours: torch.Tensor, hf, prompts: list[list[int]], **tolerance) -> None:
+    """`ours` (the prompts' logits back to back) equal to transformers' for each prompt alone;
+    by default to float32 rounding (atol 2e-5, rtol 1e-4)."""
+    offset = 0
+    with torch.no_grad():
+        for ids in prompts:
+            ref = hf(torch.tensor([ids])).logits[0].float()
+            torch.testing.assert_close(ours[offset : offset + len(ids)], ref, **(tolerance or dict(atol=2e-5, rtol=1e-4)))
+            offset += len(ids)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """`hf_greedy(model, ids, steps)`: transformers' greedy continuation, a token at a time."""
+    return _hf_greedy
+
+
+@pytest.fixture(scope="session")
+def assert_logits_match():
+    """`assert_logits_match(ours, hf, prompts, **tolerance)`."""
+    return _assert_logits_match
