@@ -58,6 +58,11 @@ class DecodeGraphs:
     blocks."""
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, max_blocks_per_seq: int) -> None:
+        # Capturing runs the step under a TorchDispatchMode, whose first use imports
+        # torch._dynamo (about a second): pay it here, when the engine is built, not inside
+        # the first request's first decode step (where `tuili generate`'s meter would count it).
+        import torch._dynamo  # noqa: F401
+
         self.model = model
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
