@@ -131,13 +131,39 @@ def test_chat_streams_the_answer_the_api_gives(base, browser_page):
 
 
 def test_markdown_is_rendered_and_sanitized(browser_page):
-    page, _, _ = browser_page
+    page, _, foreign = browser_page
     html = page.evaluate("""() => renderMarkdown(
         "# Title\\n\\n```python\\nprint(1)\\n```\\n\\n<img src=x onerror=alert(1)><script>alert(2)</script>"
         + "[link](javascript:alert(3)) <a href='http://example.com' onclick='alert(4)'>x</a>")""")
     assert "<h1>Title</h1>" in html and "<pre><code" in html and "print(1)" in html
     for dangerous in ("onerror", "<script", "javascript:", "onclick"):
         assert dangerous not in html, html
+    assert 'target="_blank"' in html and "noopener" in html
+    # An answer's image from another site is refused by the page's Content-Security-Policy
+    # before any request is made.
+    page.evaluate("""() => { const box = document.createElement('div');
+        box.innerHTML = renderMarkdown('![t](http://example.com/t.png)');
+        document.getElementById('messages').appendChild(box); }""")
+    page.wait_for_timeout(300)
+    assert not foreign
+
+
+def test_package_data_ships_every_page_file():
+    """The wheel must carry the pages and their libraries: every file under static/ matches a
+    package-data pattern in pyproject.toml."""
+    import ast
+    import fnmatch
+    import re
+
+    root = Path(__file__).resolve().parents[2]  # tomllib is not in Python 3.10
+    line = re.search(r'^"tuili.server" = (\[.*\])$', (root / "pyproject.toml").read_text(), re.MULTILINE)
+    assert line, "pyproject.toml has no package-data for tuili.server"
+    patterns = ast.literal_eval(line.group(1))
+    static = root / "tuili" / "server"
+    for path in (static / "static").rglob("*"):
+        if path.is_file():
+            name = path.relative_to(static).as_posix()
+            assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
 
 
 def test_stop_aborts_the_request_on_the_server(base, browser_page, scrape, wait_until):

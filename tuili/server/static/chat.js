@@ -12,7 +12,13 @@
   let running = null;  // the AbortController of the answer being streamed
 
   // Markdown to safe HTML: marked renders (GitHub flavour), DOMPurify removes scripts, event
-  // handlers, javascript: links and the like.
+  // handlers, javascript: links and the like. Links open in a new tab, keeping the chat.
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A") {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
   function renderMarkdown(text) {
     return DOMPurify.sanitize(marked.parse(text, { gfm: true, breaks: false }));
   }
