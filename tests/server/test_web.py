@@ -77,9 +77,12 @@ def _ask(page, question: str, max_tokens: int, temperature: float = 0.0) -> None
     page.press("#prompt", "Enter")
 
 
-def test_pages_load_without_the_key_but_their_data_needs_it(base):
+def test_pages_load_without_the_key_but_their_data_needs_it(base, web_server):
     for path in ("/", "/dashboard", "/static/chat.js", "/static/vendor/uPlot.LICENSE"):
         assert httpx.get(base + path).status_code == 200, path
+        # behind a proxy that strips the prefix the same paths arrive without it
+        assert httpx.get(web_server.url + path).status_code == 200, path
+    assert httpx.get(web_server.url + "/health").status_code == httpx.get(base + "/health").status_code == 200
     assert "default-src 'self'" in httpx.get(base + "/").headers["content-security-policy"]
     assert httpx.get(base + "/stats").status_code == 401
     assert httpx.get(base + "/stats", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -148,6 +151,18 @@ def test_markdown_is_rendered_and_sanitized(browser_page):
     assert not foreign
 
 
+def test_latency_percentiles_interpolate_within_buckets_as_prometheus_does():
+    from tuili.server.web import _quantile
+
+    # 10 observations in (0.1, 0.2], 10 more in (0.2, 0.4]: histogram_quantile gives these
+    buckets = [(0.1, 0.0), (0.2, 10.0), (0.4, 20.0), (float("inf"), 20.0)]
+    assert _quantile(0.5, buckets) == pytest.approx(0.2)
+    assert _quantile(0.25, buckets) == pytest.approx(0.15)
+    assert _quantile(0.9, buckets) == pytest.approx(0.36)
+    assert _quantile(0.99, [(0.1, 0.0), (float("inf"), 5.0)]) == 0.1  # in +Inf: the highest finite bound
+    assert _quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+
+
 def test_package_data_ships_every_page_file():
     """The wheel must carry the pages and their libraries: every file under static/ matches a
     package-data pattern in pyproject.toml."""
@@ -201,10 +216,11 @@ def test_dashboard_moves_under_load_and_agrees_with_metrics(base, browser_page, 
         seen_running = seen_rate = 0.0
         shot = False
         while bench.poll() is None:
-            seen_running = max(seen_running, _figure(page, "running") or 0)
+            running = _figure(page, "running") or 0
+            seen_running = max(seen_running, running)
             seen_rate = max(seen_rate, _figure(page, "generation-rate") or 0)
             halfway = (_figure(page, "generation-total") or 0) >= total_before + 6 * 24 / 2
-            if seen_running and seen_rate and halfway and not shot:  # the docs show the dashboard under load
+            if running and seen_rate and halfway and not shot:  # the docs show the dashboard under load
                 IMAGES.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(IMAGES / "dashboard.png"), full_page=True)
                 shot = True
