@@ -163,6 +163,19 @@ def test_latency_percentiles_interpolate_within_buckets_as_prometheus_does():
     assert _quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
 
 
+@pytest.mark.parametrize("root_path", ["tuili", "/tuili/"])
+def test_a_bad_root_path_is_refused_at_start(root_path):
+    import argparse
+
+    from tuili.errors import TuiliError
+    from tuili.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    with pytest.raises(TuiliError, match=f"--root-path '{root_path}' is invalid: expected a path like /tuili"):
+        cli._check_args(parser.parse_args(["serve", "--root-path", root_path]))
+
+
 def test_package_data_ships_every_page_file():
     """The wheel must carry the pages and their libraries: every file under static/ matches a
     package-data pattern in pyproject.toml."""

@@ -23,7 +23,8 @@ def register(subparsers) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     http.add_argument("--api-key", default=None,
-                      help="require 'Authorization: Bearer KEY' on the API routes (/health and /metrics stay open)")
+                      help="require 'Authorization: Bearer KEY' on the API routes and /stats (/health, /metrics and the "
+                      "pages stay open; the pages ask for the key)")
     http.add_argument("--root-path", default="",
                       help="the path prefix a reverse proxy serves this server under, e.g. /tuili (the proxy may "
                       "strip it or pass it on); the pages' links are relative, so they work under it")

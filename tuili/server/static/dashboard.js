@@ -98,8 +98,10 @@
     figure("mfu", r.prefill_mfu, percent);
     figure("mbu", r.decode_mbu, percent);
     // Above 100% the peak divided by is wrong (a quick estimate on a busy machine): say so.
-    if (r.prefill_peak_exceeded) $("mfu").textContent = "unknown: above the peak";
-    if (r.decode_peak_exceeded) $("mbu").textContent = "unknown: above the peak";
+    for (const [id, exceeded] of [["mfu", r.prefill_peak_exceeded], ["mbu", r.decode_peak_exceeded]]) {
+      $(id).textContent = exceeded ? "unknown" : $(id).textContent;
+      $(id).title = exceeded ? "the measured rate is above the peak: the peak is too low (see the roofline)" : "";
+    }
     figure("mfu-minute", r.prefill_mfu_last_minute, percent);
     figure("mbu-minute", r.decode_mbu_last_minute, percent);
     $("hardware").textContent = `${r.hardware} [${r.hardware_origin}${r.hardware_origin === "estimate" ? ": run tuili probe for measured figures" : ""}]: ` +
