@@ -13,9 +13,10 @@ schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are bui
     GET  /stats                                  the dashboard's figures as JSON  (key)
 
 With --api-key, the routes marked (key) need `Authorization: Bearer KEY`; /health and
-/metrics stay open for load balancers and scrapers, and the pages load (their calls need the key). Every request's Host header must name one
-of --allowed-hosts (on a loopback address, by default only loopback names: a web page cannot
-reach a key-less local server through DNS rebinding), and a body must be declared JSON.
+/metrics stay open for load balancers and scrapers, and the pages load (their calls need the
+key). Every request's Host header must name one of --allowed-hosts (on a loopback address, by
+default only loopback names: a web page cannot reach a key-less local server through DNS
+rebinding), and a body must be declared JSON.
 """
 
 from __future__ import annotations
