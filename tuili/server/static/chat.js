@@ -90,8 +90,8 @@
       model, stream: true, stream_options: { include_usage: true },
       messages: system ? [{ role: "system", content: system }, ...history] : history,
       temperature: Number($("temperature").value),
-      max_tokens: Number($("max-tokens").value),
     };
+    if ($("max-tokens").value) request.max_tokens = Number($("max-tokens").value);  // else up to the context
     running = new AbortController();
     sendButton.hidden = true;
     stopButton.hidden = false;
@@ -171,6 +171,13 @@
     messagesBox.replaceChildren();
     promptBox.focus();
   });
+
+  // The settings outlive the tab (they are not secret; the key is kept only for the tab).
+  for (const id of ["system-prompt", "temperature", "max-tokens"]) {
+    const saved = localStorage.getItem("tuili-chat-" + id);
+    if (saved !== null) $(id).value = saved;
+    $(id).addEventListener("input", () => localStorage.setItem("tuili-chat-" + id, $(id).value));
+  }
 
   loadModel().catch((error) => { $("model-name").textContent = "error: " + error.message; });
 })();
