@@ -1,7 +1,9 @@
 """The chat and dashboard pages of `tuili serve`, in a real headless browser (Debian's chromium,
 driven by Playwright) against a real server that needs an API key and is served under a path
 prefix. Every request the browser makes to another host is blocked and fails the test, so the
-pages provably work offline. The test run saves screenshots of both pages in docs/images/.
+pages provably work offline. The test run takes screenshots of both pages; with
+TUILI_UPDATE_SCREENSHOTS=1 it writes them over docs/images/*.png (a plain run leaves the
+checkout unchanged).
 """
 
 from __future__ import annotations
@@ -19,8 +21,19 @@ import pytest
 
 API_KEY = "test-key"  # tests/server/conftest.py's
 ROOT_PATH = "/tuili"
-IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """Where the screenshots go: docs/images when asked to update them, else a temporary folder."""
+    import os
+
+    if os.environ.get("TUILI_UPDATE_SCREENSHOTS") == "1":
+        DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
+        return DOCS_IMAGES
+    return tmp_path_factory.mktemp("screenshots")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +104,7 @@ def test_pages_load_without_the_key_but_their_data_needs_it(base, web_server):
     assert httpx.get(base + "/static/nothing.js").status_code == 404
 
 
-def test_chat_streams_the_answer_the_api_gives(base, browser_page):
+def test_chat_streams_the_answer_the_api_gives(base, browser_page, images):
     page, _, _ = browser_page
     page.goto(base + "/")
     _give_key(page)
@@ -125,12 +138,11 @@ def test_chat_streams_the_answer_the_api_gives(base, browser_page):
     _ask(page, QUESTION, max_tokens=4)
     page.wait_for_selector(".message.assistant .numbers")
     assert int(page.get_attribute(".message.assistant .numbers", "data-cached-tokens")) > 0
-    IMAGES.mkdir(parents=True, exist_ok=True)
     page.click("#new-chat")
     page.fill("#system-prompt", "You are a helpful assistant. Format code as Markdown.")
     _ask(page, "Write a Python function that adds two numbers.", max_tokens=80)
     page.wait_for_selector(".message.assistant .numbers")
-    page.screenshot(path=str(IMAGES / "chat.png"))
+    page.screenshot(path=str(images / "chat.png"))
 
 
 def test_markdown_is_rendered_and_sanitized(browser_page):
@@ -213,7 +225,7 @@ def _figure(page, element: str) -> float | None:
     return float(value) if value else None
 
 
-def test_dashboard_moves_under_load_and_agrees_with_metrics(base, browser_page, scrape, wait_until):
+def test_dashboard_moves_under_load_and_agrees_with_metrics(base, browser_page, scrape, wait_until, images):
     page, _, _ = browser_page
     page.goto(base + "/dashboard")  # the key typed on the chat page is kept for the tab
     page.wait_for_selector("body[data-updates]")
@@ -234,8 +246,7 @@ def test_dashboard_moves_under_load_and_agrees_with_metrics(base, browser_page, 
             seen_rate = max(seen_rate, _figure(page, "generation-rate") or 0)
             halfway = (_figure(page, "generation-total") or 0) >= total_before + 6 * 24 / 2
             if running and seen_rate and halfway and not shot:  # the docs show the dashboard under load
-                IMAGES.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(IMAGES / "dashboard.png"), full_page=True)
+                page.screenshot(path=str(images / "dashboard.png"), full_page=True)
                 shot = True
             time.sleep(0.2)
         output = bench.stdout.read()
