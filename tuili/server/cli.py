@@ -58,7 +58,8 @@ def register(subparsers) -> None:
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(serve)
-    serve.set_defaults(func=run_serve)
+    # A server streams to people, so its steps are paced by default (tuili/engine/pacing.py).
+    serve.set_defaults(func=run_serve, max_itl_stretch=2.0)
 
 
 def run_serve(args: argparse.Namespace) -> int:
