@@ -11,7 +11,8 @@ heads per key head), head counts that divide neither each other's powers of two 
 size (6 and 3 attention heads, 3 value heads), and MoE routing with top-k 1 and top-k 8 of 8
 experts. Also: a multimodal checkpoint (Qwen3_5ForConditionalGeneration, weights under
 model.language_model., a vision encoder) loads as its language model and matches transformers'
-multimodal model on text; multi-token-prediction tensors are held, equal to the checkpoint's.
+multimodal model on text; multi-token-prediction tensors are held, equal to the checkpoint's;
+bf16 close to transformers' bf16; bad configs refused by name.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from tuili import LLM, SamplingParams
 from tuili.config import ModelConfig
 from tuili.engine.pool import kv_bytes_per_block, state_bytes_per_slot
+from tuili.errors import TuiliError
 from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.moe import SparseMoE
 from tuili.models.llama import MLP
@@ -295,3 +297,32 @@ def test_config_reads_what_transformers_builds():
     cfg = ModelConfig.from_hf_config(wrapped)
     assert cfg.family == "qwen3_5" and cfg.tie_word_embeddings
     assert cfg.layer_types == ("linear_attention", "full_attention") * 2
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "message"),
+    [
+        ("dense-hv6-hk2", dict(intermediate_size=None), r"missing required field\(s\) \['intermediate_size'\]"),
+        ("moe-top1-hv2", dict(moe_intermediate_size=None), r"missing required field 'moe_intermediate_size'"),
+        ("moe-top8-hv3-hk1", dict(num_experts_per_tok=9), r"num_experts_per_tok=9 exceeds the number of experts \(8\)"),
+        ("dense-hv6-hk2", dict(linear_num_value_heads=5), r"linear_num_value_heads=5 is not a multiple of linear_num_key_heads=2"),
+        ("dense-hv6-hk2", dict(layer_types=["linear_attention"] * 4), r"has no full_attention layer"),
+    ],
+)  # fmt: skip
+def test_bad_config_is_refused_by_name(case, changes, message):
+    cfg = {k: v for k, v in _text_config(case, **changes).items() if v is not None}
+    with pytest.raises(TuiliError, match=message):
+        ModelConfig.from_hf_config(cfg)
+
+
+def test_bf16_runs_close_to_transformers_bf16(tmp_path, prompt_logits, assert_logits_match):
+    """bf16 weights and activations, float32 recurrent state: close to transformers' own bf16 run."""
+    hf = _hf_model("moe-top1-hv2")
+    hf.save_pretrained(tmp_path)
+    llm = _llm(tmp_path, dtype="bfloat16", max_num_batched_tokens=7)
+    assert llm.engine.runner.model.model.layers[0].linear_attn.state.recurrent.dtype == torch.float32
+    assert_logits_match(prompt_logits(llm, PROMPTS), hf.to(torch.bfloat16), PROMPTS, atol=0.1, rtol=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    _assert_all_state_free(llm)
