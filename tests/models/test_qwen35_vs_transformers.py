@@ -31,6 +31,8 @@ from tuili.errors import TuiliError
 from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.moe import SparseMoE
 from tuili.models.llama import MLP
+from tuili.perf.cost import ModelCost
+from tuili.perf.meter import UtilizationMeter
 
 COMMON = dict(
     vocab_size=320,
@@ -262,8 +264,12 @@ def test_multimodal_checkpoint_loads_its_language_model_and_keeps_mtp(case, tmp_
     held = dict(model.named_buffers())
     for name, tensor in mtp.items():
         assert torch.equal(held[name], tensor), name
-    # held, not counted as the network's weights (the bytes a step reads)
+    # held, not counted as the network's weights (the bytes a step reads): the engine's weights are
+    # the cost model's for the language model alone, and the live meter reads the wrapped config
     assert not any(name.startswith("mtp.") for name, _ in model.named_parameters())
+    assert llm.engine.weight_bytes() == ModelCost.from_config(model.config.raw).weight_bytes("fp32")
+    meter = UtilizationMeter.for_engine(llm.engine, "h100")
+    assert meter.state_bytes_per_sequence == llm.engine.pool.state_bytes_per_slot > 0
     assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
     greedy = _greedy(hf, PROMPTS[:2])
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
