@@ -2,7 +2,8 @@
 # Install tuili and everything it needs on a fresh machine (idempotent).
 #
 #   bash scripts/setup.sh          # tuili + the embedded demo model
-#   bash scripts/setup.sh test     # ... + what the test suite needs (test tools, real tokenizers)
+#   bash scripts/setup.sh test     # ... + what the test suite needs (test tools, real tokenizers,
+#                                  #     llama.cpp's GGUF converter)
 #
 # torch: when no torch is importable, install torch==2.13.0 (a local CPU build on our machines;
 # a plain `pip install torch` would pull a multi-GB CUDA build). An existing torch >= 2.4 is kept.
@@ -29,4 +30,5 @@ fi
 
 if [[ "${1:-}" == "test" ]]; then
   bash scripts/fetch_test_tokenizers.sh
+  bash scripts/fetch_llama_cpp_converter.sh
 fi
