@@ -30,14 +30,20 @@ if TYPE_CHECKING:
 
 GGUF_VERSION = 3
 # llama.cpp stores Mistral models as "llama": the same network, run with full attention.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3next")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 _HF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
+_HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # Gated DeltaNet and gated full attention
+_MOE = ("qwen3moe", "qwen3next", "qwen35moe")
+_OFFSET_NORMS = _HYBRID  # RMSNorm weights centred on zero (scale 1 + w): stored as 1 + w
+_TILED_VALUE_HEADS = ("qwen35", "qwen35moe")  # see GGUFCheckpoint._grouped_value_heads
 # llama.cpp's Llama 3 converter drops rope_scaling's original context length; Llama 3 used 8192.
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
@@ -71,27 +77,35 @@ _SHARED_EXPERT = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _DELTANET = {
-    "ssm_ba": "linear_attn.in_proj_ba",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
     "ssm_conv1d": "linear_attn.conv1d",  # stored [C, K]; HF [C, 1, K]
 }
+# Qwen3.5's DeltaNet projections, stored apart (Qwen3-Next's: split or fused, below)
+_DELTANET_35 = _DELTANET | {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+}
+_HYBRID_NORM = {"post_attention_norm": "post_attention_layernorm"}
+_ROUTER = {"ffn_gate_inp": "mlp.gate"}
 _LAYER_TENSORS = {
     "llama": _ATTENTION | _DENSE_MLP,
     "qwen2": _ATTENTION | _DENSE_MLP,
     "qwen3": _ATTENTION | _DENSE_MLP,
-    "qwen3moe": _ATTENTION | {"ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
-    "qwen3next": _ATTENTION | {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"}
-    | _SHARED_EXPERT | _DELTANET,
+    "qwen3moe": _ATTENTION | {"ffn_norm": "post_attention_layernorm"} | _ROUTER,
+    "qwen3next": _ATTENTION | _HYBRID_NORM | _ROUTER | _SHARED_EXPERT | _DELTANET | {"ssm_ba": "linear_attn.in_proj_ba"},
+    "qwen35": _ATTENTION | _HYBRID_NORM | {k: v for k, v in _DENSE_MLP.items() if k != "ffn_norm"} | _DELTANET_35,
+    "qwen35moe": _ATTENTION | _HYBRID_NORM | _ROUTER | _SHARED_EXPERT | _DELTANET_35,
 }
 # Tensors the converter renamed whole (no ".weight"/".bias" of theirs left): GGUF layer tensor,
 # suffix included → Hugging Face name within the layer.
-_LAYER_TENSORS_WHOLE = {
-    "qwen3next": {
-        "ssm_a": "linear_attn.A_log",  # stored as -exp(A_log)
-        "ssm_dt.bias": "linear_attn.dt_bias",
-    },
+_DELTANET_WHOLE = {
+    "ssm_a": "linear_attn.A_log",  # stored as -exp(A_log)
+    "ssm_dt.bias": "linear_attn.dt_bias",
 }
+_LAYER_TENSORS_WHOLE = {arch: _DELTANET_WHOLE for arch in _HYBRID}
 # Hugging Face tensors the converter split: each GGUF part → (the HF tensor, the part's place).
 # A mixture of experts' matrices are stacked [experts, out, in] (ffn_*_exps); the HF tensors are
 # transformers' fused 3-D ones, which WeightPlan.experts reads as they are.
@@ -102,6 +116,7 @@ _EXPERTS = {
 }
 _LAYER_TENSOR_PARTS = {
     "qwen3moe": _EXPERTS,
+    "qwen35moe": _EXPERTS,
     "qwen3next": _EXPERTS | {
         # the DeltaNet input projection: [q, k, v] of all heads, then z (_qkvz_rows)
         "attn_qkv.weight": ("linear_attn.in_proj_qkvz.weight", 0),
@@ -109,7 +124,7 @@ _LAYER_TENSOR_PARTS = {
     },
 }
 _SPLIT = {"gate_up_proj": 2, "in_proj_qkvz": 2}  # HF leaf module → how many GGUF parts make it
-# qwen3next's multi-token-prediction block: llama.cpp appends it as the last block(s) (its
+# qwen3next's and qwen35's multi-token-prediction block: llama.cpp appends it as the last block(s) (its
 # nextn_predict_layers), its own tensors named nextn.*; Hugging Face names them mtp.*
 # (mtp.layers.N.* for the decoder layers).
 _NEXTN_TENSORS = {
@@ -121,7 +136,7 @@ _NEXTN_TENSORS = {
 # What undoes the converter's arithmetic on a tensor's values.
 _VALUE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "A_log": lambda a: torch.log(-a),  # llama.cpp stores -exp(A_log)
-    # llama.cpp stores qwen3next's zero-centred RMSNorm weights as 1 + w. Subtracting 1 is exact
+    # llama.cpp stores the hybrids' zero-centred RMSNorm weights as 1 + w. Subtracting 1 is exact
     # for stored values in [0.5, 2], so 1 + w recomputed equals the stored value.
     "minus_one": lambda w: w - 1,
 }
@@ -156,6 +171,7 @@ class GGUFTensorInfo:
     rows: torch.Tensor | None = None
     values: str | None = None
     rope_heads: int | None = None  # set for llama q/k projections, whose rows llama.cpp permuted per head
+    columns: torch.Tensor | None = None  # HF column j is column columns[j] (applied to the rows)
 
     @property
     def gguf_name(self) -> str:
@@ -229,6 +245,8 @@ class GGUFCheckpoint:
         rows = torch.cat([_as_rows(dequantize(self._stored_bytes(p), p.ggml_type, p.shape)) for p in info.parts])
         if info.rows is not None:
             rows = rows[info.rows]
+        if info.columns is not None:
+            rows = rows[:, info.columns]
         if info.values is not None:
             rows = _VALUE_MAPS[info.values](rows)
         return rows.reshape(info.shape).to(dtype)
@@ -240,6 +258,7 @@ class GGUFCheckpoint:
         return (
             len(info.shape) == 2
             and info.values is None
+            and info.columns is None  # blocks run along the columns: dequantized instead
             and len({p.ggml_type for p in info.parts}) == 1
             and info.ggml_type in PACKED_GGUF_TYPES
         )
@@ -375,14 +394,15 @@ class GGUFCheckpoint:
             return GGUFTensorInfo(parts, (experts, 2 * width, hidden), rows)
         if module == "in_proj_qkvz":
             return GGUFTensorInfo(parts, *self._qkvz_rows(parts))
+        shape = first.shape
         if module == "conv1d":  # [C, K] → [C, 1, K], the checkpoint's depthwise conv weight
-            return GGUFTensorInfo(parts, (first.shape[0], 1, first.shape[-1]))
+            shape = (first.shape[0], 1, first.shape[-1])
         values = None
         if module == "A_log":
             values = "A_log"
-        elif self.architecture == "qwen3next" and first.name.endswith("norm.weight") and ".ssm_norm." not in first.name:
+        elif self.architecture in _OFFSET_NORMS and first.name.endswith("norm.weight") and ".ssm_norm." not in first.name:
             values = "minus_one"  # the converter adds 1 to every norm but the DeltaNet's gated one
-        rows, rope_heads = None, None
+        rows, columns, rope_heads = None, None, None
         # llama.cpp reorders q/k rows for its rope layout only in files it labels "llama".
         if self.architecture == "llama" and module in ("q_proj", "k_proj"):
             heads, kv_heads = self._head_counts()
@@ -393,7 +413,39 @@ class GGUFCheckpoint:
                     f"{rope_heads} heads of an even size"
                 )
             rows = _undo_rope_permutation(torch.arange(first.shape[0]), rope_heads)
-        return GGUFTensorInfo(parts, first.shape, rows, values, rope_heads)
+        if self.architecture in _TILED_VALUE_HEADS and hf_name.startswith("model.layers."):
+            rows, columns = self._grouped_value_heads(module, first)
+        return GGUFTensorInfo(parts, shape, rows, values, rope_heads, columns)
+
+    def _grouped_value_heads(self, module: str, stored: StoredTensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The row and column orders that undo qwen35's value-head reordering (none when Hv = Hk).
+
+        For ggml's broadcasting, the converter stores Qwen3.5's value heads tiled over the key heads
+        ([v0 of every key head, v1 of every key head, ...]) where Hugging Face groups them by key
+        head ([the r = Hv/Hk value heads of key head 0, ...]): in the v rows of in_proj_qkv and the
+        v channels of conv1d, the rows of in_proj_z, in_proj_b, in_proj_a, the values of A_log and
+        dt_bias, and the columns of out_proj."""
+        hk, hv = self._arch_meta("ssm.group_count"), self._arch_meta("ssm.time_step_rank")
+        key = 2 * hk * self._arch_meta("ssm.state_size")  # q and k channels, never reordered
+        dv = self._arch_meta("ssm.inner_size") // max(hv, 1)
+        if hk == hv or module not in ("in_proj_qkv", "conv1d", "in_proj_z", "in_proj_b", "in_proj_a", "A_log",
+                                      "dt_bias", "out_proj"):  # fmt: skip
+            return None, None
+
+        def grouped(size: int) -> torch.Tensor:  # HF index → stored index over hv heads of `size`
+            return torch.arange(hv * size).view(hv // hk, hk, size).transpose(0, 1).reshape(-1)
+
+        if module in ("in_proj_qkv", "conv1d"):
+            order = torch.cat([torch.arange(key), key + grouped(dv)])
+        else:
+            order = grouped(dv if module in ("in_proj_z", "out_proj") else 1)
+        axis = -1 if module == "out_proj" else 0
+        if stored.shape[axis] != len(order):
+            raise CheckpointError(
+                f"{self.path}: {stored.name} {stored.shape} does not fit {hk} key heads and {hv} value heads "
+                f"of {dv} ({len(order)} {'columns' if axis else 'rows'} expected)"
+            )
+        return (None, order) if module == "out_proj" else (order, None)
 
     def _qkvz_rows(self, parts: tuple[StoredTensor, ...]) -> tuple[tuple[int, ...], torch.Tensor]:
         """The HF shape and row order of a DeltaNet's in_proj_qkvz from llama.cpp's attn_qkv (q of
@@ -426,7 +478,7 @@ class GGUFCheckpoint:
         if self._arch_meta("attention.value_length", head_dim) != head_dim:
             raise UnsupportedModelError(f"{self.path}: keys and values of different widths are not supported")
         rotary_dim = self._arch_meta("rope.dimension_count", head_dim)
-        if rotary_dim != head_dim and arch != "qwen3next":
+        if rotary_dim != head_dim and arch not in _HYBRID:
             raise UnsupportedModelError(
                 f"{self.path}: rotary embedding on part of each head is not supported for {arch!r}"
             )
@@ -436,7 +488,8 @@ class GGUFCheckpoint:
             "architectures": [hf_class],
             "model_type": model_type,
             "hidden_size": hidden,
-            "intermediate_size": self._arch_meta("feed_forward_length"),
+            # qwen35moe has no dense MLP, hence perhaps no feed_forward_length
+            "intermediate_size": self._arch_meta("feed_forward_length", 0 if arch == "qwen35moe" else _REQUIRED),
             "num_hidden_layers": self._main_block_count(),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -450,9 +503,9 @@ class GGUFCheckpoint:
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": any(name.endswith("self_attn.q_proj.bias") for name in self._tensors),
         }
-        if arch in ("qwen3moe", "qwen3next"):
+        if arch in _MOE:
             config |= self._moe_config()
-        if arch == "qwen3next":
+        if arch in _HYBRID:
             config |= self._hybrid_config(head_dim, rotary_dim)
         for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
             value = self.metadata(f"tokenizer.ggml.{key}", None)
@@ -461,15 +514,15 @@ class GGUFCheckpoint:
         return config
 
     def _moe_config(self) -> dict[str, Any]:
-        """The experts' config keys. llama.cpp renormalises the top-k routing weights of both
-        architectures (norm_topk_prob; a file does not say) and makes every layer a mixture of
+        """The experts' config keys. llama.cpp renormalises the top-k routing weights of every MoE
+        architecture here (norm_topk_prob; a file does not say) and makes every layer a mixture of
         experts; an expert's width defaults, as there, to feed_forward_length / experts used."""
         used = self._arch_meta("expert_used_count")
         config = {
             "num_experts": self._arch_meta("expert_count"),
             "num_experts_per_tok": used,
             "moe_intermediate_size": self._arch_meta(
-                "expert_feed_forward_length", self._arch_meta("feed_forward_length") // max(used, 1)
+                "expert_feed_forward_length", self._arch_meta("feed_forward_length", 0) // max(used, 1)
             ),
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
@@ -481,7 +534,7 @@ class GGUFCheckpoint:
         return config
 
     def _hybrid_config(self, head_dim: int, rotary_dim: int) -> dict[str, Any]:
-        """qwen3next's layer pattern (recurrent_layers, else every full_attention_interval-th layer
+        """A hybrid's layer pattern (recurrent_layers, else every full_attention_interval-th layer
         full attention, as llama.cpp reads it), DeltaNet shape (ssm.*) and partial rotary."""
         layers = self._main_block_count()
         recurrent = self._arch_meta("attention.recurrent_layers", None)
