@@ -236,3 +236,59 @@ def test_mtp_block_comes_back_as_the_checkpoint_tensors(converted):
     assert torch.equal(ckpt.load_tensor(f"{experts}.gate_up_proj"), gate_up)
     down = torch.stack([stored[f"{experts}.{e}.down_proj.weight"] for e in range(count)])
     assert torch.equal(ckpt.load_tensor(f"{experts}.down_proj"), down)
+
+
+# -- Qwen3.5: the tensors and the config, to the value ------------------------------------------
+# (tuili's Qwen3.5 network is built elsewhere; these check what the GGUF reader hands it.)
+
+QWEN35_CONFIGS = {
+    "qwen35": lambda: transformers.Qwen3_5TextConfig(
+        **COMMON, tie_word_embeddings=True, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+    ),
+    "qwen35moe": lambda: transformers.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in COMMON.items() if k != "intermediate_size"}, tie_word_embeddings=False,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(QWEN35_CONFIGS))
+def test_qwen35_file_holds_the_checkpoint_tensors(arch, tmp_path, real_tokenizer_dirs, llama_cpp_convert):
+    """Hv = 2 Hk: the converter stores the value heads tiled over the key heads (in_proj_qkv's v
+    rows, in_proj_z, in_proj_b/a, A_log, dt_bias, conv1d's v channels, out_proj's columns);
+    every tensor must come back in Hugging Face's grouped order."""
+    torch.manual_seed(0)
+    config = QWEN35_CONFIGS[arch]()
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if ".linear_attn.norm" in name else 0.0))
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real_tokenizer_dirs["qwen3"] / name, hf_dir / name)
+    # --no-mtp: this checkpoint has no MTP block, which the converter otherwise insists on
+    ckpt = open_gguf(llama_cpp_convert(hf_dir, tmp_path / "f32.gguf", "f32", "--no-mtp"))
+    assert ckpt.config["architectures"] == [type(model).__name__]
+    for key in ("num_hidden_layers", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim",
+                "num_key_value_heads", "tie_word_embeddings"):  # fmt: skip
+        assert ckpt.config[key] == getattr(config, key), key
+    assert ckpt.config["partial_rotary_factor"] == config.rope_parameters["partial_rotary_factor"]
+    if arch == "qwen35moe":
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            assert ckpt.config[key] == getattr(config, key), key
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    assert set(ckpt.tensor_names()) == set(state)
+    for name, tensor in state.items():
+        ours = ckpt.load_tensor(name)
+        if name.endswith("norm.weight") and ".linear_attn." not in name:
+            assert torch.equal(ours + 1, tensor + 1), name  # stored as 1 + w
+        else:
+            torch.testing.assert_close(ours, tensor, atol=1e-7, rtol=1e-6, msg=name)  # A_log: log(exp(x))
