@@ -292,3 +292,10 @@ def test_qwen35_file_holds_the_checkpoint_tensors(arch, tmp_path, real_tokenizer
             assert torch.equal(ours + 1, tensor + 1), name  # stored as 1 + w
         else:
             torch.testing.assert_close(ours, tensor, atol=1e-7, rtol=1e-6, msg=name)  # A_log: log(exp(x))
+    if arch == "qwen35":
+        # q8_0: the reordered projections run packed, their blocks moved whole (Dv = 32, one block)
+        packed = open_gguf(llama_cpp_convert(hf_dir, tmp_path / "q8_0.gguf", "q8_0", "--no-mtp"))
+        for name in ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.out_proj.weight"):
+            name = f"model.layers.0.{name}"
+            assert packed.runs_packed(name), name
+            assert torch.equal(packed.quantized_tensor(name).dequantize(), packed.load_tensor(name)), name

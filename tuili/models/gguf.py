@@ -258,9 +258,10 @@ class GGUFCheckpoint:
         return (
             len(info.shape) == 2
             and info.values is None
-            and info.columns is None  # blocks run along the columns: dequantized instead
             and len({p.ggml_type for p in info.parts}) == 1
             and info.ggml_type in PACKED_GGUF_TYPES
+            # blocks run along the columns: a column order must move whole blocks
+            and (info.columns is None or _whole_groups(info.columns, GGML_QUANT_SIZES[info.ggml_type][0]) is not None)
         )
 
     def quantized_tensor(self, hf_name: str) -> QuantizedWeight:
@@ -270,7 +271,11 @@ class GGUFCheckpoint:
         parts = [quantized_weight(self._stored_bytes(p), p.ggml_type, _rows_shape(p.shape)) for p in info.parts]
         weight = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)  # type: ignore[arg-type]
         # Whole rows move (llama's q/k order, a split projection's), so whole rows of blocks do.
-        return weight if info.rows is None else _take_rows(weight, info.rows)
+        if info.rows is not None:
+            weight = _take_rows(weight, info.rows)
+        if info.columns is not None:
+            weight = _take_columns(weight, info.columns, hf_name)
+        return weight
 
     def _stored_bytes(self, part: StoredTensor) -> np.ndarray:
         return self._bytes[part.offset : part.offset + part.n_bytes]
@@ -945,6 +950,27 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
         return Int4Weight(q, d, torch.zeros_like(d), 32)
     m = _f16(blocks, 2).view(n, k // 32)
     return Int4Weight(q, d, m + 8 * d, 32)
+
+
+def _whole_groups(columns: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The order of the groups of `group` columns when `columns` moves whole groups, else None."""
+    if len(columns) % group:
+        return None
+    runs = columns.view(-1, group)
+    starts = runs[:, 0]
+    if bool((starts % group).any()) or not torch.equal(runs, starts[:, None] + torch.arange(group)):
+        return None
+    return starts // group
+
+
+def _take_columns(weight: QuantizedWeight, columns: torch.Tensor, name: str) -> QuantizedWeight:
+    groups = None if isinstance(weight, Int8Weight) else _whole_groups(columns, weight.group_size)
+    if groups is None:
+        raise CheckpointError(f"{name}: its column order splits quantization blocks; it cannot run packed")
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(weight.q[:, columns], weight.scale[:, groups], weight.zero[:, groups], weight.group_size)
+    assert isinstance(weight, Int8GroupWeight)
+    return Int8GroupWeight(weight.q[:, columns], weight.scale[:, groups], weight.group_size)
 
 
 def _take_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
