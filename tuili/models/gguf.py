@@ -2,7 +2,8 @@
 
 `open_gguf` validates the file once (magic, version 3, every byte it names present, a supported
 architecture and tensor types) and returns a `GGUFCheckpoint` that speaks Hugging Face: a
-config.json-style dict, tensors under Hugging Face names in Hugging Face layout, and a
+config.json-style dict, tensors under Hugging Face names in Hugging Face layout (what llama.cpp's
+convert_hf_to_gguf.py split, reordered or rescaled is put back: GGUFTensorInfo), and a
 transformers tokenizer with the chat template. Tensors stay memory-mapped until asked for, and are
 then dequantized by the vectorized torch code at the end of this module.
 """
@@ -162,8 +163,8 @@ class GGUFTensorInfo:
 
     The parts are read as rows (a 1-D tensor: one value a row; else the last dimension a row),
     concatenated, taken in `rows` order when set (HF row i is row rows[i]: llama's q/k rows that
-    llama.cpp permuted per head, a split projection interleaved back), mapped value by value by
-    `values` when set (what undoes the converter's arithmetic, see _VALUE_MAPS), and reshaped to
+    llama.cpp permuted per head, a split projection interleaved back), their columns in `columns`
+    order when set (qwen35's out_proj), mapped value by value by `values` when set (what undoes the converter's arithmetic, see _VALUE_MAPS), and reshaped to
     `shape`, the Hugging Face shape."""
 
     parts: tuple[StoredTensor, ...]
@@ -171,7 +172,7 @@ class GGUFTensorInfo:
     rows: torch.Tensor | None = None
     values: str | None = None
     rope_heads: int | None = None  # set for llama q/k projections, whose rows llama.cpp permuted per head
-    columns: torch.Tensor | None = None  # HF column j is column columns[j] (applied to the rows)
+    columns: torch.Tensor | None = None  # HF column j is stored column columns[j]
 
     @property
     def gguf_name(self) -> str:
