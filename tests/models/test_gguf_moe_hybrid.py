@@ -200,10 +200,9 @@ def test_q8_0_file_matches_transformers_on_its_weights(q8_0_file, prompt_logits,
     assert_logits_match(prompt_logits(_llm(files["q8_0"]), PROMPTS), reference, PROMPTS)
 
 
+@pytest.mark.parametrize("converted", ["qwen3next"], indirect=True)  # qwen3moe splits no projection
 def test_split_projection_runs_packed_in_hf_row_order(q8_0_file):
-    (arch, _, _, _), ckpt = q8_0_file
-    if arch != "qwen3next":
-        pytest.skip("qwen3moe stores no projection in two parts")
+    _, ckpt = q8_0_file
     name = "model.layers.1.linear_attn.in_proj_qkvz.weight"
     assert ckpt.runs_packed(name)
     packed = ckpt.quantized_tensor(name)
@@ -212,10 +211,9 @@ def test_split_projection_runs_packed_in_hf_row_order(q8_0_file):
     assert not ckpt.runs_packed("model.layers.1.mlp.experts.gate_up_proj")
 
 
+@pytest.mark.parametrize("converted", ["qwen3next"], indirect=True)  # the one with an MTP block
 def test_mtp_block_comes_back_as_the_checkpoint_tensors(converted):
-    arch, hf, hf_dir, files = converted
-    if arch != "qwen3next":
-        pytest.skip("only Qwen3-Next checkpoints carry a multi-token-prediction block")
+    _, hf, hf_dir, files = converted
     ckpt = open_gguf(files["f32"])
     assert ckpt.metadata("qwen3next.block_count") == 5 and ckpt.config["num_hidden_layers"] == 4
     stored = {name: t for name, t in load_file(str(hf_dir / "model.safetensors")).items() if name.startswith("mtp.")}
