@@ -94,8 +94,6 @@ def load_model(
         ckpt, weight_format = None, "safetensors"
     network_class = NETWORKS.get(cfg.family, LlamaForCausalLM)
     if issubclass(network_class, Qwen3NextForCausalLM):
-        if weight_format == "gguf":
-            raise CheckpointError(f"{path}: {cfg.architecture} is read from safetensors only (no GGUF yet)")
         mtp = [name for name in tensors if name.startswith("mtp.")]
         if mtp:
             # The multi-token-prediction head is a draft model for speculative decoding, which
