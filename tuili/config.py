@@ -381,8 +381,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the working dtype) or "fp8" (e4m3, per-head scales)
     enforce_eager: bool = False  # no CPU decode graphs (tuili/engine/decode_graphs.py): every step eager
     seed: int = 0
+    # Ranks the model is split over (tuili/parallel): 1 runs it whole in this process.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise TuiliError(f"tensor_parallel_size={tp!r} is invalid: expected an integer >= 1")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
