@@ -98,6 +98,12 @@ class TensorParallelGroup:
         self._guard(dist.broadcast_object_list, holder, 0)
         return holder[0]
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Rank 0: every rank's `obj`, in rank order; other ranks: []."""
+        gathered: list[Any] = [None] * self.world if self.rank == 0 else []
+        self._guard(dist.gather_object, obj, gathered if self.rank == 0 else None, 0)
+        return gathered
+
     def _count(self, started: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # NCCL returns before the transfer is done

@@ -18,7 +18,7 @@ from tuili.engine.scheduler import ScheduledSeq
 from tuili.layers.sampler import SampledToken
 from tuili.parallel.group import TensorParallelGroup
 
-_EXECUTE, _LOGITS, _COPY, _STOP = "execute", "logits", "copy", "stop"
+_EXECUTE, _LOGITS, _COPY, _WEIGHTS, _STOP = "execute", "logits", "copy", "weights", "stop"
 
 
 class ParallelModelRunner(ModelRunner):
@@ -48,6 +48,11 @@ class ParallelModelRunner(ModelRunner):
         self.group.broadcast((_LOGITS, inputs))
         return self.model.compute_logits(self.model(*inputs[:3]))
 
+    def weight_bytes_per_rank(self) -> list[int]:
+        """Bytes of weights each rank holds (measured by each rank over its own modules)."""
+        self.group.broadcast((_WEIGHTS,))
+        return self.group.gather_objects(self.weight_bytes())
+
     def _forward(self, inputs: tuple, num_sampling: int) -> torch.Tensor | None:
         input_ids, positions, meta, sample_index = inputs
         hidden = self.model(input_ids, positions, meta)
@@ -67,6 +72,8 @@ class ParallelModelRunner(ModelRunner):
                 return
             if kind == _COPY:
                 super().copy_blocks(message[1])
+            elif kind == _WEIGHTS:
+                self.group.gather_objects(self.weight_bytes())
             elif kind == _EXECUTE:
                 self._forward(message[1], message[2])
             else:
