@@ -257,7 +257,9 @@ class WeightPlan:
             piece = self.read_slice(name, dim, start, stop)
         else:
             piece = self.tensors[name]().narrow(dim, start, stop - start).clone()
-        return piece.to(device=self.device, dtype=self.dtype).contiguous()
+        piece = piece.to(device=self.device, dtype=self.dtype).contiguous()
+        # A row slice may still be a view of the whole tensor's storage, which it would keep.
+        return piece.clone() if piece.untyped_storage().nbytes() > piece.nbytes else piece
 
     def _gguf_linear(
         self, parts: list[str], bias: bool, cut: tuple[int, list[tuple[int, int]]] | None = None

@@ -116,7 +116,7 @@ class TensorParallelGroup:
         try:
             collective(*args)
         except (RuntimeError, ValueError) as e:  # gloo/NCCL: a peer closed its connection
-            self.fail(f"a tensor-parallel collective failed on rank {self.rank} (a rank is gone?): {e}")
+            self.fail(self._exited_worker(wait=1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {e}")
             raise WorkerLostError(self.failure) from e
 
     # -- processes -----------------------------------------------------------------------
@@ -143,12 +143,24 @@ class TensorParallelGroup:
 
     def _watch(self) -> None:
         while not self._stopping and self.failure is None:
+            exited = self._exited_worker()
+            if exited is not None and not self._stopping:
+                self.fail(exited)
+                return
+            time.sleep(0.2)
+
+    def _exited_worker(self, wait: float = 0.0) -> str | None:
+        """Which worker this process started has exited (waiting up to `wait` seconds for one
+        whose connection closed to be reaped), said as the failure; None if all run."""
+        deadline = time.monotonic() + wait
+        while True:
             for rank, proc in enumerate(self._workers, start=1):
                 code = proc.poll()
-                if code is not None and not self._stopping:
-                    self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with status {code}")
-                    return
-            time.sleep(0.2)
+                if code is not None:
+                    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with status {code}"
+            if time.monotonic() >= deadline or not self._workers:
+                return None
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Rank 0: tell the workers to stop and wait for them (killing those that do not)."""
