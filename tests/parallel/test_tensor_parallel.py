@@ -46,13 +46,17 @@ CHECKPOINTS = {
     "llama-tied": (transformers.LlamaConfig, dict(
         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
 }
-ENGINE = dict(dtype="float32", kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=16)
+# One prefill step for all prompts, then decodes: the fewest steps (paging and chunking are the
+# single-rank tests' business; here only the split is new).
+ENGINE = dict(dtype="float32", kv_cache_memory=1 << 24)
 _READY = re.compile(r"at (http://\S+)/v1")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    paths = {}
+    from tuili.models.default_model import default_model_path
+
+    paths = {"smollm2-gguf": default_model_path()}
     for name, (config_class, extra) in CHECKPOINTS.items():
         torch.manual_seed(0)
         path = tmp_path_factory.mktemp(name)
@@ -77,7 +81,8 @@ def _run(llm: LLM) -> tuple[torch.Tensor, list[list[int]]]:
     return logits, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize(("name", "tp"), [("qwen3-12q-4kv-ffn200", 2), ("qwen3-12q-4kv-ffn200", 3), ("llama-tied", 2)])
+# SmolLM2 (the real GGUF, dequantized to float32): a tied Llama with 9 query / 3 KV heads, split 2/1.
+@pytest.mark.parametrize(("name", "tp"), [("qwen3-12q-4kv-ffn200", 2), ("qwen3-12q-4kv-ffn200", 3), ("smollm2-gguf", 2)])
 def test_tensor_parallel_matches_one_rank(checkpoints, name, tp):
     whole = LLM(str(checkpoints[name]), **ENGINE)
     ref_logits, ref_tokens = _run(whole)
@@ -90,14 +95,29 @@ def test_tensor_parallel_matches_one_rank(checkpoints, name, tp):
         comm = llm.engine.communication_seconds()
     finally:
         llm.engine.close()
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    # float32 sums in another order: a few ulps of the largest logits
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-4)
     assert tokens == ref_tokens and all(len(t) == 32 for t in tokens)
     # Each rank holds its share: the shards add up to the whole plus the replicated norms, and
-    # no rank holds much more than 1/N (TP=3's rank 0 has 2 of the 4 KV groups' attention).
+    # no rank holds much more than 1/N (an uneven attention split gives rank 0 more: 2 of 4 KV
+    # groups at TP=3, 2 of SmolLM2's 3 at TP=2).
     assert len(per_rank) == tp
     assert whole_bytes <= sum(per_rank) <= whole_bytes * 1.02
-    assert max(per_rank) <= whole_bytes / tp * (1.3 if tp == 3 else 1.05), (per_rank, whole_bytes)
+    assert max(per_rank) <= whole_bytes / tp * 1.3, (per_rank, whole_bytes)
     assert comm > 0
+
+
+def test_a_packed_gguf_weight_is_cut_by_rows_and_by_whole_blocks():
+    from tuili.layers.quant.formats import quantize_int4, quantize_int8, quantize_int8_group
+    from tuili.parallel.shard import narrow
+
+    weight = torch.randn(48, 128)
+    for quantized in (quantize_int4(weight, 32), quantize_int8_group(weight, 32), quantize_int8(weight)):
+        whole = quantized.dequantize()
+        torch.testing.assert_close(narrow(quantized, 0, 16, 40).dequantize(), whole[16:40], rtol=0, atol=0)
+        torch.testing.assert_close(narrow(quantized, 1, 32, 96).dequantize(), whole[:, 32:96], rtol=0, atol=0)
+    with pytest.raises(TuiliError, match="cut its groups of 32"):
+        narrow(quantize_int4(weight, 32), 1, 16, 64)
 
 
 def test_kv_heads_split_by_whole_groups_or_replicated():
