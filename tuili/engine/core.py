@@ -52,14 +52,16 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
-        self.platform = Platform.detect(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.platform)
-        torch.manual_seed(config.seed)
         # Tensor parallelism (tuili/parallel): this process is one rank; rank 0 runs the engine,
-        # the other ranks only its forwards (ParallelModelRunner.serve).
+        # the other ranks only its forwards (ParallelModelRunner.serve). On GPUs each rank takes
+        # the GPU of its local rank.
         self.parallel: tensor_parallel.TensorParallelGroup | None = None
         if config.tensor_parallel_size > 1:
             self.parallel = tensor_parallel.join(config.tensor_parallel_size, self.device, config)
+            self.device = self.parallel.device
+        self.platform = Platform.detect(self.device)
+        self.dtype = resolve_dtype(config.dtype, self.platform)
+        torch.manual_seed(config.seed)
         try:
             self._build(config)
         except BaseException as e:

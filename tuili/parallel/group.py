@@ -212,14 +212,15 @@ def join(world: int, device: torch.device, config: Any) -> TensorParallelGroup:
             f"tensor_parallel_size={world} but the launcher started {env_world} processes (WORLD_SIZE): "
             "run as many processes as tensor-parallel ranks"
         )
+    if device.type == "cuda":  # one GPU per rank: the local rank's
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) if not started_here else 0)
+        torch.cuda.set_device(device)
     group = TensorParallelGroup(TensorShard(rank, world), device)
     if started_here:
         group.start_workers(config, port)
     if rank == 0:
         atexit.register(group.stop)
     _share_threads(world if started_here else int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
     if PARENT_ENV in os.environ:
