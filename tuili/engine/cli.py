@@ -56,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CPU decode graphs (replayed kernel calls, see "
                        "docs/kernels.md)")
+    group.add_argument("--max-itl-stretch", type=float, default=None, metavar="X",
+                       help="while sequences decode, cut the prompt chunks of a step so it takes about X times a "
+                       "decode-only step (measured as the engine runs); 0 = no limit but --max-num-batched-tokens "
+                       "(default: 2 for tuili serve, 0 otherwise)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over N ranks (heads, FFN channels, vocabulary; torch.distributed, "
@@ -72,6 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         hardware=args.hardware, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
+        max_itl_stretch=args.max_itl_stretch or None,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 
