@@ -408,8 +408,13 @@ class EngineConfig:
     # times a decode-only step (tuili/engine/pacing.py); None = only max_num_batched_tokens.
     max_itl_stretch: float | None = None
     seed: int = 0
+    # Ranks the model is split over (tuili/parallel): 1 runs it whole in this process.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise TuiliError(f"tensor_parallel_size={tp!r} is invalid: expected an integer >= 1")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

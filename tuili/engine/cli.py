@@ -61,6 +61,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "decode-only step (measured as the engine runs); 0 = no limit but --max-num-batched-tokens "
                        "(default: 2 for tuili serve, 0 otherwise)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over N ranks (heads, FFN channels, vocabulary; torch.distributed, "
+                       "gloo on CPU, NCCL on GPU). Alone, this process starts the other N-1 ranks on this "
+                       "machine; under torchrun every process runs the same command and rank 0 does the work "
+                       "(default 1; docs/engine.md, \"Tensor parallelism\")")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -72,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         hardware=args.hardware, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
         max_itl_stretch=args.max_itl_stretch or None,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -170,7 +176,33 @@ def _stream(llm, prompt, params) -> Iterator[tuple[str, RequestOutput]]:
         engine.abort_request(request_id)
 
 
+def worker_rank_status(args: argparse.Namespace) -> int | None:
+    """Under torchrun, a rank other than 0 only runs rank 0's forwards: its exit status (0 when
+    rank 0 stopped it, 1 when a rank was lost); None on rank 0 and without tensor parallelism."""
+    from tuili.config import EngineConfig
+    from tuili.parallel.worker import is_worker_rank, run_worker
+
+    config = EngineConfig(**engine_kwargs(args))
+    return run_worker(config) if is_worker_rank(config) else None
+
+
+def _parallel_summary(llm, meter) -> str | None:
+    """The tensor-parallel communication line of the run summary (None on one device)."""
+    engine = llm.engine
+    if engine.parallel is None:
+        return None
+    comm, steps = engine.communication_seconds(), max(engine.stats().num_steps, 1)
+    summary = meter.summary()
+    busy = summary.prefill_seconds + summary.decode_seconds
+    share = f", {100 * comm / busy:.1f}% of step time" if busy > 0 else ""
+    return (f"tensor parallel: {engine.parallel.world} ranks, rank 0 spent {comm:.3f} s in all-reduces and the "
+            f"logits gather over {steps} steps ({1e3 * comm / steps:.2f} ms/step{share})")
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    status = worker_rank_status(args)
+    if status is not None:
+        return status
     try:
         params = sampling_params(args)
         llm = _load(args)
@@ -187,10 +219,13 @@ def run_generate(args: argparse.Namespace) -> int:
             generated = len(out.outputs[0].token_ids)
             print(f"tuili: {len(out.prompt_token_ids)} prompt + {generated} generated tokens in "
                   f"{time.perf_counter() - start:.2f}s ({out.outputs[0].finish_reason})", file=sys.stderr)
-            print(meter.summary().format(), file=sys.stderr)
-            return 0
-        _generate_file(llm, args.prompts_file, args.output, params)
+        else:
+            _generate_file(llm, args.prompts_file, args.output, params)
         print(meter.summary().format(), file=sys.stderr)
+        parallel = _parallel_summary(llm, meter)
+        if parallel:
+            print(parallel, file=sys.stderr)
+        llm.engine.close()
         return 0
     except TuiliError as e:
         print(f"tuili: error: {e}", file=sys.stderr)

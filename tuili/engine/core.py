@@ -37,6 +37,8 @@ from tuili.engine.stats import EngineStats, StepObserver, StepRecord
 from tuili.engine.stopping import StopTokens
 from tuili.errors import RequestError
 from tuili.models.loader import load_model
+from tuili.parallel import group as tensor_parallel
+from tuili.parallel.runner import ParallelModelRunner
 from tuili.platform import Platform
 from tuili.sampling import SamplingParams
 from tuili.tokenizer import Tokenizer
@@ -51,12 +53,28 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
+        # Tensor parallelism (tuili/parallel): this process is one rank; rank 0 runs the engine,
+        # the other ranks only its forwards (ParallelModelRunner.serve). On GPUs each rank takes
+        # the GPU of its local rank.
+        self.parallel: tensor_parallel.TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.parallel = tensor_parallel.join(config.tensor_parallel_size, self.device, config)
+            self.device = self.parallel.device
         self.platform = Platform.detect(self.device)
         self.dtype = resolve_dtype(config.dtype, self.platform)
         torch.manual_seed(config.seed)
+        try:
+            self._build(config)
+        except BaseException as e:
+            if self.parallel is not None:  # the other ranks would wait for this one forever
+                self.parallel.fail(f"rank {self.parallel.rank} failed to start: {e}")
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         loaded = load_model(
             config.model, self.dtype, self.platform, config.max_model_len, config.quantization,
             packed_compute_dtype(config.dtype, self.device, self.dtype),
+            (self.parallel.shard, self.parallel) if self.parallel is not None else None,
         )
         self.weights_quantized = loaded.quantized
         self.model_config: ModelConfig = loaded.config
@@ -73,7 +91,11 @@ class LLMEngine:
             )  # fmt: skip
             config = dataclasses.replace(config, enable_prefix_caching=False)
             self.config = config
-        self.pool = plan_pool(self.model_config, config, self.dtype, self.device)
+        # The KV pool holds this rank's KV heads (the network's config; the model's when whole).
+        # Rank 0 holds the most, so its plan fits every rank: all take it.
+        self.pool = plan_pool(loaded.model.config, config, self.dtype, self.device)
+        if self.parallel is not None:
+            self.pool = self.parallel.broadcast(self.pool)
         self.max_model_len = self.pool.max_model_len
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         stop_tokens = StopTokens(frozenset(self.model_config.eos_token_ids) | tokenizer_eos)
@@ -85,8 +107,11 @@ class LLMEngine:
         state_slots = StateSlots(self.pool.num_state_slots) if self.pool.num_state_slots else None
         max_num_seqs = min(config.max_num_seqs, self.pool.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, max_num_seqs, state_slots)
-        self.runner = ModelRunner(
-            loaded.model, self.pool, RunnerConfig(self.device, self.dtype, stop_tokens, config.enforce_eager),
+        runner_config = RunnerConfig(
+            self.device, self.dtype, stop_tokens, config.enforce_eager or self.parallel is not None,
+        )
+        self.runner = ModelRunner(loaded.model, self.pool, runner_config) if self.parallel is None else (
+            ParallelModelRunner(loaded.model, self.pool, runner_config, self.parallel)
         )
         self.outputs = OutputProcessor(self.tokenizer, stop_tokens, self.max_model_len)
         self._observers: list[StepObserver] = []
@@ -117,6 +142,20 @@ class LLMEngine:
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (ModelRunner.decode_weight_bytes)."""
         return self.runner.decode_weight_bytes()
+
+    def communication_seconds(self) -> float:
+        """Seconds this rank spent in tensor-parallel collectives (all-reduces and the logits
+        gather) since the start; 0 on one device."""
+        return self.parallel.comm_seconds if self.parallel is not None else 0.0
+
+    def healthy(self) -> bool:
+        """False once a tensor-parallel rank is lost: no step can run any more."""
+        return self.parallel is None or self.parallel.failure is None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done at exit); nothing to do on one device."""
+        if self.parallel is not None:
+            self.parallel.stop()
 
     def add_observer(self, observer: StepObserver) -> None:
         """Hand every later step's StepRecord to `observer` (tuili/engine/stats.py)."""

@@ -32,7 +32,9 @@ class LLM:
         as a fraction of the memory free after loading on a GPU, of the RAM available on a CPU;
         docs/engine.md), enable_prefix_caching,
         kv_offload_memory, quantization, kv_cache_dtype, hardware (the spec a UtilizationMeter
-        built with `for_engine` judges this engine against), seed."""
+        built with `for_engine` judges this engine against), seed, tensor_parallel_size (N ranks:
+        this process is rank 0 and starts the others; `llm.engine.close()` stops them, as exit
+        does; docs/engine.md, "Tensor parallelism")."""
         known = {f.name for f in fields(EngineConfig)} - {"model"}
         unknown = sorted(set(options) - known)
         if unknown:

@@ -17,9 +17,11 @@ from tuili.config import ModelConfig
 from tuili.errors import CheckpointError
 from tuili.layers.attention import attention_backend
 from tuili.layers.linear import PanelLinear
+from tuili.layers.quant import DEFAULT_INT4_GROUP_SIZE
 from tuili.models.llama import LlamaForCausalLM
 from tuili.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
-from tuili.models.weights import TensorSource, WeightPlan
+from tuili.models.weights import SliceReader, TensorSource, WeightPlan
+from tuili.parallel.shard import ShardPlan, TensorShard, check_supported, local_config
 from tuili.platform import Platform
 from tuili.tokenizer import Tokenizer
 
@@ -76,6 +78,7 @@ def load_model(
     max_positions: int | None = None,
     quantization: str | None = None,
     packed_dtype: torch.dtype | None = None,
+    tensor_parallel: tuple[TensorShard, object] | None = None,
 ) -> LoadedModel:
     """Load `model` with its float weights in `dtype` on `platform`'s device, built whole from
     its weight plan (tuili/models/weights.py) with the platform's attention backend.
@@ -84,13 +87,19 @@ def load_model(
     checkpoint's linears at load (a GGUF file is dequantized first); otherwise, when
     `packed_dtype` is given, a GGUF file's Q4_0, Q4_1 and Q8_0 linears are kept as stored.
     Quantized linears compute in `packed_dtype` (default: `dtype`). With no quantization and no
-    packed_dtype every weight is dequantized to `dtype`."""
+    packed_dtype every weight is dequantized to `dtype`.
+
+    `tensor_parallel` (this rank's TensorShard, its TensorParallelGroup): build this rank's
+    part of the network only (tuili/parallel/shard.py), reading only its slices of the weights;
+    the network's config is then the rank's (its heads and channels), LoadedModel.config the
+    whole model's."""
     path = resolve_model_path(model)
+    read_slice: SliceReader | None = None
     if path.is_file():
         cfg, tensors, shapes, tokenizer, ckpt = _open_gguf(path)
         weight_format = "gguf"
     else:
-        cfg, tensors, shapes, tokenizer = _open_hf_dir(path)
+        cfg, tensors, shapes, tokenizer, read_slice = _open_hf_dir(path)
         ckpt, weight_format = None, "safetensors"
     network_class = NETWORKS.get(cfg.family, LlamaForCausalLM)
     if issubclass(network_class, Qwen3NextForCausalLM):
@@ -100,12 +109,23 @@ def load_model(
             # tuili does not run yet: held beside the network (model.mtp), not run.
             logger.info("holding %d multi-token-prediction tensors (mtp.*) for speculative decoding: "
                         "loaded, not run", len(mtp))
+    gguf_packed = ckpt if quantization is None and packed_dtype is not None else None
+    sharded, network_cfg = None, cfg
+    if tensor_parallel is not None:
+        shard, group = tensor_parallel
+        check_supported(cfg, shard)
+        # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks.
+        ffn_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else 32 if gguf_packed is not None else 1
+        sharded = ShardPlan(shard, cfg, ffn_unit, group)
+        network_cfg = local_config(cfg, shard, ffn_unit)
     plan = WeightPlan(
         platform, dtype, tensors, network_class.stacked_projections, str(path), quantization,
-        quantized_dtype=packed_dtype or dtype,
-        gguf_packed=ckpt if quantization is None and packed_dtype is not None else None, shapes=shapes,
+        quantized_dtype=packed_dtype or dtype, gguf_packed=gguf_packed, shapes=shapes, sharded=sharded,
+        read_slice=read_slice,
     )  # fmt: skip
-    network = network_class(cfg, max_positions or cfg.max_position_embeddings, plan, attention_backend(platform, dtype))
+    network = network_class(
+        network_cfg, max_positions or cfg.max_position_embeddings, plan, attention_backend(platform, dtype)
+    )
     plan.fill(network)
     network = network.to(platform.device).eval()
     panels = sum(isinstance(m, PanelLinear) for m in network.modules())
@@ -116,7 +136,9 @@ def load_model(
     return LoadedModel(network, cfg, tokenizer, path, weight_format, plan.quantized)
 
 
-def _open_hf_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict[str, tuple[int, ...]], Tokenizer | None]:
+def _open_hf_dir(
+    path: Path,
+) -> tuple[ModelConfig, TensorSource, dict[str, tuple[int, ...]], Tokenizer | None, SliceReader]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json: expected a Hugging Face model directory")
@@ -136,7 +158,18 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict[str, tuple
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
     tensors, shapes = _language_model_tensors(tensors, shapes, path)
-    return cfg, tensors, shapes, Tokenizer.from_pretrained_dir(path)
+
+    def read_slice(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        # `name` as the plan knows it; tensors[name] reads it under its checkpoint name, which
+        # differs for a multimodal checkpoint's language model (_language_model_tensors).
+        handle, checkpoint_name, file = tensors[name].args  # type: ignore[attr-defined]
+        try:
+            sliced = handle.get_slice(checkpoint_name)
+            return sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+
+    return cfg, tensors, shapes, Tokenizer.from_pretrained_dir(path), read_slice
 
 
 def _language_model_tensors(

@@ -22,6 +22,13 @@ when tied (one tensor), an int8 copy of it under `quantization`, and, for a GGUF
 a quantized decode copy (tuili/layers/logits.py). The rest (norms) is assigned by name in `fill`.
 Every checkpoint tensor the config requires must be present: a CheckpointError names the
 missing ones by their checkpoint names.
+
+Under tensor parallelism (`sharded`, tuili/parallel/shard.py) the plan reads only this rank's
+slice of each tensor (safetensors slices through `read_slice`; a GGUF tensor one at a time,
+whole, then cut; a packed GGUF linear's blocks cut along rows or whole groups of columns), then
+holds it one of the four ways above: q/k/v and gate/up keep their heads' and channels' rows,
+o and down their columns and end in an all-reduce, the embedding and the output head their
+vocabulary rows.
 """
 
 from __future__ import annotations
@@ -47,12 +54,16 @@ from tuili.layers.quant import (
     quantize_int8,
     quantize_int8_group,
 )
+from tuili.parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from tuili.parallel.shard import ShardPlan, narrow
 from tuili.platform import Platform
 
 if TYPE_CHECKING:
     from tuili.models.gguf import GGUFCheckpoint
 
 TensorSource = dict[str, Callable[[], torch.Tensor]]  # checkpoint name -> its tensor, read on demand
+# (name, dim, start, stop) -> that slice of the tensor, read without the rest (safetensors)
+SliceReader = Callable[[str, int, int, int], torch.Tensor]
 
 
 @dataclass
@@ -68,6 +79,8 @@ class WeightPlan:
     group_size: int = DEFAULT_INT4_GROUP_SIZE
     # checkpoint name -> shape, as the file's header records it (read without loading the tensor)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    sharded: ShardPlan | None = None  # tensor parallelism: this rank's cut of every weight
+    read_slice: SliceReader | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_METHODS):
@@ -95,12 +108,27 @@ class WeightPlan:
         """The module for linear `path` (e.g. "model.layers.0.self_attn.qkv_proj")."""
         parts = self._part_names(path)
         decoder = path.startswith("model.layers.")
+        cut = self.sharded.linear_slices(path.rpartition(".")[2], len(parts)) if self.sharded and decoder else None
         if decoder and self.gguf_packed is not None:
-            module = self._gguf_linear(parts, bias)
+            module = self._gguf_linear(parts, bias, cut)
             if module is not None:
-                return module
-        weight = self._stacked([f"{p}.weight" for p in parts], (out_features, in_features))
-        b = self._stacked([f"{p}.bias" for p in parts], (out_features,)) if bias else None
+                return self._row_parallel(module, cut)
+        weight = self._stacked([f"{p}.weight" for p in parts], (out_features, in_features), cut)
+        b = None
+        if bias and (cut is None or cut[0] == 0):
+            b = self._stacked([f"{p}.bias" for p in parts], (out_features,), cut)
+        elif bias and self.sharded is not None and self.sharded.shard.rank == 0:  # row-parallel: rank 0 adds it
+            b = self._stacked([f"{p}.bias" for p in parts], (out_features,))
+        return self._row_parallel(self._hold(path, weight, b, decoder), cut)
+
+    def _row_parallel(self, module: nn.Module, cut: tuple[int, list[tuple[int, int]]] | None) -> nn.Module:
+        if cut is None or cut[0] == 0:
+            return module
+        assert self.sharded is not None
+        return RowParallelLinear(module, self.sharded.group)  # type: ignore[arg-type]
+
+    def _hold(self, path: str, weight: torch.Tensor, b: torch.Tensor | None, decoder: bool) -> nn.Module:
+        """The module holding float `weight` (whole, or this rank's cut of it): ways 2 to 4."""
         if self.quantization is not None:
             quantized = quantize_int4(weight, self.group_size, self.quantized_dtype) if (
                 self.quantization == "int4" and not _is_output(path)
@@ -140,14 +168,24 @@ class WeightPlan:
         return out
 
     def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:
+        if self.sharded is not None:
+            start, stop = self.sharded.vocab()
+            weight = self._stacked([f"{path}.weight"], (stop - start, dim), (0, [(start, stop)]))
+            return VocabParallelEmbedding(weight, start, stop, self.sharded.group)  # type: ignore[arg-type]
         weight = self._stacked([f"{path}.weight"], (num_embeddings, dim))
         return nn.Embedding.from_pretrained(weight, freeze=True)
 
-    def output_head(self, path: str, embedding: nn.Embedding, tied: bool) -> OutputHead:
-        """The logits' module: over the embedding table when `tied`, else over `path`.weight."""
+    def output_head(self, path: str, embedding: nn.Embedding, tied: bool) -> nn.Module:
+        """The logits' module: over the embedding table when `tied`, else over `path`.weight
+        (under tensor parallelism: this rank's vocabulary rows, gathered to rank 0)."""
         if tied:
             matrix = embedding.weight
             projection: nn.Module = Linear.holding(matrix, None, self.platform)
+        elif self.sharded is not None:
+            start, stop = self.sharded.vocab()
+            weight = self._stacked([f"{path}.weight"], (stop - start, embedding.embedding_dim), (0, [(start, stop)]))
+            projection = self._hold(path, weight, None, decoder=False)
+            matrix = None
         else:
             projection = self.linear(path, embedding.embedding_dim, embedding.num_embeddings, bias=False)
             matrix = None
@@ -156,7 +194,10 @@ class WeightPlan:
             weight = quantize_int8(matrix, self.quantized_dtype)
             projection = make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
         decode_copy = self._gguf_decode_copy() if self.gguf_packed is not None else None
-        return OutputHead(projection, decode_copy)
+        head = OutputHead(projection, decode_copy)
+        if self.sharded is None:
+            return head
+        return VocabParallelHead(head, self.sharded.vocab_widths(), self.sharded.group)  # type: ignore[arg-type]
 
     def fill(self, model: nn.Module) -> None:
         """Assign the parameters the plan did not build (norms) from the checkpoint, by name;
@@ -187,13 +228,21 @@ class WeightPlan:
         parts = self.stacked.get(leaf, (leaf,))
         return [f"{prefix}.{part}" if prefix else part for part in parts]
 
-    def _stacked(self, names: list[str], shape: tuple[int, ...]) -> torch.Tensor:
+    def _stacked(
+        self, names: list[str], shape: tuple[int, ...], cut: tuple[int, list[tuple[int, int]]] | None = None
+    ) -> torch.Tensor:
         """The checkpoint tensors `names` concatenated along dim 0, in the float dtype on the
-        device, checked against `shape`."""
+        device, checked against `shape`; with `cut` (dim, a [start, stop) per name), only those
+        slices of them."""
         missing = [n for n in names if n not in self.tensors]
         if missing:
             _raise_missing(self.source, missing)
-        pieces = [self.tensors[n]().to(device=self.device, dtype=self.dtype) for n in names]
+        if cut is None:
+            pieces = [self.tensors[n]().to(device=self.device, dtype=self.dtype) for n in names]
+        else:
+            dim, ranges = cut
+            dim = min(dim, len(shape) - 1)  # a bias is cut along its only dimension
+            pieces = [self._read(n, dim, start, stop) for n, (start, stop) in zip(names, ranges, strict=True)]
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if tuple(tensor.shape) != shape:
             shown = names[0] if len(names) == 1 else f"{', '.join(names)} stacked"
@@ -202,7 +251,20 @@ class WeightPlan:
             )
         return tensor
 
-    def _gguf_linear(self, parts: list[str], bias: bool) -> QuantizedLinear | None:
+    def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Slice [start, stop) along `dim` of tensor `name`: read alone where the file allows,
+        else cut from the whole tensor (copied, so the rest is freed at once)."""
+        if self.read_slice is not None:
+            piece = self.read_slice(name, dim, start, stop)
+        else:
+            piece = self.tensors[name]().narrow(dim, start, stop - start).clone()
+        piece = piece.to(device=self.device, dtype=self.dtype).contiguous()
+        # A row slice may still be a view of the whole tensor's storage, which it would keep.
+        return piece.clone() if piece.untyped_storage().nbytes() > piece.nbytes else piece
+
+    def _gguf_linear(
+        self, parts: list[str], bias: bool, cut: tuple[int, list[tuple[int, int]]] | None = None
+    ) -> QuantizedLinear | None:
         """A packed linear from the GGUF file's blocks, or None when a part's type cannot run
         packed (or is absent) or the parts' formats differ: that linear is then loaded as floats."""
         ckpt = self.gguf_packed
@@ -214,9 +276,13 @@ class WeightPlan:
         weights = [ckpt.quantized_tensor(n) for n in names]
         if len({type(w) for w in weights}) != 1:
             return None
+        if cut is not None:
+            weights = [narrow(w, cut[0], start, stop) for w, (start, stop) in zip(weights, cut[1], strict=True)]
         b = None
-        if bias:
-            b = self._stacked([f"{p}.bias" for p in parts], (sum(w.q.shape[0] for w in weights),))
+        if bias and (cut is None or cut[0] == 0):
+            b = self._stacked([f"{p}.bias" for p in parts], (sum(w.q.shape[0] for w in weights),), cut)
+        elif bias and self.sharded is not None and self.sharded.shard.rank == 0:
+            b = self._stacked([f"{p}.bias" for p in parts], (weights[0].q.shape[0],))
         stacked = type(weights[0]).cat(weights)  # type: ignore[arg-type]
         return make_linear(stacked, b, self.quantized_dtype, platform=self.platform).to(self.device)
 
@@ -235,7 +301,13 @@ class WeightPlan:
             group = next((g for g in (128, 32) if len(shape) == 2 and shape[1] % g == 0), None)
             if group is None:
                 return None
-            weight = quantize_int8_group(ckpt.load_tensor(name, torch.float32), group, self.quantized_dtype)
+            matrix = ckpt.load_tensor(name, torch.float32)
+            if self.sharded is not None:
+                start, stop = self.sharded.vocab()
+                matrix = matrix[start:stop]
+            weight = quantize_int8_group(matrix, group, self.quantized_dtype)
+        if self.sharded is not None and ckpt.runs_packed(name) and ckpt.tensor_info(name).ggml_type.name == "Q8_0":
+            weight = narrow(weight, 0, *self.sharded.vocab())
         return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
 
     def _linear_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

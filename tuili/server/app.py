@@ -108,7 +108,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     engine.add_observer(meter)
 
     def utilization() -> dict[str, float]:  # read at each scrape, on the HTTP side
-        return {**meter.summary().prometheus(), **_cache_samples(driver.stats.prefix_cache)}
+        # Tensor parallelism: rank 0's seconds in all-reduces and the logits gather (0 on one device).
+        communication = {"tuili:tensor_parallel_communication_seconds_total": engine.communication_seconds()}
+        return {**meter.summary().prometheus(), **_cache_samples(driver.stats.prefix_cache), **communication}
 
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
+import signal
 import socket
 import sys
 
-from tuili.engine.cli import add_engine_args, engine_kwargs, parse_bytes
+from tuili.engine.cli import add_engine_args, engine_kwargs, parse_bytes, worker_rank_status
 from tuili.errors import TuiliError
 
 
@@ -64,6 +66,9 @@ def register(subparsers) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    status = worker_rank_status(args)  # torchrun's ranks other than 0 serve no HTTP
+    if status is not None:
+        return status
     try:
         _check_args(args)
         # Bind first: a port in use fails now, not after the model has loaded.
@@ -187,8 +192,15 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
                               allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
                               args.max_sequences_per_request, args.body_timeout, tuple(more), args.root_path)
+    if engine.parallel is not None:
+        # A lost rank: the requests in flight have failed; shut down as SIGTERM does, then exit 1.
+        engine.parallel.on_failure = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
     serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log,
           header_timeout=args.header_timeout, max_connections=args.max_connections)
+    engine.close()
+    if not engine.healthy():
+        print(f"tuili: error: {engine.parallel.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -161,7 +161,7 @@ class EngineDriver:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._dead
+        return self._thread.is_alive() and not self._dead and self.engine.healthy()
 
     async def submit(
         self,

@@ -1,0 +1,250 @@
+"""The tensor-parallel process group: its timed collectives, and the processes behind it.
+
+Rendezvous is torch.distributed's env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): torchrun
+sets it on every machine (its c10d rendezvous), and on one machine rank 0 sets it itself and
+starts the other ranks as `python -m tuili.parallel.worker` processes (`start_workers`), which
+it watches. Backend: NCCL on CUDA devices, gloo on CPUs.
+
+Failure: a rank that dies closes its sockets, so the collective that waits on it raises in the
+others (gloo and NCCL both report a closed peer). Rank 0 also polls the workers it started: one
+that exits marks the group failed, the others are stopped and `on_failure` runs (the server
+uses it to shut down with a non-zero status). Workers stop when rank 0 says so, when a
+collective fails, or when the process that started them is gone: no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tuili.errors import TuiliError
+from tuili.parallel.shard import TensorShard
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ENV = "TUILI_TP_ENGINE_CONFIG"  # a started worker's EngineConfig, pickled, base64
+PARENT_ENV = "TUILI_TP_PARENT_PID"
+# Collectives wait this long for a rank that is alive but stuck; a dead one fails them at once.
+# An idle worker waits for the next step without limit (long idle periods are normal).
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=30)
+STOP_WAIT_SECONDS = 10.0
+
+
+class WorkerLostError(TuiliError):
+    """A tensor-parallel rank is gone: this engine can no longer run a step."""
+
+
+class TensorParallelGroup:
+    def __init__(self, shard: TensorShard, device: torch.device) -> None:
+        self.shard = shard
+        self.device = device
+        self.comm_seconds = 0.0  # all-reduce and logits gather time, cumulative (the ruler reads it)
+        self.num_collectives = 0
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._workers: list[subprocess.Popen] = []
+        self._stopping = False
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def world(self) -> int:
+        return self.shard.world
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place, timed."""
+        started = time.perf_counter()
+        self._guard(dist.all_reduce, tensor)
+        self._count(started)
+        return tensor
+
+    def gather_columns(self, tensor: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank 0: the ranks' [rows, widths[r]] tensors side by side ([rows, sum(widths)]);
+        other ranks: None. Shards are padded to the widest for the collective."""
+        started = time.perf_counter()
+        widest = max(widths)
+        padded = tensor
+        if tensor.shape[-1] < widest:
+            padded = torch.nn.functional.pad(tensor, (0, widest - tensor.shape[-1]))
+        padded = padded.contiguous()
+        pieces = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None
+        self._guard(dist.gather, padded, pieces, 0)
+        self._count(started)
+        if pieces is None:
+            return None
+        return torch.cat([piece[..., :width] for piece, width in zip(pieces, widths, strict=True)], dim=-1)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (pickled: step plans, the pool plan)."""
+        holder = [obj if self.rank == 0 else None]
+        self._guard(dist.broadcast_object_list, holder, 0)
+        return holder[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Rank 0: every rank's `obj`, in rank order; other ranks: []."""
+        gathered: list[Any] = [None] * self.world if self.rank == 0 else []
+        self._guard(dist.gather_object, obj, gathered if self.rank == 0 else None, 0)
+        return gathered
+
+    def _count(self, started: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # NCCL returns before the transfer is done
+        self.comm_seconds += time.perf_counter() - started
+        self.num_collectives += 1
+
+    def _guard(self, collective: Callable, *args) -> None:
+        if self.failure is not None:
+            raise WorkerLostError(self.failure)
+        try:
+            collective(*args)
+        except (RuntimeError, ValueError) as e:  # gloo/NCCL: a peer closed its connection
+            self.fail(self._exited_worker(wait=1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {e}")
+            raise WorkerLostError(self.failure) from e
+
+    # -- processes -----------------------------------------------------------------------
+
+    def fail(self, reason: str) -> None:
+        """Mark the group failed (once): stop the workers this process started, tell on_failure."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        logger.error("%s", reason)
+        self._terminate_workers()
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
+    def start_workers(self, config: Any, port: int) -> None:
+        """Rank 0 on one machine: start ranks 1..world-1 with `config` and watch them."""
+        encoded = base64.b64encode(pickle.dumps(config)).decode()
+        for rank in range(1, self.world):
+            env = {**os.environ, CONFIG_ENV: encoded, PARENT_ENV: str(os.getpid()), "RANK": str(rank),
+                   "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            self._workers.append(subprocess.Popen([sys.executable, "-m", "tuili.parallel.worker"], env=env))
+        threading.Thread(target=self._watch, name="tuili-tp-monitor", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping and self.failure is None:
+            exited = self._exited_worker()
+            if exited is not None and not self._stopping:
+                self.fail(exited)
+                return
+            time.sleep(0.2)
+
+    def _exited_worker(self, wait: float = 0.0) -> str | None:
+        """Which worker this process started has exited (waiting up to `wait` seconds for one
+        whose connection closed to be reaped), said as the failure; None if all run."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, proc in enumerate(self._workers, start=1):
+                code = proc.poll()
+                if code is not None:
+                    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with status {code}"
+            if time.monotonic() >= deadline or not self._workers:
+                return None
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Rank 0: tell the workers to stop and wait for them (killing those that do not)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.failure is None and self.rank == 0:
+            try:
+                self.broadcast(("stop",))
+            except WorkerLostError:
+                pass
+        deadline = time.monotonic() + STOP_WAIT_SECONDS
+        for proc in self._workers:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _terminate_workers(self) -> None:
+        for proc in self._workers:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._workers:
+            try:
+                proc.wait(STOP_WAIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started with a rendezvous environment (torchrun, or rank 0 here)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def join(world: int, device: torch.device, config: Any) -> TensorParallelGroup:
+    """This process's place in a group of `world` ranks: under torchrun (or as a worker started
+    here) the environment's rank; otherwise rank 0, which starts the other ranks on this machine."""
+    started_here = not under_torchrun()
+    if started_here:
+        rank, env_world, port = 0, world, _free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+    else:
+        rank, env_world, init_method = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
+    if env_world != world:
+        raise TuiliError(
+            f"tensor_parallel_size={world} but the launcher started {env_world} processes (WORLD_SIZE): "
+            "run as many processes as tensor-parallel ranks"
+        )
+    if device.type == "cuda":  # one GPU per rank: the local rank's
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) if not started_here else 0)
+        torch.cuda.set_device(device)
+    group = TensorParallelGroup(TensorShard(rank, world), device)
+    if started_here:
+        group.start_workers(config, port)
+    if rank == 0:
+        atexit.register(group.stop)
+    _share_threads(world if started_here else int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    if PARENT_ENV in os.environ:
+        threading.Thread(target=_exit_with_parent, args=(int(os.environ[PARENT_ENV]),), daemon=True).start()
+    return group
+
+
+def _share_threads(local: int) -> None:
+    """The `local` ranks on this machine split its cores, unless OMP_NUM_THREADS says otherwise
+    (torchrun sets it)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(min(torch.get_num_threads(), threads))
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    logger.error("rank 0 (pid %d) is gone: this tensor-parallel worker exits", parent)
+    os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,80 @@
+"""The runner of a tensor-parallel engine: the scheduler and the sampler live on rank 0 only.
+
+Each step rank 0 prepares the flat batch inputs as ModelRunner does (token ids, positions,
+attention metadata, the rows to sample), broadcasts them, and every rank runs its shard of the
+forward (the all-reduces inside it keep the ranks in step); the logits are gathered to rank 0,
+which samples. Workers run `serve()`: the same forwards on rank 0's inputs until told to stop.
+Decode graphs are off: a replayed graph cannot take part in a collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tuili.engine.block_manager import BlockCopies
+from tuili.engine.pool import PoolPlan
+from tuili.engine.runner import CausalLM, ModelRunner, RunnerConfig
+from tuili.engine.scheduler import ScheduledSeq
+from tuili.layers.sampler import SampledToken
+from tuili.parallel.group import TensorParallelGroup
+
+_EXECUTE, _LOGITS, _COPY, _WEIGHTS, _STOP = "execute", "logits", "copy", "weights", "stop"
+
+
+class ParallelModelRunner(ModelRunner):
+    def __init__(self, model: CausalLM, pool: PoolPlan, config: RunnerConfig, group: TensorParallelGroup) -> None:
+        super().__init__(model, pool, config)
+        self.group = group
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: BlockCopies) -> None:
+        if copies.to_host or copies.to_device:
+            self.group.broadcast((_COPY, copies))
+        super().copy_blocks(copies)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:
+        inputs = self._prepare(batch)
+        sampling = [item.seq for item in batch if item.samples]
+        self.group.broadcast((_EXECUTE, inputs, len(sampling)))
+        logits = self._forward(inputs, len(sampling))
+        if logits is None:
+            return []
+        return self.sampler(logits, [self._row(seq) for seq in sampling])
+
+    @torch.inference_mode()
+    def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        inputs = self._prepare(batch)
+        self.group.broadcast((_LOGITS, inputs))
+        return self.model.compute_logits(self.model(*inputs[:3]))
+
+    def weight_bytes_per_rank(self) -> list[int]:
+        """Bytes of weights each rank holds (measured by each rank over its own modules)."""
+        self.group.broadcast((_WEIGHTS,))
+        return self.group.gather_objects(self.weight_bytes())
+
+    def _forward(self, inputs: tuple, num_sampling: int) -> torch.Tensor | None:
+        input_ids, positions, meta, sample_index = inputs
+        hidden = self.model(input_ids, positions, meta)
+        if not num_sampling:
+            return None
+        if num_sampling < hidden.shape[0]:
+            hidden = hidden[sample_index]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """A worker: run rank 0's steps until it says stop (a lost rank raises WorkerLostError)."""
+        while True:
+            message = self.group.broadcast(None)
+            kind = message[0]
+            if kind == _STOP:
+                return
+            if kind == _COPY:
+                super().copy_blocks(message[1])
+            elif kind == _WEIGHTS:
+                self.group.gather_objects(self.weight_bytes())
+            elif kind == _EXECUTE:
+                self._forward(message[1], message[2])
+            else:
+                self.model.compute_logits(self.model(*message[1][:3]))
