@@ -35,6 +35,7 @@ from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
 from tuili.engine.stopping import StopTokens
 from tuili.errors import RequestError
+from tuili.layers.grammar import GrammarCompiler
 from tuili.models.loader import load_model
 from tuili.platform import Platform
 from tuili.sampling import SamplingParams
@@ -77,6 +78,10 @@ class LLMEngine:
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         stop_tokens = StopTokens(frozenset(self.model_config.eos_token_ids) | tokenizer_eos)
         self.eos_token_ids = stop_tokens.eos_token_ids
+        # Structured output needs the tokenizer's vocabulary; a model without one cannot have it.
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf_tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        ) if self.tokenizer is not None else None
         self.block_manager = BlockManager(
             self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching, self.pool.num_host_blocks,
         )
@@ -85,7 +90,8 @@ class LLMEngine:
         max_num_seqs = min(config.max_num_seqs, self.pool.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, max_num_seqs, state_slots)
         self.runner = ModelRunner(
-            loaded.model, self.pool, RunnerConfig(self.device, self.dtype, stop_tokens, config.enforce_eager),
+            loaded.model, self.pool,
+            RunnerConfig(self.device, self.dtype, stop_tokens, config.enforce_eager, self.grammars),
         )
         self.outputs = OutputProcessor(self.tokenizer, stop_tokens, self.max_model_len)
         self._observers: list[StepObserver] = []
@@ -160,6 +166,10 @@ class LLMEngine:
             )
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model was loaded without one")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need a tokenizer; this model was loaded without one")
+            self.grammars.compile(params.structured_outputs)  # refused here if it does not compile; cached
         now = time.monotonic()
         req = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=now))
         for index in range(params.n):
