@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch

@@ -117,3 +117,14 @@ def test_structured_outputs_needs_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(RequestError, match="exactly one"):
         StructuredOutputsParams()
+
+
+def test_a_complete_match_is_followed_only_by_stop_tokens(llm):
+    """ignore_eos past a complete match: the sequence goes on, and may only repeat EOS."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    out = llm.generate(["Hi"], params)[0].outputs[0]
+    eos = llm.engine.eos_token_ids
+    assert out.text == "yes" and len(out.token_ids) == 6
+    first_eos = next(i for i, token in enumerate(out.token_ids) if token in eos)
+    assert all(token in eos for token in out.token_ids[first_eos:])

@@ -138,7 +138,7 @@ def test_bad_tool_requests_are_refused_by_name(server, model_name, auth, change,
 
 
 def test_langchain_bind_tools_and_structured_output(server, model_name):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
     from pydantic import BaseModel, Field
 
     chat = langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key="test-key", model=model_name,
@@ -180,3 +180,17 @@ def test_openai_parse_helper(client, model_name):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=5,
                                        response_format={"type": "json_schema"})
+
+
+def test_litellm_tools_and_response_format(server, model_name):
+    import litellm
+
+    common = {"model": f"openai/{model_name}", "api_base": f"{server.url}/v1", "api_key": "test-key",
+              "temperature": 0, "max_tokens": 150}
+    response = litellm.completion(messages=MESSAGES, tools=TOOLS, tool_choice="required", **common)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in response.choices[0].message.tool_calls]
+    _valid(calls)
+    fmt = {"type": "json_schema", "json_schema": {"name": "add", "schema": ADD, "strict": True}}
+    response = litellm.completion(messages=[{"role": "user", "content": "2 + 3 as JSON"}], response_format=fmt,
+                                  **common)
+    jsonschema.validate(json.loads(response.choices[0].message.content), ADD)

@@ -126,6 +126,13 @@ class GrammarState:
         return self._matcher.is_completed() or self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._matcher.is_terminated():
+            # A stop token completed the output and the sequence goes on (ignore_eos): nothing
+            # but stop tokens may follow a complete match.
+            bitmask[row] = 0
+            for token_id in self._matcher.stop_token_ids:
+                bitmask[row, token_id // 32] |= 1 << (token_id % 32)
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
@@ -142,8 +149,10 @@ class TokenMasks:
         self._done: Future = executor.submit(self._fill, [(i, states[i]) for i in self.rows])
 
     def _fill(self, work: list[tuple[int, GrammarState]]) -> None:
-        for row, state in work:
-            state.fill(self._bitmask, row)
+        # The bitmask was made under the runner's inference mode; this thread must be too to write it.
+        with torch.inference_mode():
+            for row, state in work:
+                state.fill(self._bitmask, row)
 
     def allowed(self, row: int) -> torch.Tensor:
         """Bool [vocab] of the tokens batch row `row` may take."""
