@@ -81,8 +81,8 @@ _CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 _COMPLETION = {"prompt": "hi", "max_tokens": 1}
 MEANINGFUL_FIELDS = [
     # tool_choice without tools: chat refuses it (nothing to call), completions have no tools at all.
-    ("tool_choice", "auto", "both"), ("functions", [{"name": "f"}], "both"), ("parallel_tool_calls", True, "completion"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "completion"),
+    ("tool_choice", "auto", "both"), ("functions", [{"name": "f"}], "both"), ("parallel_tool_calls", True, "/v1/completions"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "/v1/completions"),
     ("prediction", {"type": "content", "content": "x"}, "both"), ("guided_whitespace_pattern", " ", "both"),
     ("guided_decoding_backend", "outlines", "both"), ("structural_tag", "{}", "both"),
     ("prompt_logprobs", 1, "both"), ("bad_words", ["sea"], "both"),
