@@ -2,7 +2,7 @@
 
 from tuili.engine.llm import LLM
 from tuili.engine.request import CompletionOutput, RequestOutput
-from tuili.sampling import SamplingParams
+from tuili.sampling import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

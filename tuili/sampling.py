@@ -2,13 +2,67 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tuili.errors import RequestError
 
 _GREEDY_TEMPERATURE = 1e-5
 _SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match, as vLLM's ``StructuredOutputsParams``: exactly one of
+    a JSON schema (``json``, a dict or its JSON text), any JSON object (``json_object``), a
+    regular expression, one of a list of strings (``choice``), or an EBNF / GBNF grammar.
+
+    The sampler masks every token the grammar does not allow (tuili/layers/grammar.py), so the
+    output matches unless ``max_tokens`` cuts it short (finish_reason "length")."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise RequestError(
+                f"structured_outputs gives {given or 'nothing'}: expected exactly one of json, regex, choice, "
+                "grammar, json_object"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise RequestError(f"structured_outputs.json={self.json!r} is invalid: expected a JSON schema object")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as error:
+                raise RequestError(f"structured_outputs.json is not valid JSON: {error}") from error
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise RequestError(f"structured_outputs.choice={self.choice!r} is invalid: expected non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise RequestError(f"structured_outputs.{name}={value!r} is invalid: expected a string")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the grammar (the compiled-grammar cache's key)."""
+        if self.json is not None:
+            return "json", json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar or ""
 
 
 @dataclass
@@ -38,6 +92,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Normalised in __post_init__: always a list, possibly empty.
     stop_strings: list[str] = field(init=False, repr=False)
@@ -94,5 +149,7 @@ class SamplingParams:
             raise bad("stop", self.stop, "non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         if self.seed is not None and (not isinstance(self.seed, int) or not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]):
             raise bad("seed", self.seed, "a 64-bit signed integer")

@@ -80,12 +80,13 @@ BAD_REQUESTS = [
 _CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 _COMPLETION = {"prompt": "hi", "max_tokens": 1}
 MEANINGFUL_FIELDS = [
-    ("tool_choice", "auto", "both"), ("functions", [{"name": "f"}], "both"), ("parallel_tool_calls", True, "both"),
-    ("prediction", {"type": "content", "content": "x"}, "both"), ("guided_json", {"type": "object"}, "both"),
-    ("guided_regex", "[a-z]+", "both"), ("guided_choice", ["a", "b"], "both"), ("guided_grammar", "root ::= x", "both"),
-    ("structured_outputs", {"json": {}}, "both"), ("prompt_logprobs", 1, "both"), ("bad_words", ["sea"], "both"),
-    ("allowed_token_ids", [1, 2], "both"), ("truncate_prompt_tokens", 8, "both"),
-    ("response_format", {"type": "json_object"}, "completion"), ("echo", True, "chat"),
+    # tool_choice without tools: chat refuses it (nothing to call), completions have no tools at all.
+    ("tool_choice", "auto", "both"), ("functions", [{"name": "f"}], "both"), ("parallel_tool_calls", True, "/v1/completions"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "/v1/completions"),
+    ("prediction", {"type": "content", "content": "x"}, "both"), ("guided_whitespace_pattern", " ", "both"),
+    ("guided_decoding_backend", "outlines", "both"), ("structural_tag", "{}", "both"),
+    ("prompt_logprobs", 1, "both"), ("bad_words", ["sea"], "both"),
+    ("allowed_token_ids", [1, 2], "both"), ("truncate_prompt_tokens", 8, "both"), ("echo", True, "chat"),
     ("chat_template", "{{ messages }}", "chat"), ("chat_template_kwargs", {"enable_thinking": True}, "chat"),
 ]
 for _field, _value, _where in MEANINGFUL_FIELDS:

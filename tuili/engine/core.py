@@ -36,6 +36,7 @@ from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
 from tuili.engine.stopping import StopTokens
 from tuili.errors import RequestError
+from tuili.layers.grammar import GrammarCompiler
 from tuili.models.loader import load_model
 from tuili.parallel import group as tensor_parallel
 from tuili.parallel.runner import ParallelModelRunner
@@ -100,6 +101,10 @@ class LLMEngine:
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         stop_tokens = StopTokens(frozenset(self.model_config.eos_token_ids) | tokenizer_eos)
         self.eos_token_ids = stop_tokens.eos_token_ids
+        # Structured output needs the tokenizer's vocabulary; a model without one cannot have it.
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf_tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        ) if self.tokenizer is not None else None
         self.block_manager = BlockManager(
             self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching, self.pool.num_host_blocks,
         )
@@ -108,7 +113,7 @@ class LLMEngine:
         max_num_seqs = min(config.max_num_seqs, self.pool.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, max_num_seqs, state_slots)
         runner_config = RunnerConfig(
-            self.device, self.dtype, stop_tokens, config.enforce_eager or self.parallel is not None,
+            self.device, self.dtype, stop_tokens, config.enforce_eager or self.parallel is not None, self.grammars,
         )
         self.runner = ModelRunner(loaded.model, self.pool, runner_config) if self.parallel is None else (
             ParallelModelRunner(loaded.model, self.pool, runner_config, self.parallel)
@@ -203,6 +208,10 @@ class LLMEngine:
             )
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model was loaded without one")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need a tokenizer; this model was loaded without one")
+            self.grammars.compile(params.structured_outputs)  # refused here if it does not compile; cached
         now = time.monotonic()
         req = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=now))
         for index in range(params.n):

@@ -8,6 +8,7 @@ of HTTP or of scheduling policy.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.stopping import StopTokens
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
 from tuili.layers.deltanet import DeltaNetState, StateBatch
+from tuili.layers.grammar import GrammarCompiler, GrammarState, TokenMasks
 from tuili.layers.linear import PanelLinear
 from tuili.layers.moe import SparseMoE
 from tuili.layers.quant import QuantizedLinear
@@ -36,6 +38,7 @@ class RunnerConfig:
     dtype: torch.dtype  # the working dtype of activations and weights
     stop_tokens: StopTokens  # what each sampling row suppresses before min_tokens
     enforce_eager: bool = False  # no CPU decode graphs
+    grammars: GrammarCompiler | None = None  # structured output; None: the model has no tokenizer
 
 
 class ModelRunner:
@@ -47,6 +50,11 @@ class ModelRunner:
         self.stop_tokens = config.stop_tokens
         self.sampler = Sampler(model.platform)
         self._generators: dict[int, torch.Generator] = {}
+        # Structured output: each constrained sequence's grammar state, and the thread that
+        # fills a step's token masks while the forward pass runs.
+        self.grammars = config.grammars
+        self._grammar_states: dict[int, GrammarState] = {}
+        self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuili-grammar")
         cfg = model.config
         kv_dtype = pool.kv_dtype
         # Decodes go to the attention backend's paged kernel where it has one (the native CPU
@@ -112,19 +120,45 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:
         """Run one forward over `batch`; return one sampled token per item whose chunk ends
         its sequence (in batch order)."""
+        sampling = [item.seq for item in batch if item.samples]
+        masks = self._token_masks(sampling)  # filled while the forward below runs
         if self.graphs is not None and self.graphs.takes(batch):
             logits = self.graphs.logits(batch)
             if logits is not None:
-                return self.sampler(logits, [self._row(item.seq) for item in batch])
+                return self._sample(logits, sampling, masks)
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
-        sampling = [item.seq for item in batch if item.samples]
         if not sampling:
             return []
         if len(sampling) < hidden.shape[0]:
             hidden = hidden[sample_index]
         logits = self.model.compute_logits(hidden)
-        return self.sampler(logits, [self._row(seq) for seq in sampling])
+        return self._sample(logits, sampling, masks)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None) -> list[SampledToken]:
+        """Sample, then advance each constrained sequence's grammar past its new token."""
+        sampled = self.sampler(logits, [self._row(seq) for seq in seqs], masks)
+        if masks is not None:
+            for row in masks.rows:
+                self._grammar_states[seqs[row].seq_id].accept(sampled[row].token_id)
+        return sampled
+
+    def _token_masks(self, seqs: list[Sequence]) -> TokenMasks | None:
+        """Start filling the token masks of the constrained sequences among `seqs` (None: none is)."""
+        if not any(seq.params.structured_outputs is not None for seq in seqs):
+            return None
+        if self.grammars is None:
+            raise RuntimeError("a sequence asks for structured output but the runner has no grammar compiler")
+        states: list[GrammarState | None] = []
+        for seq in seqs:
+            spec = seq.params.structured_outputs
+            state = None
+            if spec is not None:
+                state = self._grammar_states.get(seq.seq_id)
+                if state is None:
+                    state = self._grammar_states[seq.seq_id] = self.grammars.new_state(spec)
+            states.append(state)
+        return TokenMasks(states, self.model.config.vocab_size, self._mask_filler)
 
     @torch.inference_mode()
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -164,6 +198,7 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state when a sequence finishes or is aborted."""
         self._generators.pop(seq.seq_id, None)
+        self._grammar_states.pop(seq.seq_id, None)
 
     def _row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampling row; its token history is read only if a penalty needs it."""
@@ -181,8 +216,13 @@ class ModelRunner:
             token_ids=seq.token_ids,
             prompt_len=seq.prompt_len,
             generator=generator,
-            suppressed_token_ids=self.stop_tokens.suppressed(params, seq.num_output_tokens),
+            suppressed_token_ids=self.stop_tokens.suppressed(params, seq.num_output_tokens, self._can_end(seq)),
         )
+
+    def _can_end(self, seq: Sequence) -> bool:
+        """Whether a grammar would let `seq` end now (False for an unconstrained sequence)."""
+        state = self._grammar_states.get(seq.seq_id)
+        return state is not None and state.can_end
 
     def _prepare(
         self, batch: list[ScheduledSeq]

@@ -5,7 +5,8 @@ tokenizer's (its generation_config) together. Two rules use them, with a request
 `stop_token_ids`:
 
 * until `min_tokens` tokens are generated, EOS and the stop ids may not be sampled (the runner
-  puts them in each SamplingRow's suppressed ids, with `ignore_eos` too, as vLLM does);
+  puts them in each SamplingRow's suppressed ids, with `ignore_eos` too, as vLLM does), unless
+  a structured output's grammar is complete (then nothing but a stop token may be allowed);
 * from then on, a sampled EOS (unless `ignore_eos`) or stop id ends the sequence with "stop"
   (the output processor asks; such a token is not detokenized into the text).
 """
@@ -21,9 +22,12 @@ from tuili.sampling import SamplingParams
 class StopTokens:
     eos_token_ids: frozenset[int]
 
-    def suppressed(self, params: SamplingParams, num_output_tokens: int) -> list[int]:
-        """Ids the sampler must not draw for a sequence with `num_output_tokens` generated so far."""
-        if num_output_tokens >= params.min_tokens:
+    def suppressed(self, params: SamplingParams, num_output_tokens: int, grammar_complete: bool = False) -> list[int]:
+        """Ids the sampler must not draw for a sequence with `num_output_tokens` generated so far.
+
+        None once a structured output is complete (`grammar_complete`): its grammar may allow
+        nothing but a stop token then, and the grammar wins over min_tokens."""
+        if num_output_tokens >= params.min_tokens or grammar_complete:
             return []
         return sorted(self.eos_token_ids.union(params.stop_token_ids))
 

@@ -7,30 +7,33 @@ For each row of the logits, in this order:
    one multiplied. Then ``presence_penalty`` and ``frequency_penalty`` (OpenAI definition) over
    the generated tokens only: ``logit -= presence * (count > 0) + frequency * count``. This is
    vLLM's order.
-2. **Suppression.** The row's ``suppressed_token_ids`` (the engine puts EOS and stop ids there
+2. **Grammar.** A row that follows a grammar (structured output, tuili/layers/grammar.py)
+   gets logit -inf for every token its grammar does not allow next; the mask was filled on a
+   worker thread while the forward pass ran.
+3. **Suppression.** The row's ``suppressed_token_ids`` (the engine puts EOS and stop ids there
    while ``min_tokens`` is not reached) get logit -inf; ids outside the vocabulary are ignored.
-3. **Logprobs** (when ``params.logprobs`` is set) are ``log_softmax`` of these processed logits:
+4. **Logprobs** (when ``params.logprobs`` is set) are ``log_softmax`` of these processed logits:
    the distribution the request's penalties define, before temperature and the filters below
    reshape it for drawing. (vLLM returns the raw model distribution instead; ours answers
    "how likely was this token under this request's rules", and is what greedy decoding ranks.)
-4. **Greedy** rows (``temperature < 1e-5``, or ``top_k == 1``, which keeps only the arg-max)
+5. **Greedy** rows (``temperature < 1e-5``, or ``top_k == 1``, which keeps only the arg-max)
    take the arg-max of the processed logits; the rest continue.
-5. **Temperature**: logits / temperature.
-6. **top_k** keeps the k largest logits (ties at the k-th value are all kept).
-7. **top_p** keeps the smallest set of most likely tokens whose probability reaches top_p
+6. **Temperature**: logits / temperature.
+7. **top_k** keeps the k largest logits (ties at the k-th value are all kept).
+8. **top_p** keeps the smallest set of most likely tokens whose probability reaches top_p
    (a token is dropped when the tokens ranked above it already hold ≥ top_p; as Hugging Face's
    ``TopPLogitsWarper``), plus any token tied with the last one kept. The most likely token
    always stays.
-8. **min_p** drops tokens whose probability is below ``min_p × (largest probability)``
+9. **min_p** drops tokens whose probability is below ``min_p × (largest probability)``
    (Hugging Face's ``MinPLogitsWarper``; the ratio does not depend on earlier filters).
-9. **Draw** from the softmax of what is left by inverse-CDF sampling with one uniform number
+10. **Draw** from the softmax of what is left by inverse-CDF sampling with one uniform number
    per row. A seeded row takes its number from its own generator and nothing else does, so a
    seeded sequence gets the same tokens whatever batch it sits in; unseeded rows share one
    draw from the global RNG.
 
 Every step is a batched tensor operation over the rows that use it; only seeded rows loop
 in Python (one draw each). A batch of plain greedy rows (no penalty, suppression or logprobs)
-skips steps 1-3 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
+skips steps 1-4 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
 the logits as step 1's nan_to_num would leave them and picks each row's arg-max in one pass
 (docs/kernels.md, Measured crossovers).
 """
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tuili import kernels
+from tuili.layers.grammar import TokenMasks
 from tuili.platform import Platform
 from tuili.sampling import SamplingParams
 
@@ -88,9 +92,16 @@ class Sampler:
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], masks: TokenMasks | None = None
+                 ) -> list[SampledToken]:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows")
+        if masks is not None:
+            # In place: -inf commutes with the penalties and the suppression (each keeps -inf),
+            # so masking first equals masking second, and plain greedy rows keep the native path.
+            if logits.dtype != torch.float32 or not logits.is_contiguous():
+                logits = logits.to(torch.float32).contiguous()
+            masks.apply(logits)
         if self.platform.native_kernels and _native_greedy(logits, rows):
             return _results(kernels.argmax_rows(logits), rows, [], None)
         # A float32 copy: everything below edits it in place.

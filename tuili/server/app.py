@@ -86,6 +86,7 @@ class ServerSettings:
     body_timeout: float = 60.0  # seconds from a request's headers to the end of its body (--body-timeout)
     more_model_names: tuple[str, ...] = ()  # --served-model-name's other names, after model_name
     root_path: str = ""  # --root-path: the path prefix a reverse proxy serves the app under
+    tool_call_parser: str = "auto"  # --tool-call-parser (tuili/server/tools.py)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -115,7 +116,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size, settings.content_special_tokens)
-    backend = Backend(driver, tokenizer, settings.model_names, engine.max_model_len, settings.max_sequences_per_request)
+    backend = Backend(driver, tokenizer, settings.model_names, engine.max_model_len, settings.max_sequences_per_request,
+                      settings.tool_call_parser)
     started = int(time.time())
     steps = StepLog(meter)
     engine.add_observer(steps)

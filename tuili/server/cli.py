@@ -12,6 +12,7 @@ import sys
 
 from tuili.engine.cli import add_engine_args, engine_kwargs, parse_bytes, worker_rank_status
 from tuili.errors import TuiliError
+from tuili.server.tools import PARSERS as TOOL_PARSERS
 
 
 def register(subparsers) -> None:
@@ -57,6 +58,10 @@ def register(subparsers) -> None:
     http.add_argument("--shutdown-grace", type=float, default=30.0,
                       help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are "
                       "aborted (default 30)")
+    http.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_PARSERS],
+                      help="how tool calls are read from a chat answer: hermes (<tool_call> JSON: Hermes, Qwen), "
+                      "llama3_json (Llama 3.1+ JSON), mistral ([TOOL_CALLS]); auto (default): the one the chat "
+                      "template's own format needs, hermes for a template that renders no tools")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(serve)
@@ -191,7 +196,8 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     name, *more = args.served_model_name or [_default_name(engine.model_path)]
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
                               allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
-                              args.max_sequences_per_request, args.body_timeout, tuple(more), args.root_path)
+                              args.max_sequences_per_request, args.body_timeout, tuple(more), args.root_path,
+                              args.tool_call_parser)
     if engine.parallel is not None:
         # A lost rank: the requests in flight have failed; shut down as SIGTERM does, then exit 1.
         engine.parallel.on_failure = lambda reason: os.kill(os.getpid(), signal.SIGTERM)

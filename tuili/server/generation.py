@@ -32,13 +32,26 @@ from tuili.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaToolCall,
     ErrorResponse,
     PromptTokensDetails,
+    ResponseFunctionCall,
+    ResponseToolCall,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from tuili.server.structured import structured_outputs
 from tuili.server.tokenization import PromptTokenizer
+from tuili.server.tools import (
+    ToolPlan,
+    ToolStream,
+    new_call_id,
+    parser_for_template,
+    plan_tools,
+    template_messages,
+    template_renders_tools,
+)
 
 DONE = "data: [DONE]\n\n"
 
@@ -52,10 +65,17 @@ class Backend:
     model_names: tuple[str, ...]  # what `model` may name (--served-model-name); the first is the default
     max_model_len: int
     max_sequences_per_request: int = 256  # prompts x n of one call (--max-sequences-per-request)
+    tool_call_parser: str = "auto"  # --tool-call-parser; "auto": the one the chat template's format needs
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def tool_parser(self) -> str:
+        if self.tool_call_parser != "auto":
+            return self.tool_call_parser
+        return parser_for_template(self.tokenizer.chat_template)
 
 
 def check_sequences(backend: Backend, prompts: int, n: int) -> None:
@@ -85,15 +105,26 @@ def check_model(backend: Backend, model: str | None) -> str:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, tools: ToolPlan | None = None) -> SamplingParams:
     """The engine's parameters; raises ValueError naming a field whose value is out of range."""
+    structured = structured_outputs(request)
+    if tools is not None and tools.structured is not None:
+        if structured is not None:
+            error = RequestError(f"tool_choice={tools.choice!r} forces a tool call, which a response format or "
+                                 "structured output cannot also constrain: give only one of them")
+            error.field = "tool_choice"
+            raise error
+        structured = tools.structured
+    # Mistral's [TOOL_CALLS] is a special token: the parser must see it in the text.
+    keep_special = tools is not None and tools.choice == "auto" and tools.parser_name == "mistral"
     return SamplingParams(
         n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
         min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
         max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
-        ignore_eos=request.ignore_eos, logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+        ignore_eos=request.ignore_eos, logprobs=logprobs,
+        skip_special_tokens=request.skip_special_tokens and not keep_special, structured_outputs=structured,
     )
 
 
@@ -127,6 +158,7 @@ class Generation:
     logprobs: int | None  # top alternatives asked for, None for none
     token_strings: list[str] | None
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None  # a chat call's tools: its answers are parsed for calls
 
     def choice_index(self, output: RequestOutput, completion: CompletionOutput) -> int:
         return self.submission.request_ids.index(output.request_id) * self.n + completion.index
@@ -172,16 +204,23 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
     check_model(backend, request.model)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     top = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(request, max_tokens, top)
+    tools = plan_tools(request, backend.tool_parser)
+    params = sampling_params(request, max_tokens, top, tools)
     check_sequences(backend, 1, params.n)
     messages = [message.as_template_input() for message in request.messages]
+    renders_tools = template_renders_tools(backend.tokenizer.chat_template)
+    if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = template_messages(messages, tools.tools if tools else None, renders_tools)
     # The template only adds to the content, so content whose own prefix overflows the context
     # is refused before the whole chat is rendered and tokenized.
     await backend.tokenizer.check_text_length(_content_text(messages), "messages", backend.max_model_len)
-    ids = await backend.tokenizer.apply_chat_template(messages, request.add_generation_prompt)
+    ids = await backend.tokenizer.apply_chat_template(
+        messages, request.add_generation_prompt, tools.tools if tools and renders_tools else None)
     check_length("messages", ids, max_tokens, backend.max_model_len)
-    return await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival,
-                         request.model)
+    gen = await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival,
+                        request.model)
+    gen.tools = tools
+    return gen
 
 
 def _content_text(messages: list[dict]) -> str:
@@ -217,12 +256,28 @@ async def complete(gen: Generation) -> CompletionResponse | ChatCompletionRespon
                 choices.append(CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
                                                 logprobs=_completion_logprobs(gen, c, 0, 0)))
             else:
-                choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text),
-                                          finish_reason=c.finish_reason, logprobs=_chat_logprobs(gen, c, 0)))
+                message, finish_reason = _chat_message(gen, c)
+                choices.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
+                                          logprobs=_chat_logprobs(gen, c, 0)))
     choices.sort(key=lambda choice: choice.index)
     response_type = CompletionResponse if gen.kind == "completion" else ChatCompletionResponse
     return response_type(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
                          usage=gen.usage(finals))
+
+
+def _chat_message(gen: Generation, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+    """A chat choice's message and finish reason: with tools, its text parsed into content and
+    calls ("tool_calls" is the reason of an answer that calls, unless max_tokens cut it)."""
+    if gen.tools is None:
+        return ChatResponseMessage(content=c.text), c.finish_reason
+    parsed = gen.tools.parse(c.text)
+    calls = [ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+             for call in parsed.calls]
+    return ChatResponseMessage(content=parsed.content, tool_calls=calls), _finish_reason(c.finish_reason, bool(calls))
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 # ---- streams --------------------------------------------------------------------------
@@ -240,6 +295,7 @@ class _Sent:
 async def stream(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
     """The call's Server-Sent Events; an engine failure mid-stream becomes an error event."""
     sent: dict[int, _Sent] = {}
+    tool_streams: dict[int, ToolStream] = {}
     if gen.kind == "chat":  # OpenAI opens each choice with its role
         for index in range(gen.n):
             yield _chat_chunk(gen, index, ChatDelta(role="assistant", content=""), None, None)
@@ -264,6 +320,14 @@ async def stream(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
                             id=gen.api_id, created=gen.created, model=gen.model,
                             choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs,
                                                       finish_reason=c.finish_reason)]))
+                    elif gen.tools is not None:
+                        tool_stream = tool_streams.setdefault(index, ToolStream(gen.tools))
+                        content, calls = tool_stream.deltas(c.text, c.finish_reason is not None)
+                        called = calls or tool_stream.arguments_sent
+                        yield _chat_chunk(gen, index, ChatDelta(
+                            content=content if content or not calls else None,
+                            tool_calls=[DeltaToolCall.model_validate(call) for call in calls] or None),
+                            _finish_reason(c.finish_reason, bool(called)), _chat_logprobs(gen, c, progress.tokens))
                     else:
                         yield _chat_chunk(gen, index, ChatDelta(content=delta), c.finish_reason,
                                           _chat_logprobs(gen, c, progress.tokens))

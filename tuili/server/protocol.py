@@ -6,10 +6,10 @@ declared here are OpenAI's (and vLLM's for its extra fields) and are part of the
 OpenAPI schema; `tuili.sampling.SamplingParams` checks the sampling fields again when the
 engine builds them, so the two must agree (a test sends the boundary values to both).
 
-Fields OpenAI defines that tuili cannot honour (echo, suffix, best_of, logit_bias, tools,
-response_format) are declared so that a request using them is refused with a clear 400
-instead of being answered as if they had been applied. Fields of OpenAI's and vLLM's that
-change what a request means (`tool_choice`, `guided_json`, `chat_template`, ...: `_REFUSED`)
+Fields OpenAI defines that tuili cannot honour (echo, suffix, best_of, logit_bias) are
+declared so that a request using them is refused with a clear 400 instead of being answered
+as if they had been applied. Fields of OpenAI's and vLLM's that change what a request means
+(`functions`, `guided_whitespace_pattern`, `chat_template`, ...: `_REFUSED`)
 are refused by name too, unless they carry their neutral value (null, an empty list, ...).
 Other unknown fields are ignored, as vLLM does, so clients that send extra vendor fields keep
 working.
@@ -38,12 +38,17 @@ _NEUTRAL = object()
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 _SAMPLING_REFUSED: dict[str, object] = {
-    "tool_choice": "none", "functions": _NEUTRAL, "function_call": "none", "parallel_tool_calls": _NEUTRAL,
-    "prediction": _NEUTRAL, "structured_outputs": _NEUTRAL, "prompt_logprobs": _NEUTRAL, "bad_words": _NEUTRAL,
+    "functions": _NEUTRAL, "function_call": "none",
+    "prediction": _NEUTRAL, "prompt_logprobs": _NEUTRAL, "bad_words": _NEUTRAL,
     "allowed_token_ids": _NEUTRAL, "truncate_prompt_tokens": _NEUTRAL, "use_beam_search": False,
     "logits_processors": _NEUTRAL, "return_tokens_as_token_ids": False,
+    # vLLM's structured-output options beyond what tuili's grammar engine (xgrammar) takes.
+    "guided_whitespace_pattern": _NEUTRAL, "structural_tag": _NEUTRAL, "guided_decoding_backend": "xgrammar",
 }
-_COMPLETION_REFUSED = {**_SAMPLING_REFUSED, "tools": _NEUTRAL, "response_format": {"type": "text"}}
+_COMPLETION_REFUSED = {**_SAMPLING_REFUSED, "tools": _NEUTRAL, "tool_choice": "none",
+                       "parallel_tool_calls": _NEUTRAL}
+# vLLM's older spellings of structured_outputs' fields: honoured (see _SamplingFields.structured).
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _CHAT_REFUSED = {**_SAMPLING_REFUSED, "echo": False, "chat_template": _NEUTRAL, "chat_template_kwargs": _NEUTRAL,
                  "continue_final_message": False, "documents": _NEUTRAL}
 _TOKENIZE_REFUSED = {"tools": _NEUTRAL, "chat_template": _NEUTRAL, "chat_template_kwargs": _NEUTRAL,
@@ -56,7 +61,7 @@ def _refuse_meaningful_extras(extra: dict[str, Any] | None, refused: dict[str, o
     for name, value in (extra or {}).items():
         if name in refused:
             neutral = refused[name]
-        elif name.startswith("guided_"):
+        elif name.startswith("guided_") and name not in _GUIDED_FIELDS:
             neutral = _NEUTRAL
         else:
             continue
@@ -138,6 +143,43 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field("response", description="accepted; the output is not named")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema; none: any JSON object")
+    strict: bool | None = Field(None, description="ignored: the schema is always enforced")
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        return self
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="accepted and ignored")
+    disable_fallback: bool | None = Field(None, description="accepted and ignored: xgrammar is the only backend")
+    disable_additional_properties: bool | None = Field(None, description="accepted and ignored")
+    whitespace_pattern: str | None = Field(None, description="not supported: must be null")
+
+
 class _SamplingFields(_Request):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
@@ -162,8 +204,16 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output (tuili/server/structured.py): OpenAI's and vLLM's ways to ask for it.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     _refused = _SAMPLING_REFUSED
+
+    def guided_fields(self) -> dict[str, Any]:
+        """vLLM's older guided_* fields that this request gives (not null)."""
+        return {name: value for name, value in (self.model_extra or {}).items()
+                if name in _GUIDED_FIELDS and value is not None}
 
     @field_validator("stop", mode="after")
     @classmethod
@@ -215,11 +265,52 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments; none: no arguments")
+    strict: bool | None = Field(None, description="ignored: forced calls always follow the schema")
+
+
+class Tool(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     model_config = ConfigDict(strict=True, extra="ignore")  # only the declared fields reach the template
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="developer: OpenAI's newer name for system, rendered as system")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer: OpenAI's newer name for system, rendered as system; tool: a tool's result")
     content: str | list[TextPart] | None = Field(None, description="null only for an assistant message")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    name: str | None = None
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
@@ -229,6 +320,10 @@ class ChatMessage(_Request):
             raise ValueError("content=[] is invalid: expected a string or at least one text part")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content: expected a string or a list of text parts")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message has tool_calls: only an assistant message may")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
         return self
 
     def as_template_input(self) -> dict[str, Any]:
@@ -242,19 +337,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: most likely tokens per position")
     add_generation_prompt: bool = True
-    tools: list[Any] | None = Field(None, description="not supported: must be absent or empty")
-    response_format: dict[str, Any] | None = Field(None, description='not supported beyond {"type": "text"}')
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='default "auto" with tools, "none" without')
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per answer")
 
     _refused = _CHAT_REFUSED
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise UnsupportedFieldError("tools", "tools are not supported by tuili")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedFieldError(
-                "response_format", f"response_format={self.response_format!r} is not supported: only type text"
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs=true")
 
@@ -334,16 +425,31 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -355,9 +461,33 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call: `index` says which call; the first piece of a call
+    carries its id, type and name, later ones more of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler) -> dict[str, Any]:
@@ -369,7 +499,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -77,12 +77,20 @@ class PromptTokenizer:
                     f"context holds {max_model_len}: shorten it"
                 )
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat rendered by the model's template and tokenized; `tools` reach the template."""
         size = sum(len(m["content"]) if isinstance(m.get("content"), str) else
                    sum(len(part["text"]) for part in m.get("content") or ()) for m in messages)
+        kwargs = {"tools": tools} if tools else {}
         return await self._run(lambda t: t.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, content_special_tokens=self.content_special_tokens),
-            large=size > self.LARGE_CHARS)
+            messages, add_generation_prompt=add_generation_prompt, content_special_tokens=self.content_special_tokens,
+            **kwargs), large=size > self.LARGE_CHARS)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template text (None without a tokenizer or template)."""
+        return None if self._tokenizer is None else self._tokenizer.hf_tokenizer.chat_template
 
     async def decode(self, token_ids: Sequence[int]) -> str:
         self.check_ids(token_ids, "tokens")
