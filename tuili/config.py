@@ -380,6 +380,9 @@ class EngineConfig:
     quantization: str | None = None  # "int8" | "int4": quantize the checkpoint's linears at load
     kv_cache_dtype: str = "auto"  # "auto" (the working dtype) or "fp8" (e4m3, per-head scales)
     enforce_eager: bool = False  # no CPU decode graphs (tuili/engine/decode_graphs.py): every step eager
+    # One fixed arithmetic order per token: outputs independent of the batch, the prefix cache and
+    # the chunking (docs/engine.md, "Batch invariance"); False trades that for the fastest kernels.
+    batch_invariant: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -412,3 +415,5 @@ class EngineConfig:
             )
         if not isinstance(self.kv_offload_memory, int) or self.kv_offload_memory < 0:
             raise TuiliError(f"kv_offload_memory={self.kv_offload_memory!r} is invalid: expected bytes >= 0")
+        if not isinstance(self.batch_invariant, bool):
+            raise TuiliError(f"batch_invariant={self.batch_invariant!r} is invalid: expected True or False")

@@ -57,6 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="run every step eagerly: no CPU decode graphs (replayed kernel calls, see "
                        "docs/kernels.md)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
+    group.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                       help="let each step pick its fastest kernels by row count: a request's output may then "
+                       "depend on what else is in the batch, on prefix-cache hits and on chunking (default: "
+                       "batch invariant, see docs/engine.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -67,6 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         hardware=args.hardware, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
+        batch_invariant=args.batch_invariant,
     )
 
 

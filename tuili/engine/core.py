@@ -50,7 +50,7 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
-        self.platform = Platform.detect(self.device)
+        self.platform = Platform.detect(self.device, config.batch_invariant)
         self.dtype = resolve_dtype(config.dtype, self.platform)
         torch.manual_seed(config.seed)
         loaded = load_model(
