@@ -14,11 +14,7 @@ row-major ones), and with the native kernels switched off (the portable torch pa
 
 from __future__ import annotations
 
-import os
-import platform
 import random
-import subprocess
-import sys
 
 import pytest
 import torch

@@ -55,12 +55,14 @@ dequantize_int8_group_tiles(packed, scale_zero, first_tile, out)
     [N / 64, 2K, 32], scale_zero [2K / group, N, 2]): q = 16h + l - 128 rebuilt from the
     halves' nibbles, w = s * q with s the low half's scale.
 
-linear_int4(x, packed, scale_zero, out, copies=1)
-    out = x @ W.T for 1..8 rows of x [M, K] (float32 or bfloat16), W an Int4Linear's packed
+linear_int4(x, packed, scale_zero, out, copies=1, exact=False)
+    out = x @ W.T for 1..64 rows of x [M, K] (float32 or bfloat16), W an Int4Linear's packed
     weight read as stored (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2]
     bfloat16), K' = copies * K: copies 2 reads an Int8GroupLinear's two nibble halves (GGUF
     Q8_0) as q = 16h + l - 128 with the low half's scales. out [M, n], n <= N (the padding rows are not written), float32 or
-    bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding.
+    bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding. On
+    AVX512-VNNI CPUs x is first rounded to int8 per group (as llama.cpp does) unless `exact`.
+    Any number of rows up to 64; a row's result does not depend on the other rows.
 
 linear_small(x, weight, bias, out)
     out = x @ weight.T + bias for a few rows of x (decode at batch 1..8), streaming the weight

@@ -104,7 +104,7 @@ def _declare(library: ctypes.CDLL) -> None:
         getattr(library, name).restype = i32
     library.tuili_linear_int4.argtypes = [
         p, i32, p, p, p, i32,  # x, dtype, packed, scale_zero, out, out dtype
-        i64, i64, i64, i64, i64, i64, i32,  # M, K, copies, tiles, group, n out, threads
+        i64, i64, i64, i64, i64, i64, i32, i32,  # M, K, copies, tiles, group, n out, exact, threads
     ]  # fmt: skip
     library.tuili_linear_int4.restype = i32
     library.tuili_argmax_rows.argtypes = [p, i64, i64, p, i32]  # x, rows, n, out, threads
@@ -408,12 +408,18 @@ def _int4_layout(
 
 
 def linear_int4(
-    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tensor, copies: int = 1
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale_zero: torch.Tensor,
+    out: torch.Tensor,
+    copies: int = 1,
+    exact: bool = False,
 ) -> torch.Tensor:
     """out = x @ W.T for a few rows of x [M, K] (float32 or bfloat16) and an Int4Linear's packed
     weight (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2] bfloat16), read as
     stored; K' = copies * K (copies 2: an Int8GroupLinear's two halves, q = 16h + l - 128).
-    out [M, n] float32 or bfloat16, n <= N: the first n output rows. Writes and returns `out`."""
+    out [M, n] float32 or bfloat16, n <= N: the first n output rows. `exact`: float32 sums of x as
+    given on every CPU (else AVX512-VNNI CPUs round x to int8 per group). Writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
     rows, k = x.shape
     if not 1 <= rows <= LINEAR_INT4_MAX_ROWS:
@@ -430,7 +436,8 @@ def linear_int4(
     status = _call(
         "tuili_linear_int4",
         x.data_ptr(), _DTYPE_CODES[x.dtype], packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(),
-        _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], torch.get_num_threads(),
+        _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], int(bool(exact)),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status == _NO_MEMORY:
         raise MemoryError(f"linear_int4 could not allocate a float32 copy of x ({rows} x {packed_k})")

@@ -260,7 +260,7 @@ class Int4Linear(QuantizedLinear):
             x = x.to(self.compute_dtype)
         direct = out_dtype in _GEMV_DTYPES
         out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
-        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies)
+        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies, self.platform.batch_invariant)
         return out if direct else out.to(out_dtype)
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:
