@@ -155,3 +155,19 @@ def test_the_paths_of_other_x86_cpus_are_batch_invariant_too():
     for name, run in runs.items():
         output = run.communicate(timeout=1200)[0]
         assert run.returncode == 0 and " passed" in output, f"{name}:\n{output[-3000:]}"
+
+
+def test_the_fastest_mode_is_a_documented_option():
+    """`--no-batch-invariant` reaches the engine's config; a bad value is refused by name."""
+    import argparse
+
+    from tuili.config import EngineConfig
+    from tuili.engine.cli import add_engine_args, engine_kwargs
+    from tuili.errors import TuiliError
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["batch_invariant"] is True
+    assert engine_kwargs(parser.parse_args(["--no-batch-invariant"]))["batch_invariant"] is False
+    with pytest.raises(TuiliError, match="batch_invariant='yes' is invalid"):
+        EngineConfig(batch_invariant="yes").validate()
