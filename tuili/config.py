@@ -407,6 +407,9 @@ class EngineConfig:
     # While sequences decode, a step's prompt chunks are cut so the step takes about this many
     # times a decode-only step (tuili/engine/pacing.py); None = only max_num_batched_tokens.
     max_itl_stretch: float | None = None
+    # One fixed arithmetic order per token: outputs independent of the batch, the prefix cache and
+    # the chunking (docs/engine.md, "Batch invariance"); False trades that for the fastest kernels.
+    batch_invariant: bool = True
     seed: int = 0
     # Ranks the model is split over (tuili/parallel): 1 runs it whole in this process.
     tensor_parallel_size: int = 1
@@ -447,3 +450,5 @@ class EngineConfig:
             raise TuiliError(f"max_itl_stretch={stretch!r} is invalid: expected a number above 1, or None for no limit")
         if not isinstance(self.kv_offload_memory, int) or self.kv_offload_memory < 0:
             raise TuiliError(f"kv_offload_memory={self.kv_offload_memory!r} is invalid: expected bytes >= 0")
+        if not isinstance(self.batch_invariant, bool):
+            raise TuiliError(f"batch_invariant={self.batch_invariant!r} is invalid: expected True or False")

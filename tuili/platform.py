@@ -34,25 +34,33 @@ class Platform:
     amx: bool  # ... and the CPU grants this process AMX-BF16 tiles
     panel_linear: bool  # ... and kernels.linear_packed runs (AVX512-BF16 or AMX): PanelLinear
     bf16_arithmetic: bool  # bf16 dot products in hardware (AVX512-BF16 or AMX) with the native kernels
+    # Every product, attention and logit computed in one fixed order per token, so that a token's
+    # bits never depend on the batch, the prefix cache or the chunking (docs/engine.md, "Batch
+    # invariance"). False: each call takes its fastest kernel for its row count.
+    batch_invariant: bool = True
 
     @classmethod
-    def detect(cls, device: torch.device | str = "cpu") -> Platform:
+    def detect(cls, device: torch.device | str = "cpu", batch_invariant: bool = True) -> Platform:
         """This process on `device`: builds the native kernels on first use (a CPU only)."""
         device = torch.device(device)
         if device.type != "cpu" or not kernels.available():
-            return cls.portable(device)
+            return cls.portable(device, batch_invariant)
         return cls(
             device,
             native_kernels=True,
             amx=kernels.amx_available(),
             panel_linear=kernels.linear_packed_available(),
             bf16_arithmetic=_cpu_has_bf16(),
+            batch_invariant=batch_invariant,
         )
 
     @classmethod
-    def portable(cls, device: torch.device | str = "cpu") -> Platform:
+    def portable(cls, device: torch.device | str = "cpu", batch_invariant: bool = True) -> Platform:
         """Plain PyTorch on `device`: the reference path every other one is checked against."""
-        return cls(torch.device(device), native_kernels=False, amx=False, panel_linear=False, bf16_arithmetic=False)
+        return cls(
+            torch.device(device), native_kernels=False, amx=False, panel_linear=False, bf16_arithmetic=False,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
 
     def native(self, *tensors: torch.Tensor) -> bool:
         """Whether the native kernels can take these tensors: the kernels run here and every

@@ -58,17 +58,21 @@ def test_graph_steps_equal_eager_steps(tiny_qwen3, quantization):
 
 
 def test_a_batch_the_native_kernels_do_not_cover_runs_eagerly_and_says_why(tiny_llama):
-    # float32 linears of more than 8 rows run torch's F.linear, which a replay would skip.
+    # Kernels picked by row count: float32 linears of more than 8 rows run torch's F.linear,
+    # which a replay would skip. (The batch-invariant mode, the default, runs linear_small in
+    # blocks of 8 rows instead: all native, captured.)
     prompts = [[i + 1, i + 2] for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    llm, replayed = generate(tiny_llama, prompts, params, dtype="float32")
-    _, eager = generate(tiny_llama, prompts, params, dtype="float32", enforce_eager=True)
+    llm, replayed = generate(tiny_llama, prompts, params, dtype="float32", batch_invariant=False)
+    _, eager = generate(tiny_llama, prompts, params, dtype="float32", enforce_eager=True, batch_invariant=False)
     assert replayed == eager
     graphs = llm.engine.runner.graphs
     assert "aten.linear" in graphs.refused[10]
     assert graphs.captured_batch_sizes() == []
-    small, _ = generate(tiny_llama, prompts[:3], params, dtype="float32")  # 3 rows: native kernels only
+    small, _ = generate(tiny_llama, prompts[:3], params, dtype="float32", batch_invariant=False)  # native only
     assert small.engine.runner.graphs.captured_batch_sizes() == [3]
+    invariant, _ = generate(tiny_llama, prompts, params, dtype="float32")
+    assert invariant.engine.runner.graphs.captured_batch_sizes() == [10]
 
 
 def test_graphs_are_off_where_a_step_is_not_all_native_kernels(tiny_llama, monkeypatch):
@@ -83,8 +87,9 @@ def test_graphs_are_off_where_a_step_is_not_all_native_kernels(tiny_llama, monke
 
 def test_an_eager_shape_is_logged_once_at_info(tiny_llama, caplog):
     """Issue 20.10: the reason a shape runs eagerly is said once per batch size, at debug after."""
+    # Kernels picked by row count: 10 float32 rows run F.linear, which no graph replays.
     llm = LLM(model=str(tiny_llama), device="cpu", block_size=4, kv_cache_memory=1 << 22, max_model_len=128,
-              dtype="float32")
+              dtype="float32", batch_invariant=False)
     prompts = [{"prompt_token_ids": [i + 1, i + 2]} for i in range(10)]
     with caplog.at_level(logging.DEBUG, logger="tuili.engine.decode_graphs"):
         for _ in range(3):

@@ -493,3 +493,41 @@ def test_code_paths_of_other_x86_cpus(fresh_processes, flags):
     output = fresh_processes[flags]
     assert fresh_processes[f"{flags} status"] == "0" and " passed" in output, output[-3000:]
     assert len(list((Path(fresh_processes["root"]) / flags).glob("tuili_cpu_*.so"))) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fixed_key_splits_give_a_token_the_same_bits_in_any_call(dtype):
+    """split_keys (the engine's batch-invariant mode): a token attends with the same bits whether
+    it is a row of a whole prompt, of a chunk continuing at any position, or a decode, alone or
+    beside other sequences, at any thread count; contexts span several 256-key parts."""
+    generator = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim, block_size = 600, 4, 2, 64, 16
+    blocks = tokens // block_size + 1
+    k_cache = torch.randn(blocks + 5, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(blocks + 5, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    table = torch.randperm(blocks + 5, generator=generator)[:blocks].to(torch.int32)
+    q = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
+
+    def attend(pieces: list[tuple[int, int]], threads: int = 2) -> torch.Tensor:
+        """Rows of q, as sequences (first position, rows) of the same table, in one call."""
+        rows = torch.cat([q[p0 : p0 + n] for p0, n in pieces])
+        info, first = [], 0
+        for p0, n in pieces:
+            info.append([first, n, p0])
+            first += n
+        out = torch.zeros_like(rows)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            kernels.paged_attention(rows, k_cache, v_cache, table[None].repeat(len(pieces), 1),
+                                    torch.tensor(info, dtype=torch.int32), head_dim**-0.5, out, split_keys=256)
+        finally:
+            torch.set_num_threads(previous)
+        return out
+
+    whole = attend([(0, tokens)])
+    chunked = attend([(0, 137), (137, 264), (401, 199)])
+    assert torch.equal(chunked, whole)
+    decodes = attend([(p, 1) for p in (0, 255, 256, 300, 511, 599)], threads=1)
+    assert torch.equal(decodes, whole[[0, 255, 256, 300, 511, 599]])
+    assert torch.equal(attend([(599, 1)]), whole[599:])

@@ -248,6 +248,25 @@ def test_without_amx_a_row_never_depends_on_the_batch():
     assert_matches_float64(x, weight, bias, run(600))
 
 
+@needs_panels
+def test_one_path_rows_never_depend_on_the_batch():
+    """one_path (the engine's batch-invariant mode): the same arithmetic at every row count on
+    every CPU, AMX tiles from the first row where the CPU has them; still the float64 product."""
+    x, weight, bias = make_inputs(300, 80, 192, True, seed=8)
+    packed = kernels.pack_weight(weight)
+
+    def run(rows: int) -> torch.Tensor:
+        out = torch.empty(rows, 80, dtype=torch.bfloat16)
+        return kernels.linear_packed(x[:rows].contiguous(), packed, bias, out, one_path=True)
+
+    alone = torch.cat([kernels.linear_packed(x[i : i + 1], packed, bias, torch.empty(1, 80, dtype=torch.bfloat16),
+                                             one_path=True) for i in range(20)])
+    for rows in (1, 2, 4, 5, 16, 17, 131, 300):
+        batch = run(rows)
+        assert torch.equal(batch[: min(rows, 20)], alone[: min(rows, 20)]), rows
+    assert_matches_float64(x, weight, bias, run(300))
+
+
 def test_panels_are_available_where_the_cpu_has_bf16():
     """AVX512-BF16 in the CPU (as PyTorch reads it) means the panel kernel is built, unless the
     build was told not to use it (the variant builds of test_cpu_kernels.py)."""

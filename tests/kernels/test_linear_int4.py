@@ -48,9 +48,9 @@ def copies(module: Int4Linear) -> int:
     return module._input_copies
 
 
-def run(module: Int4Linear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def run(module: Int4Linear, x: torch.Tensor, out_dtype: torch.dtype, exact: bool = False) -> torch.Tensor:
     out = torch.full((x.shape[0], module.out_features), float("nan"), dtype=out_dtype)
-    assert kernels.linear_int4(x, module.packed, module.scale_zero, out, copies(module)) is out
+    assert kernels.linear_int4(x, module.packed, module.scale_zero, out, copies(module), exact) is out
     return out
 
 
@@ -131,13 +131,13 @@ def test_any_thread_count_gives_the_same_bits(threads):
 
 def test_module_takes_the_kernel_for_few_rows(monkeypatch):
     # Int4Linear.forward: bias added after, float32 logits on request, the same values as the
-    # kernel called directly.
+    # kernel called directly (exact sums of x in the batch-invariant mode, the default).
     module = Int4Linear(quantize_int4(torch.randn(96, 64), 32), bias=torch.randn(96), platform=HERE)
     x = torch.randn(2, 1, 64)
     assert module.kernel_for(2, torch.device("cpu")) == "gemv"
     y = module(x)
     assert y.dtype == torch.float32 and y.shape == (2, 1, 96)
-    direct = run(module, x.view(2, 64), torch.float32) + module.bias.float()
+    direct = run(module, x.view(2, 64), torch.float32, exact=HERE.batch_invariant) + module.bias.float()
     torch.testing.assert_close(y.view(2, 96), direct, rtol=0, atol=0)
     assert module(x.bfloat16(), out_dtype=torch.float32).dtype == torch.float32
 
@@ -160,3 +160,17 @@ def test_linear_int4_rejects_bad_input_naming_the_argument():
     for message, args in bad:
         with pytest.raises(ValueError, match=message):
             kernels.linear_int4(*args)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["int4", "q8_0"])
+def test_exact_sums_match_float64_and_never_depend_on_the_rows(q8):
+    """exact: float32 sums of x as given on every CPU (no int8 rounding of x on VNNI CPUs), to
+    float32 rounding of the float64 product, a row's bits the same in any block of rows."""
+    module = q8_module(192, 128, seed=9) if q8 else int4_module(192, 128, 32, seed=9)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
+    every = run(module, x, torch.float32, exact=True)
+    exact = x.double() @ module.dequantize().double().T
+    assert ((every.double() - exact).abs() <= 1e-5 * (x.double().abs() @ module.dequantize().double().abs().T)).all()
+    for rows in (1, 3, 5, 17):
+        assert torch.equal(run(module, x[:rows].contiguous(), torch.float32, exact=True), every[:rows]), rows
+

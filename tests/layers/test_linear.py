@@ -9,7 +9,8 @@ from tuili import kernels
 from tuili.layers.linear import NATIVE_MAX_ROWS, Linear, linear
 from tuili.platform import Platform
 
-HERE = Platform.detect()
+HERE = Platform.detect()  # batch invariant, the default
+FASTEST = Platform.detect(batch_invariant=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,16 +40,35 @@ def test_linear_module_keeps_nn_linear_parameters():
 
 def test_native_path_is_taken_where_the_kernels_build(monkeypatch):
     """Shows the dispatch: with the kernels available, a decode-sized bf16 product goes through
-    linear_small (counted), a prefill-sized one does not."""
+    linear_small (counted), a prefill-sized one does not, except in the batch-invariant mode,
+    where every row count does (blocks of at most 8 rows) unless AMX takes them all."""
     if not kernels.available():
         pytest.skip(f"native kernels unavailable here: {kernels.unavailable_reason()}")
     calls = []
     original = kernels.linear_small
     monkeypatch.setattr(kernels, "linear_small", lambda *a: calls.append(a[0].shape) or original(*a))
     weight = torch.randn(64, 32).bfloat16()
-    linear(torch.randn(1, 32).bfloat16(), weight, platform=HERE)
-    linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight, platform=HERE)
+    linear(torch.randn(1, 32).bfloat16(), weight, platform=FASTEST)
+    linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight, platform=FASTEST)
     assert calls == [(1, 32)]
+    calls.clear()
+    linear(torch.randn(20, 100), torch.randn(64, 100), platform=HERE)
+    assert calls == [(8, 100), (8, 100), (4, 100)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_batch_invariant_rows_are_their_own(dtype, out_dtype):
+    """In the batch-invariant mode a row's bits do not depend on how many rows share the call."""
+    if not HERE.native_kernels:
+        pytest.skip(f"native kernels unavailable here: {kernels.unavailable_reason()}")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 128, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    x = torch.randn(40, 128, generator=generator).to(dtype)
+    alone = torch.cat([linear(x[i : i + 1], weight, bias, out_dtype, platform=HERE) for i in range(40)])
+    for rows in (2, 5, 9, 17, 40):
+        assert torch.equal(linear(x[:rows], weight, bias, out_dtype, platform=HERE), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20, 100])
@@ -65,6 +85,8 @@ def test_float32_output_from_bf16_operands(rows, native):
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     exact = x.double() @ weight.double().T
     float32_bound = 64 * 2**-24 * (x.double().abs() @ weight.double().abs().T)
-    unrounded = platform.native_kernels and (rows <= NATIVE_MAX_ROWS[torch.bfloat16] or platform.amx)
+    unrounded = platform.native_kernels and (
+        rows <= NATIVE_MAX_ROWS[torch.bfloat16] or platform.amx or platform.batch_invariant
+    )
     bound = float32_bound if unrounded else 2**-8 * exact.abs() + 2 * float32_bound
     assert ((got.double() - exact).abs() <= bound).all()

@@ -32,6 +32,7 @@ from tuili.layers.quant import (
     make_linear,
     quantize_int4,
     quantize_int8,
+    quantize_int8_group,
 )
 from tuili.models.default_model import default_model_path
 from tuili.models.gguf import open_gguf
@@ -45,7 +46,10 @@ CPU = torch.device("cpu")
 BF16_BOUND = 2**-6
 FP32_BOUND = 1e-5
 # The CPU weight-only ops read our int4 packing only with AVX-512 (see Int4Linear).
-HERE = Platform.detect()
+# Kernels picked by row count, so that every kernel is exercised; the batch-invariant mode (the
+# engine's default), which keeps one kernel at every row count, is tested on its own below.
+HERE = Platform.detect(batch_invariant=False)
+INVARIANT = Platform.detect()
 OPS_EXPECTED = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
 
 
@@ -113,6 +117,26 @@ def test_kernel_choice_follows_rows_device_and_dtype():
     odd = make_linear(quantize_int8(torch.randn(5, 33)), platform=HERE)
     assert odd.kernel_for(1, CPU) == "tiled"
     run_both_kernels(odd, 33, None, odd.dequantize(), BF16_BOUND)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "q8_0"])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_batch_invariant_rows_are_their_own(kind, out_dtype):
+    """In the batch-invariant mode one kernel serves every row count and a row's bits do not
+    depend on the other rows: the native gemv (int4, Q8_0) in blocks of 64 rows, the int8 op."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=generator)
+    weight = {"int4": lambda: quantize_int4(w, 32), "int8": lambda: quantize_int8(w),
+              "q8_0": lambda: quantize_int8_group(w, 32)}[kind]()
+    module = make_linear(weight, torch.randn(96, generator=generator), platform=INVARIANT)
+    if module.kernel_for(200, CPU) == "tiled":
+        pytest.skip("neither the native gemv nor the int8 op runs here: the tiled matmul is batch dependent")
+    assert module.kernel_for(1, CPU) == module.kernel_for(200, CPU)
+    x = torch.randn(150, 128, generator=generator).bfloat16()
+    alone = torch.cat([module(x[i : i + 1], out_dtype) for i in range(150)])
+    for rows in (2, 5, 17, 64, 65, 150):
+        assert torch.equal(module(x[:rows], out_dtype), alone[:rows]), rows
+    assert_linear_close(alone, x, module.dequantize(), module.bias, BF16_BOUND)
 
 
 @pytest.fixture(scope="module")
@@ -374,17 +398,20 @@ def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2, prompt_logit
     prompt = tokenizer.apply_chat_template(conversation)
     float_logits = prompt_logits(llm, [prompt])
 
-    packed = LLM(device="cpu", max_model_len=256, kv_cache_memory=16 << 20)
-    model = packed.engine.runner.model
-    assert packed.engine.weights_quantized == "gguf"
-    assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
-    assert {m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear)} == {torch.bfloat16}
-    packed_logits = prompt_logits(packed, [prompt])
-    error = (packed_logits - float_logits).abs() / float_logits.std()
-    agree = (packed_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
-    assert error.mean() < 0.1 and agree >= 0.9, (error.mean(), agree)
-    out = packed.chat([conversation], SamplingParams(temperature=0.0, max_tokens=24))[0]
-    assert "Paris" in out.outputs[0].text
+    # A prompt's rows run the tiled kernel when kernels are picked by row count, the gemv with
+    # exact (float32) sums of the activations in the batch-invariant mode (the default).
+    for batch_invariant in (False, True):
+        packed = LLM(device="cpu", max_model_len=256, kv_cache_memory=16 << 20, batch_invariant=batch_invariant)
+        model = packed.engine.runner.model
+        assert packed.engine.weights_quantized == "gguf"
+        assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
+        assert {m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear)} == {torch.bfloat16}
+        packed_logits = prompt_logits(packed, [prompt])
+        error = (packed_logits - float_logits).abs() / float_logits.std()
+        agree = (packed_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
+        assert error.mean() < 0.1 and agree >= 0.9, (batch_invariant, error.mean(), agree)
+        out = packed.chat([conversation], SamplingParams(temperature=0.0, max_tokens=24))[0]
+        assert "Paris" in out.outputs[0].text
 
     float_model, plan = llm.engine.runner.model, smollm2_plan(smollm2, torch.float32)
     for path, module in list(float_model.model.layers.named_modules(prefix="model.layers")):

@@ -66,6 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "gloo on CPU, NCCL on GPU). Alone, this process starts the other N-1 ranks on this "
                        "machine; under torchrun every process runs the same command and rank 0 does the work "
                        "(default 1; docs/engine.md, \"Tensor parallelism\")")
+    group.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                       help="let each step pick its fastest kernels by row count: a request's output may then "
+                       "depend on what else is in the batch, on prefix-cache hits and on chunking (default: "
+                       "batch invariant, see docs/engine.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -78,6 +82,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
         max_itl_stretch=args.max_itl_stretch or None,
         tensor_parallel_size=args.tensor_parallel_size,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -61,7 +61,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             self.parallel = tensor_parallel.join(config.tensor_parallel_size, self.device, config)
             self.device = self.parallel.device
-        self.platform = Platform.detect(self.device)
+        self.platform = Platform.detect(self.device, config.batch_invariant)
         self.dtype = resolve_dtype(config.dtype, self.platform)
         torch.manual_seed(config.seed)
         try:

@@ -60,6 +60,8 @@ class ModelRunner:
         # Decodes go to the attention backend's paged kernel where it has one (the native CPU
         # backend), else into gathered groups.
         self.native_attention = model.attention.reads_paged_decodes
+        # ... and every prompt chunk too, where the backend asks (its batch-invariant mode).
+        self.paged_prompts = model.attention.reads_paged_prompts
         # Pure decode steps replay CPU graphs where the native kernels do all their work: not in
         # a mixture of experts, whose routing (softmax, top-k, sort by expert) is torch ops and
         # whose products depend on the step's routing, which a graph cannot replay.
@@ -253,8 +255,8 @@ class ModelRunner:
             slots.extend(slot(table, p, bs) for p in span)
             if item.samples:
                 sample_index.append(len(input_ids) - 1)
-            if n == 1:
-                decodes.append((query_start, 1, start, table))
+            if n == 1 or self.paged_prompts:
+                decodes.append((query_start, n, start, table))
             elif start == 0:
                 spans.append(CausalSpan(query_start, n))
             else:

@@ -6,7 +6,7 @@ Every kernel checks its tensors' dtype, shape, contiguity and device and raises 
 naming the bad argument; each runs on `torch.get_num_threads()` threads. docs/kernels.md has
 the build, the cache and the measurements.
 
-paged_attention(q, k_cache, v_cache, block_tables, seq_info, scale, out, k_scale=None, v_scale=None)
+paged_attention(q, k_cache, v_cache, block_tables, seq_info, scale, out, k_scale=None, v_scale=None, split_keys=0)
     Causal attention of a flat batch of query rows over the paged KV cache, read in place
     through the block table (no gather, no K/V copy for grouped-query attention).
 
@@ -27,10 +27,15 @@ paged_attention(q, k_cache, v_cache, block_tables, seq_info, scale, out, k_scale
     k_scale,      float32 [Hkv], required with a float8 cache and only then: stored values
     v_scale       are multiplied by their KV head's scale.
 
-    Softmax and accumulation in float32 (online softmax); the keys of a (sequence, KV head)
-    are split across threads when there are too few sequences to occupy them (decode at
-    batch 1). Agrees with torch's scaled_dot_product_attention on the gathered, dequantized
-    cache to float32 rounding.
+    split_keys    0: the keys of a (sequence, KV head) are split across threads when there are
+                  too few sequences to occupy them (decode at batch 1), so a row's rounding
+                  depends on the batch. > 0: they are split at fixed positions, every
+                  split_keys keys (rounded up to 16), whatever the batch: a row's result then
+                  depends only on its query, its keys and its position (batch invariance: a
+                  decode, a continuing chunk and a prompt from position 0 agree bit for bit).
+
+    Softmax and accumulation in float32 (online softmax). Agrees with torch's
+    scaled_dot_product_attention on the gathered, dequantized cache to float32 rounding.
 
 kv_store(k, v, k_cache, v_cache, slot_mapping)
     Token t's keys and values (k, v [T, Hkv, D], views into qkv allowed as for q above) written
@@ -50,12 +55,14 @@ dequantize_int8_group_tiles(packed, scale_zero, first_tile, out)
     [N / 64, 2K, 32], scale_zero [2K / group, N, 2]): q = 16h + l - 128 rebuilt from the
     halves' nibbles, w = s * q with s the low half's scale.
 
-linear_int4(x, packed, scale_zero, out, copies=1)
-    out = x @ W.T for 1..8 rows of x [M, K] (float32 or bfloat16), W an Int4Linear's packed
+linear_int4(x, packed, scale_zero, out, copies=1, exact=False)
+    out = x @ W.T for 1..64 rows of x [M, K] (float32 or bfloat16), W an Int4Linear's packed
     weight read as stored (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2]
     bfloat16), K' = copies * K: copies 2 reads an Int8GroupLinear's two nibble halves (GGUF
     Q8_0) as q = 16h + l - 128 with the low half's scales. out [M, n], n <= N (the padding rows are not written), float32 or
-    bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding.
+    bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding. On
+    AVX512-VNNI CPUs x is first rounded to int8 per group (as llama.cpp does) unless `exact`.
+    Any number of rows up to 64; a row's result does not depend on the other rows.
 
 linear_small(x, weight, bias, out)
     out = x @ weight.T + bias for a few rows of x (decode at batch 1..8), streaming the weight
@@ -78,7 +85,7 @@ linear_amx(x, weight, bias, out)
     float32, one rounding. Only where `amx_available()`: a CPU with AMX-BF16, a compiler that
     targets it, and an OS that grants the process the tile registers (Linux arch_prctl).
 
-linear_packed(x, packed, bias, out)
+linear_packed(x, packed, bias, out, one_path=False)
 pack_weight(weight), unpack_weight(packed)
     The same product with the weight packed once (pack_weight) into 16-row panels, the layout AMX
     reads as a B tile: [N / 16, K / 2, 16, 2], element [b, p, c, e] = weight[16 b + c, 2 p + e],
@@ -86,8 +93,9 @@ pack_weight(weight), unpack_weight(packed)
     float32, then unrounded). Each panel of 16 weight rows is one contiguous stream. Up to 4 rows:
     AVX512-BF16 dot products on 16 outputs at a time; more: AMX tiles where the CPU grants them,
     else the same dot products as the GEMV in register blocks. A row's result does not depend on
-    the other rows or on M within each path; without AMX there is one path, so not at all. Only
-    where `linear_packed_available()`: AVX512-BF16 or AMX in the build.
+    the other rows or on M within each path; without AMX there is one path, so not at all; with
+    AMX, `one_path=True` runs the tiles from the first row (batch invariance). Only where
+    `linear_packed_available()`: AVX512-BF16 or AMX in the build.
 
 prompt_attention(q, k, v, scale, out)
     Causal attention of one prompt over itself (a prefill chunk from position 0) on AMX tiles,
@@ -112,6 +120,8 @@ silu_mul(gate_up, out)
 """
 
 from tuili.kernels.cpu import (
+    LINEAR_INT4_MAX_ROWS,
+    LINEAR_SMALL_MAX_ROWS,
     amx_available,
     argmax_rows,
     available,
@@ -134,6 +144,8 @@ from tuili.kernels.cpu import (
 )
 
 __all__ = [
+    "LINEAR_INT4_MAX_ROWS",
+    "LINEAR_SMALL_MAX_ROWS",
     "amx_available",
     "argmax_rows",
     "available",

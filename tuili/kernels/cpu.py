@@ -30,8 +30,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 _CACHE_DTYPES = tuple(_DTYPE_CODES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
-_LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is faster
+LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
+LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is faster
 
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
@@ -77,7 +77,7 @@ def _declare(library: ctypes.CDLL) -> None:
         p, p,  # k/v scales
         p, i32, i64, i64,  # block tables, is int64, sequences, max blocks
         p, i32,  # seq info, is int64
-        f32, p, i32, p,  # scale, out, threads, error
+        f32, p, i64, i32, p,  # scale, out, fixed key split (0: none), threads, error
     ]  # fmt: skip
     library.tuili_paged_attention.restype = i32
     library.tuili_kv_store.argtypes = [
@@ -104,7 +104,7 @@ def _declare(library: ctypes.CDLL) -> None:
         getattr(library, name).restype = i32
     library.tuili_linear_int4.argtypes = [
         p, i32, p, p, p, i32,  # x, dtype, packed, scale_zero, out, out dtype
-        i64, i64, i64, i64, i64, i64, i32,  # M, K, copies, tiles, group, n out, threads
+        i64, i64, i64, i64, i64, i64, i32, i32,  # M, K, copies, tiles, group, n out, exact, threads
     ]  # fmt: skip
     library.tuili_linear_int4.restype = i32
     library.tuili_argmax_rows.argtypes = [p, i64, i64, p, i32]  # x, rows, n, out, threads
@@ -116,7 +116,10 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_amx.restype = i32
-    library.tuili_linear_packed.argtypes = library.tuili_linear_amx.argtypes  # packed weight for weight
+    library.tuili_linear_packed.argtypes = [
+        p, p, p, p, i32,  # x, packed weight, bias, out, out is float32
+        i64, i64, i64, i32, i32,  # M, N, K, one path at every M, threads
+    ]  # fmt: skip
     library.tuili_linear_packed_available.argtypes = []
     library.tuili_linear_packed_available.restype = i32
     library.tuili_linear_packed.restype = i32
@@ -235,9 +238,12 @@ def paged_attention(
     out: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    split_keys: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its keys in the paged cache; writes
     and returns `out`. See tuili/kernels/__init__.py for the shapes and meaning."""
+    if not isinstance(split_keys, int) or split_keys < 0:
+        raise ValueError(f"split_keys={split_keys!r}; expected 0 (split as the threads need) or a positive key count")
     q = _check_token_rows("q", q, _FLOAT_DTYPES)
     tokens, heads, head_dim = q.shape
     k_cache = _check("k_cache", k_cache, _CACHE_DTYPES, 4)
@@ -270,7 +276,7 @@ def paged_attention(
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None,
         block_tables.data_ptr(), block_tables.dtype == torch.int64, seqs, max_blocks,
         seq_info.data_ptr(), seq_info.dtype == torch.int64,
-        scale, out.data_ptr(), torch.get_num_threads(), error,
+        scale, out.data_ptr(), split_keys, torch.get_num_threads(), error,
     )  # fmt: skip
     if status != 0:
         _raise_attention_error(status, error[1], error[2], tokens, num_blocks, max_blocks)
@@ -402,16 +408,22 @@ def _int4_layout(
 
 
 def linear_int4(
-    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out: torch.Tensor, copies: int = 1
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale_zero: torch.Tensor,
+    out: torch.Tensor,
+    copies: int = 1,
+    exact: bool = False,
 ) -> torch.Tensor:
     """out = x @ W.T for a few rows of x [M, K] (float32 or bfloat16) and an Int4Linear's packed
     weight (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2] bfloat16), read as
     stored; K' = copies * K (copies 2: an Int8GroupLinear's two halves, q = 16h + l - 128).
-    out [M, n] float32 or bfloat16, n <= N: the first n output rows. Writes and returns `out`."""
+    out [M, n] float32 or bfloat16, n <= N: the first n output rows. `exact`: float32 sums of x as
+    given on every CPU (else AVX512-VNNI CPUs round x to int8 per group). Writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
     rows, k = x.shape
-    if not 1 <= rows <= _LINEAR_INT4_MAX_ROWS:
-        raise ValueError(f"x has {rows} rows; linear_int4 takes 1 to {_LINEAR_INT4_MAX_ROWS}")
+    if not 1 <= rows <= LINEAR_INT4_MAX_ROWS:
+        raise ValueError(f"x has {rows} rows; linear_int4 takes 1 to {LINEAR_INT4_MAX_ROWS}")
     if copies not in (1, 2):
         raise ValueError(f"copies={copies!r}; expected 1 (int4) or 2 (the halves of a Q8_0 weight)")
     packed, scale_zero, group_size = _int4_layout(packed, scale_zero, (torch.bfloat16,), copies)
@@ -424,7 +436,8 @@ def linear_int4(
     status = _call(
         "tuili_linear_int4",
         x.data_ptr(), _DTYPE_CODES[x.dtype], packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(),
-        _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], torch.get_num_threads(),
+        _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], int(bool(exact)),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status == _NO_MEMORY:
         raise MemoryError(f"linear_int4 could not allocate a float32 copy of x ({rows} x {packed_k})")
@@ -454,9 +467,9 @@ def linear_small(
     unrounded); writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
     rows, k = x.shape
-    if not 1 <= rows <= _LINEAR_SMALL_MAX_ROWS:
+    if not 1 <= rows <= LINEAR_SMALL_MAX_ROWS:
         raise ValueError(
-            f"x has {rows} rows; linear_small takes 1 to {_LINEAR_SMALL_MAX_ROWS} (use torch's matmul for more)"
+            f"x has {rows} rows; linear_small takes 1 to {LINEAR_SMALL_MAX_ROWS} (use torch's matmul for more)"
         )
     weight, bias, out = _linear_operands(x, weight, bias, out)
     n = weight.shape[0]
@@ -557,10 +570,14 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(panels * 16, pairs * 2)
 
 
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+def linear_packed(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, one_path: bool = False
+) -> torch.Tensor:
     """out = x @ W.T + bias for any number of rows of x [M, K], W given packed by pack_weight
     ([N / 16, K / 2, 16, 2]), bias [N] or None, out [M, N], all bfloat16 (out may be float32,
-    then unrounded); writes and returns `out`. Check linear_packed_available() first."""
+    then unrounded); writes and returns `out`. `one_path`: the same arithmetic at every M (AMX
+    tiles from the first row where the CPU has them), so that a row's bits never depend on M.
+    Check linear_packed_available() first."""
     x = _check_amx_x("linear_packed", x)
     rows, k = x.shape
     packed = _check("packed", packed, (torch.bfloat16,), 4)
@@ -570,7 +587,9 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if bias is not None:
         bias = _check("bias", bias, (torch.bfloat16,), (n,))
     out = _check("out", out, (torch.bfloat16, torch.float32), (rows, n))
-    return _amx_product("tuili_linear_packed", x, packed, bias, out, f"a padded copy of x's last rows (16 x {k})")
+    return _amx_product(
+        "tuili_linear_packed", x, packed, bias, out, f"a padded copy of x's last rows (16 x {k})", (bool(one_path),)
+    )
 
 
 def _check_amx_x(kernel: str, x: torch.Tensor) -> torch.Tensor:
@@ -582,14 +601,21 @@ def _check_amx_x(kernel: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _amx_product(
-    kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, scratch: str
+    kernel: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    scratch: str,
+    options: tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """Runs an AMX linear on checked operands (`weight` in the kernel's layout, out [M, N]); its
-    errors raised, naming the `scratch` it allocates."""
+    """Runs an AMX linear on checked operands (`weight` in the kernel's layout, out [M, N], the
+    kernel's own `options` before the thread count); its errors raised, naming the `scratch` it
+    allocates."""
     rows, n = out.shape
     status = _call(
         kernel, x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        out.dtype == torch.float32, rows, n, x.shape[1], torch.get_num_threads(),
+        out.dtype == torch.float32, rows, n, x.shape[1], *options, torch.get_num_threads(),
     )  # fmt: skip
     _check_amx_status(status, scratch)
     return out

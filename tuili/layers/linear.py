@@ -21,7 +21,15 @@ bandwidth at these shapes; tuili's kernels stream them near it. Where the native
   batch in that range;
 - everything else: F.linear (oneDNN), fastest for prefill-sized products.
 
-They all accumulate in float32 and agree to one rounding of the output. Logits ask for float32
+They all accumulate in float32 and agree to one rounding of the output, but not bit for bit: a
+row's bits depend on which kernel its step's row count picked, and oneDNN's also on the row count
+itself. In the batch-invariant mode (`Platform.batch_invariant`, the default) every row count
+takes one kernel whose result for a row depends on that row alone: `linear_amx` for bf16 on AMX,
+else `linear_small` over blocks of at most `kernels.LINEAR_SMALL_MAX_ROWS` rows (its arithmetic
+per row does not depend on the block's size). Without the native kernels (the portable path, a
+GPU) F.linear runs: batch invariant only as far as PyTorch's kernels are (docs/engine.md).
+
+Logits ask for float32
 output (`out_dtype`): the native kernels then skip that rounding, so bf16 weights give logits
 without bf16's ties (a rounded logit's 2^-8 relative step is shared by many tokens). The row
 limits are measured crossovers (docs/kernels.md, "Measured crossovers and thresholds").
@@ -55,14 +63,36 @@ def linear(
     in_features = weight.shape[1]
     rows = x.numel() // in_features if in_features else 0
     widen = out_dtype is not None and out_dtype != x.dtype
-    kernel = _native_kernel(x, weight, bias, rows, widen, platform)
+    if platform.batch_invariant:
+        kernel, block = _invariant_kernel(x, weight, bias, rows, platform)
+    else:
+        kernel, block = _native_kernel(x, weight, bias, rows, widen, platform), rows
     if kernel is None:
         out = F.linear(x, weight, bias)
         return out.to(out_dtype) if widen else out
     flat = x.reshape(rows, in_features).contiguous()
     out = flat.new_empty(rows, weight.shape[0], dtype=out_dtype if widen else x.dtype)
-    kernel(flat, weight, bias, out)
+    for first in range(0, rows, block):
+        kernel(flat[first : first + block], weight, bias, out[first : first + block])
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _invariant_kernel(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, platform: Platform
+) -> tuple[Callable[..., torch.Tensor] | None, int]:
+    """The batch-invariant mode's kernel for this product and the most rows per call: one kernel
+    at every row count, whose result for a row depends on that row alone; None for F.linear."""
+    if not (
+        0 < rows
+        and platform.native(x)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and weight.is_contiguous()
+    ):
+        return None, rows
+    if x.dtype == torch.bfloat16 and weight.shape[1] % AMX_K_MULTIPLE == 0 and platform.amx:
+        return kernels.linear_amx, rows
+    return kernels.linear_small, kernels.LINEAR_SMALL_MAX_ROWS
 
 
 def _native_kernel(
@@ -125,13 +155,15 @@ class PanelLinear(nn.Module):
     `kernels.linear_packed` ([N / 16, K / 2, 16, 2]: 16-row panels, the AMX B-tile layout, in
     which every 16 output rows are one contiguous stream). Every product runs that kernel: the
     GEMV at 1-4 rows; from 5, AMX tiles where the CPU has them, else the GEMV's own dot products
-    in register blocks (so that, without AMX, a row's result never depends on the batch). It
-    replaces `Linear`'s three kernels and oneDNN's `F.linear`, which reorders the weight on every
-    call. Built only where `panel_holds` says so."""
+    in register blocks (so that, without AMX, a row's result never depends on the batch). With
+    `one_path` (the batch-invariant mode) AMX tiles run from the first row too. It replaces
+    `Linear`'s three kernels and oneDNN's `F.linear`, which reorders the weight on every call.
+    Built only where `panel_holds` says so."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, one_path: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.one_path = one_path
         self.register_buffer("packed", kernels.pack_weight(weight.detach().contiguous()))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
@@ -146,11 +178,14 @@ class PanelLinear(nn.Module):
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features).contiguous()
         out = flat.new_empty(rows, self.out_features, dtype=out_dtype or x.dtype)
-        kernels.linear_packed(flat, self.packed, self.bias, out)
+        kernels.linear_packed(flat, self.packed, self.bias, out, self.one_path)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"one_path={self.one_path}"
+        )
 
 
 def panel_holds(weight: torch.Tensor, bias: torch.Tensor | None, platform: Platform) -> bool:

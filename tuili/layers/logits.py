@@ -8,7 +8,9 @@ One module owns every way a model's output matrix is held, so that the model fil
 - `decode_copy`, when present, is a quantized copy of the same matrix (a GGUF file run packed),
   which its native GEMV reads in fewer bytes than the float matrix: it serves steps of up to
   `DECODE_COPY_MAX_ROWS` rows, where that kernel runs and beats the float matrix's products
-  (a measured crossover: docs/kernels.md). More rows read the float matrix.
+  (a measured crossover: docs/kernels.md). More rows read the float matrix, except in the
+  batch-invariant mode (`Platform.batch_invariant`), where the copy serves every row count: the
+  two hold different roundings of the matrix, so a row's logits would depend on its step's rows.
 """
 
 from __future__ import annotations
@@ -42,4 +44,6 @@ class OutputHead(nn.Module):
 
     def _copy_serves(self, rows: int, device: torch.device) -> bool:
         copy = self.decode_copy
-        return copy is not None and rows <= DECODE_COPY_MAX_ROWS and copy.kernel_for(rows, device) == "gemv"
+        if copy is None:
+            return False
+        return (rows <= DECODE_COPY_MAX_ROWS or copy.platform.batch_invariant) and copy.kernel_for(rows, device) == "gemv"

@@ -135,7 +135,7 @@ class WeightPlan:
             ) else quantize_int8(weight, self.quantized_dtype)
             return make_linear(quantized, b, self.quantized_dtype, platform=self.platform).to(self.device)
         if decoder and panel_holds(weight, b, self.platform):
-            return PanelLinear(weight, b)
+            return PanelLinear(weight, b, one_path=self.platform.batch_invariant)
         return Linear.holding(weight, b, self.platform)
 
     def experts(self, path: str, num_experts: int, in_features: int, out_features: int) -> torch.Tensor:

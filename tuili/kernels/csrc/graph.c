@@ -26,15 +26,15 @@ static const struct {
     const char *name;
     int args;
 } OPS[OP_COUNT] = {
-    [OP_PAGED_ATTENTION] = {"tuili_paged_attention", 24},
+    [OP_PAGED_ATTENTION] = {"tuili_paged_attention", 25},
     [OP_KV_STORE] = {"tuili_kv_store", 11},
     [OP_LINEAR_SMALL] = {"tuili_linear_small", 10},
     [OP_LINEAR_AMX] = {"tuili_linear_amx", 9},
-    [OP_LINEAR_INT4] = {"tuili_linear_int4", 13},
+    [OP_LINEAR_INT4] = {"tuili_linear_int4", 14},
     [OP_RMS_NORM] = {"tuili_rms_norm", 9},
     [OP_QK_NORM_ROPE] = {"tuili_qk_norm_rope", 12},
     [OP_SILU_MUL] = {"tuili_silu_mul", 6},
-    [OP_LINEAR_PACKED] = {"tuili_linear_packed", 9},
+    [OP_LINEAR_PACKED] = {"tuili_linear_packed", 10},
 };
 
 /* The name and argument count of graph op `op`, or NULL past the last one: how Python learns
@@ -53,7 +53,7 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
     switch (op) {
     case OP_PAGED_ATTENTION:
         return tuili_paged_attention(P(0), I(1), a[2], a[3], a[4], a[5], P(6), P(7), I(8), a[9], a[10], a[11], P(12),
-                                     P(13), P(14), I(15), a[16], a[17], P(18), I(19), F(20), P(21), I(22), error);
+                                     P(13), P(14), I(15), a[16], a[17], P(18), I(19), F(20), P(21), a[22], I(23), error);
     case OP_KV_STORE:
         return tuili_kv_store(P(0), P(1), a[2], P(3), P(4), a[5], P(6), a[7], a[8], I(9), error);
     case OP_LINEAR_SMALL:
@@ -61,7 +61,7 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
     case OP_LINEAR_AMX:
         return tuili_linear_amx(P(0), P(1), P(2), P(3), I(4), a[5], a[6], a[7], I(8));
     case OP_LINEAR_INT4:
-        return tuili_linear_int4(P(0), I(1), P(2), P(3), P(4), I(5), a[6], a[7], a[8], a[9], a[10], a[11], I(12));
+        return tuili_linear_int4(P(0), I(1), P(2), P(3), P(4), I(5), a[6], a[7], a[8], a[9], a[10], a[11], I(12), I(13));
     case OP_RMS_NORM:
         return tuili_rms_norm(P(0), P(1), P(2), P(3), a[4], a[5], F(6), I(7), I(8));
     case OP_QK_NORM_ROPE:
@@ -69,7 +69,7 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
     case OP_SILU_MUL:
         return tuili_silu_mul(P(0), P(1), a[2], a[3], I(4), I(5));
     case OP_LINEAR_PACKED:
-        return tuili_linear_packed(P(0), P(1), P(2), P(3), I(4), a[5], a[6], a[7], I(8));
+        return tuili_linear_packed(P(0), P(1), P(2), P(3), I(4), a[5], a[6], a[7], I(8), I(9));
     default:
         return TUILI_BAD_PROGRAM;
     }

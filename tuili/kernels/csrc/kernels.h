@@ -12,7 +12,7 @@ int tuili_paged_attention(const void *q, int q_dtype, int64_t q_stride, int64_t 
                           int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, const float *k_scale,
                           const float *v_scale, const void *block_tables, int tables_int64, int64_t num_seqs,
                           int64_t max_blocks, const void *seq_info, int seq_info_int64, float scale, void *out,
-                          int num_threads, int64_t *error);
+                          int64_t split_keys, int num_threads, int64_t *error);
 int tuili_kv_store(const void *k, const void *v, int64_t src_stride, void *k_cache, void *v_cache, int64_t num_slots,
                    const int64_t *slot_mapping, int64_t num_tokens, int64_t row_bytes, int num_threads,
                    int64_t *error);
@@ -23,13 +23,13 @@ int tuili_linear_amx(const void *x, const void *weight, const void *bias, void *
                      int64_t n, int64_t k, int num_threads);
 int tuili_linear_packed_available(void);
 int tuili_linear_packed(const void *x, const void *packed, const void *bias, void *out, int out_f32, int64_t m,
-                        int64_t n, int64_t k, int num_threads);
+                        int64_t n, int64_t k, int one_path, int num_threads);
 int tuili_prompt_attention(const void *q, const void *k, const void *v, int64_t q_stride, int64_t kv_stride,
                            int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, void *out,
                            int num_threads);
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
-                      int64_t n_out, int num_threads);
+                      int64_t n_out, int exact, int num_threads);
 int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int64_t n,
                        int64_t group_size, int64_t first_tile, int64_t num_tiles, void *out, int out_dtype,
                        int num_threads);

@@ -22,6 +22,9 @@
  * - other AVX-512 CPUs: float32 throughout, exact up to float32 rounding: each k broadcasts x[k]
  *   into four 16-lane multiply-adds, a code becoming q - 8 by one permute from a 16-entry table.
  *
+ * `exact` takes the second way on every CPU (the batch-invariant mode asks it for prompts and
+ * decodes alike: x's int8 rounding costs a prompt a few times the error of the tiled matmul).
+ *
  * The output is stored as float32 or rounded once to bfloat16.
  *
  * Threads take static ranges of whole tiles. Rows of x go four at a time (their accumulators fill
@@ -50,6 +53,7 @@ typedef struct {
     const uint16_t *scale_zero;
     void *out;
     int out_dtype, q8; /* q8: Int8GroupLinear's halves, tiles of 2 kp rows */
+    int exact;          /* float32 sums of x as given, never its int8 rounding (VNNI CPUs too) */
     int64_t m, kp, group, n_pad, n_out; /* kp: K, the columns of x */
 } int4_args;
 
@@ -285,8 +289,12 @@ KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float tot
 
 #define SPECIALIZE(R)                                                                                   \
     static void tile_rows_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE]) { \
-        if (a->q8)                                                                                      \
+        if (a->q8 && a->exact)                                                                          \
+            q8_tile_rows(a, t, i0, tot, R);                                                             \
+        else if (a->q8)                                                                                 \
             Q8_TILE_ROWS(a, t, i0, tot, R);                                                             \
+        else if (a->exact)                                                                              \
+            tile_rows(a, t, i0, tot, R);                                                                \
         else                                                                                            \
             TILE_ROWS(a, t, i0, tot, R);                                                                \
     }
@@ -367,7 +375,7 @@ static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, f
  * and group divides K'. The shapes are checked by the caller (tuili/kernels/cpu.py). */
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
-                      int64_t n_out, int num_threads) {
+                      int64_t n_out, int exact, int num_threads) {
     /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side. */
     const int64_t groups = k / group;
     float *xf = malloc((size_t)(m * k + 2 * m * groups) * sizeof(float) + (size_t)(m * groups) * sizeof(int32_t) +
@@ -387,6 +395,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         }
         xsum[at] = sum;
 #ifdef VNNI /* x ~ sx * xq, only where VPDPBUSD reads it */
+        if (exact) continue;
         const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
         int32_t qsum = 0;
         for (int64_t j = 0; j < group; j++) {
@@ -397,8 +406,8 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         xqsum[at] = qsum;
 #endif
     }
-    const int4_args a = {xf, xsum, xq, sx, xqsum, packed, scale_zero, out, out_dtype, copies == 2, m, k, group,
-                         tiles * TILE, n_out};
+    const int4_args a = {xf, xsum, xq, sx, xqsum, packed, scale_zero, out, out_dtype, copies == 2, exact != 0,
+                         m, k, group, tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t tile = 0; tile < tiles; tile++) {

@@ -30,7 +30,8 @@
  * A row's result depends only on that row and the weights, never on the other rows, the schedule
  * or the thread count: a sequence gets the same bits at every batch size of one path. Without
  * AMX there is one path (the GEMV and dot_product compute every row alike), so the bits do not
- * depend on the batch size at all. */
+ * depend on the batch size at all; with AMX, `one_path` runs the tiles at every row count (the
+ * batch-invariant mode), else the GEMV takes up to GEMV_MAX_ROWS rows. */
 #define _GNU_SOURCE
 #include <omp.h>
 #include <stdlib.h>
@@ -322,11 +323,17 @@ static int amx_product(const uint16_t *x, const uint16_t *w, const uint16_t *bia
 #endif /* HAVE_AMX */
 
 int tuili_linear_packed(const void *x_, const void *packed_, const void *bias_, void *out, int out_f32, int64_t m,
-                        int64_t n, int64_t k, int num_threads) {
+                        int64_t n, int64_t k, int one_path, int num_threads) {
     const uint16_t *x = x_, *w = packed_, *bias = bias_;
     if (k % TUILI_AMX_K_MULTIPLE != 0 || n % TUILI_AMX_TILE_ROWS != 0) return TUILI_BAD_SHAPE;
     if (num_threads < 1) num_threads = 1;
     if (m < 1 || n < 1) return TUILI_OK;
+#ifdef HAVE_AMX
+    /* one_path: AMX tiles at every row count, so that a row's bits never depend on M. */
+    if (one_path && tuili_amx_init() == 0) return amx_product(x, w, bias, out, out_f32, m, n, k, num_threads);
+#else
+    (void)one_path;
+#endif
 #ifdef __AVX512BF16__
     if (m <= GEMV_MAX_ROWS) {
         gemv(x, w, bias, out, out_f32, m, n, k, num_threads);

@@ -18,7 +18,15 @@
  * KEY_CHUNK at a time, converting them to float32 once for all its rows, with an online softmax
  * in float32. When units are too few to keep every thread busy (decode at small batch), each
  * one's keys are split among several units whose partial results (max, sum, weighted values)
- * are merged afterwards (flash-decoding). */
+ * are merged afterwards (flash-decoding).
+ *
+ * With split_keys > 0 the parts are instead fixed: keys [j * split_keys, (j + 1) * split_keys)
+ * for every sequence, whatever the batch, the rows of the call or the thread count, merged in
+ * order of j. A row's arithmetic then depends only on its query, its keys and its position:
+ * a decode, a prompt chunk continuing at any position and a prompt computed from position 0
+ * give the same bits for the same token (tuili's batch-invariant mode, docs/engine.md). A row
+ * whose keys all lie in one part gets exactly what an unsplit unit writes: the merge of one
+ * part multiplies by exp(0) = 1 and adds to 0, both exact. */
 #include <omp.h>
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -453,9 +461,10 @@ static int check_indices(const attn_args *a, int64_t num_tokens, int64_t num_blo
 
 /* Lays out the units (and, when units != NULL, fills them). Returns the number of units;
  * *partial_floats receives the size of the partials buffer. Keys are split in up to
- * max_splits parts of at least MIN_SPLIT_KEYS keys. */
-static int64_t plan_units(const attn_args *a, int64_t num_seqs, int64_t max_splits, unit_t *units,
-                          int64_t *partial_floats) {
+ * max_splits parts of at least MIN_SPLIT_KEYS keys, or, when fixed_part > 0 (a multiple of
+ * KEY_CHUNK), in parts of fixed_part keys at fixed positions. */
+static int64_t plan_units(const attn_args *a, int64_t num_seqs, int64_t max_splits, int64_t fixed_part,
+                          unit_t *units, int64_t *partial_floats) {
     const int64_t per_kv = a->num_heads / a->num_kv_heads, D = a->head_dim;
     int64_t count = 0, floats = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -476,7 +485,8 @@ static int64_t plan_units(const attn_args *a, int64_t num_seqs, int64_t max_spli
                 int64_t splits = keys / MIN_SPLIT_KEYS;
                 splits = splits < 1 ? 1 : splits > max_splits ? max_splits : splits;
                 /* Parts are whole key chunks; rounding up may leave fewer parts than asked. */
-                const int64_t part = ((keys + splits - 1) / splits + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK;
+                const int64_t part = fixed_part > 0 ? fixed_part
+                                                    : ((keys + splits - 1) / splits + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK;
                 splits = (keys + part - 1) / part;
                 for (int64_t j = 0; j < splits; j++, count++) {
                     if (!units) continue;
@@ -505,8 +515,8 @@ int tuili_paged_attention(const void *q, int q_dtype, int64_t q_stride, int64_t 
                           const void *k_cache, const void *v_cache, int cache_dtype, int64_t num_blocks,
                           int64_t block_size, int64_t num_kv_heads, const float *k_scale, const float *v_scale,
                           const void *block_tables, int tables_int64, int64_t num_seqs, int64_t max_blocks,
-                          const void *seq_info, int seq_info_int64, float scale, void *out, int num_threads,
-                          int64_t *error) {
+                          const void *seq_info, int seq_info_int64, float scale, void *out, int64_t split_keys,
+                          int num_threads, int64_t *error) {
     const attn_args a = {
         .q = q, .q_dtype = q_dtype, .q_stride = q_stride, .num_heads = num_heads, .head_dim = head_dim,
         .k_cache = k_cache, .v_cache = v_cache, .cache_dtype = cache_dtype,
@@ -518,12 +528,14 @@ int tuili_paged_attention(const void *q, int q_dtype, int64_t q_stride, int64_t 
     if (status != TUILI_OK) return (int)(error[0] = status);
     if (num_threads < 1) num_threads = 1;
 
-    /* Split keys only as far as needed to give every thread several units. */
+    /* Split keys only as far as needed to give every thread several units, or at the fixed
+     * positions asked for (rounded up to whole key chunks). */
     int64_t partial_floats;
-    const int64_t whole = plan_units(&a, num_seqs, 1, NULL, &partial_floats);
+    const int64_t fixed_part = split_keys > 0 ? (split_keys + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK : 0;
+    const int64_t whole = plan_units(&a, num_seqs, 1, 0, NULL, &partial_floats);
     const int64_t wanted = num_threads > 1 ? (int64_t)UNITS_PER_THREAD * num_threads : 1;
     const int64_t max_splits = whole > 0 && whole < wanted ? (wanted + whole - 1) / whole : 1;
-    const int64_t count = plan_units(&a, num_seqs, max_splits, NULL, &partial_floats);
+    const int64_t count = plan_units(&a, num_seqs, max_splits, fixed_part, NULL, &partial_floats);
     unit_t *units = malloc((size_t)(count > 0 ? count : 1) * sizeof(unit_t));
     float *partials = malloc((size_t)(partial_floats > 0 ? partial_floats : 1) * sizeof(float));
     if (!units || !partials) {
@@ -531,7 +543,7 @@ int tuili_paged_attention(const void *q, int q_dtype, int64_t q_stride, int64_t 
         free(partials);
         return (int)(error[0] = TUILI_NO_MEMORY);
     }
-    plan_units(&a, num_seqs, max_splits, units, &partial_floats);
+    plan_units(&a, num_seqs, max_splits, fixed_part, units, &partial_floats);
 
     int failed = 0;
     const size_t scratch_bytes = (scratch_floats(head_dim) * sizeof(float) + 63) / 64 * 64;

@@ -28,7 +28,7 @@ def attention_backend(platform: Platform, dtype: torch.dtype) -> AttentionBacken
     """The backend for activations of `dtype` on `platform`: the native CPU kernels where they
     run and take the dtype, else PyTorch's SDPA."""
     if platform.native_kernels and dtype in (torch.float32, torch.bfloat16):
-        return NativeCpuAttention(amx=platform.amx)
+        return NativeCpuAttention(amx=platform.amx, batch_invariant=platform.batch_invariant)
     return TorchAttention()
 
 

@@ -111,9 +111,10 @@ class CausalSpan:
 
 @dataclass
 class PagedBatch:
-    """The decodes of a step, for the native kernel (tuili/kernels/__init__.py): block tables
-    [B, max_blocks] and, per sequence, (first row in the flat batch, its number of query rows,
-    the absolute position of its first query) [B, 3]."""
+    """The decodes of a step (with `reads_paged_prompts`, all its sequences), for the native
+    kernel (tuili/kernels/__init__.py): block tables [B, max_blocks] and, per sequence, (first
+    row in the flat batch, its number of query rows, the absolute position of its first query)
+    [B, 3]."""
 
     block_tables: torch.Tensor  # int32
     seq_info: torch.Tensor  # int32
@@ -142,6 +143,9 @@ class AttentionBackend(ABC):
     # Whether the runner should hand this backend a step's decodes as one PagedBatch (block
     # tables read in place by a kernel) rather than as an AttentionGroup for gathering.
     reads_paged_decodes: bool = False
+    # ... and every other sequence of the step too (prompt chunks, fresh or continuing), read
+    # back from the cache after `store`: one kernel for every token (batch invariance).
+    reads_paged_prompts: bool = False
 
     @abstractmethod
     def store(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

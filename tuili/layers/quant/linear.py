@@ -18,6 +18,14 @@ and thresholds"):
   dequantization cost per call and wins from a few dozen rows on (prefill). It runs on any
   device and shape, so it is also the path wherever the ops are missing or refuse the shape.
 
+Batch invariance (`Platform.batch_invariant`, the default). The three kernels round differently,
+and the tiled one's matmul also by row count, so a row's bits would depend on its step's rows.
+In that mode every row count takes one kernel whose result for a row depends on that row alone:
+the "gemv" (Int4Linear, Int8GroupLinear: blocks of up to `kernels.LINEAR_INT4_MAX_ROWS` rows, its
+arithmetic per row independent of the block), else the "op" (Int8Linear: blocks of up to
+`max_op_rows`, each row reduced alone). Where neither runs (float32 compute, no native kernels,
+a GPU) "tiled" runs and the output is as batch invariant as the matmul under it (docs/engine.md).
+
 Compute dtype. The CPU ops are fast only with bf16 activations (their fp32 paths are scalar
 loops), so a module built for bf16 stores its scales in bf16 and casts its input
 to bf16, whatever the model's dtype; the output comes back in the input's dtype. Rounding the
@@ -99,9 +107,17 @@ class QuantizedLinear(nn.Module):
         """Which kernel, "gemv", "op" or "tiled", a forward over `rows` rows on `device` runs."""
         if device.type != "cpu" or self.compute_dtype != torch.bfloat16 or rows < 1:
             return "tiled"
-        if rows <= self.max_gemv_rows and self.platform.native_kernels:
+        invariant = self.platform.batch_invariant  # one kernel at every row count
+        if (invariant or rows <= self.max_gemv_rows) and self.max_gemv_rows and self.platform.native_kernels:
             return "gemv"
-        return "op" if self._op_fits and rows <= self.max_op_rows else "tiled"
+        return "op" if self._op_fits and (invariant or rows <= self.max_op_rows) else "tiled"
+
+    def _block_rows(self, kernel: str, rows: int) -> int:
+        """Rows per call of `kernel`: all of them, except in the batch-invariant mode, where the
+        gemv and the op run blocks of the sizes they were measured and checked at."""
+        if not self.platform.batch_invariant or kernel == "tiled":
+            return max(rows, 1)
+        return kernels.LINEAR_INT4_MAX_ROWS if kernel == "gemv" else self.max_op_rows
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T + b in x's dtype, or in `out_dtype` (float32 logits: the gemv kernel then skips
@@ -111,11 +127,15 @@ class QuantizedLinear(nn.Module):
         out_dtype = out_dtype or x.dtype
         flat = x.reshape(-1, self.in_features)
         kernel = self.kernel_for(flat.shape[0], flat.device)
+        starts = range(0, max(flat.shape[0], 1), self._block_rows(kernel, flat.shape[0]))
         if kernel == "gemv":  # takes float32 or bf16 input and output as they are
-            y = self._gemv(flat.contiguous(), out_dtype)
+            flat = flat.contiguous()
+            parts = [self._gemv(flat[i : i + starts.step], out_dtype) for i in starts]
         else:
             rows = flat.to(self.compute_dtype).contiguous()
-            y = (self._op(rows) if kernel == "op" else self._tiled(rows)).to(out_dtype)
+            run = self._op if kernel == "op" else self._tiled
+            parts = [run(rows[i : i + starts.step]).to(out_dtype) for i in starts]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -240,7 +260,7 @@ class Int4Linear(QuantizedLinear):
             x = x.to(self.compute_dtype)
         direct = out_dtype in _GEMV_DTYPES
         out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
-        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies)
+        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies, self.platform.batch_invariant)
         return out if direct else out.to(out_dtype)
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,173 @@
+"""Batch invariance (issue 20, part 1): in the default dtype (bf16), a request's tokens and their
+log-probabilities are bitwise the same whatever else is in the batch, whether its prefix came
+from the prefix cache (device or host tier) or was computed, however its prompt was split into
+chunks, and after preemption.
+
+The reference is each request run alone, its prompt in one chunk, with prefix caching off. The
+log-probabilities are compared as well as the tokens: a tiny random model rarely has a near tie
+for a rounding difference to flip, but every rounding difference shows in a float.
+
+The paths other CPUs take run in fresh processes, with the kernels built for them: without AMX
+(on an Intel CPU with AMX, its AVX512-BF16 path; what AMD Zen 4/5 run anyway) and for AVX2 only
+(no packed linears: the row-major ones through linear_small, the portable C attention and int4
+code). The portable torch path (no native kernels, or a GPU) is not batch invariant and is not
+claimed to be (docs/engine.md, "Batch invariance").
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from tuili import LLM, SamplingParams
+
+BLOCK_SIZE = 4
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny random Llama with 32-wide heads (the bf16 score path of the attention kernel)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    path = tmp_path_factory.mktemp("invariance") / "llama"
+    model.save_pretrained(path)
+    return path
+
+
+def _llm(path, options, num_blocks=256, **kw) -> LLM:
+    block_bytes = 2 * 2 * BLOCK_SIZE * 2 * 32 * 2  # K+V x layers x tokens x KV heads x dims x bf16
+    defaults = dict(dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, max_model_len=MAX_LEN,
+                   kv_cache_memory=num_blocks * block_bytes, max_num_batched_tokens=512)
+    return LLM(model=str(path), **(defaults | options | kw))
+
+
+def _prompts(count=8, seed=0):
+    """Prompts of 9 to 40 tokens, half of them sharing a 14-token system prefix."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 320) for _ in range(14)]
+    prompts = []
+    for i in range(count):
+        tail = [rng.randrange(1, 320) for _ in range(rng.randrange(9, 27))]
+        prompts.append({"prompt_token_ids": (system if i % 2 else []) + tail})
+    return prompts
+
+
+def _params(i: int) -> SamplingParams:
+    """Greedy for even prompts; odd ones sample with a seed of their own."""
+    if i % 2:
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=8, ignore_eos=True, logprobs=0)
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+
+def _run(llm: LLM, prompts, indices) -> dict[int, tuple]:
+    """Outputs by prompt index: (token ids, the chosen tokens' logprobs as float bits)."""
+    outs = llm.generate([prompts[i] for i in indices], [_params(i) for i in indices])
+    result = {}
+    for i, out in zip(indices, outs, strict=True):
+        c = out.outputs[0]
+        logprobs = tuple(step[token] for step, token in zip(c.logprobs, c.token_ids, strict=True))
+        result[i] = (tuple(c.token_ids), logprobs)
+    return result
+
+
+def _scenarios(path, every_scenario: bool, **options) -> dict[str, dict[int, tuple]]:
+    """Each scenario's outputs; the quantized models (whose attention and scheduling are the
+    float model's) run the batch, chunk and cache scenarios only."""
+    prompts = _prompts()
+    every = list(range(len(prompts)))
+    alone = _llm(path, options, enable_prefix_caching=False)
+    runs = {"alone": {}}
+    for i in every:
+        runs["alone"] |= _run(alone, prompts, [i])
+    batched = _llm(path, options, enable_prefix_caching=False)
+    runs["batch of 8"] = _run(batched, prompts, every)
+    if every_scenario:
+        runs["batches of 3"] = {}
+        for first in range(0, len(every), 3):
+            runs["batches of 3"] |= _run(batched, prompts, every[first : first + 3])
+    # Budgets that cut prompts at odd positions, chunks mixed with other sequences' decodes.
+    for budget in (7, 13) if every_scenario else (7,):
+        chunked = _llm(path, options, enable_prefix_caching=False, max_num_batched_tokens=budget)
+        runs[f"budget {budget}"] = _run(chunked, prompts, every)
+    # Warm device cache: the second pass reads every prompt's full blocks from the cache.
+    cached = _llm(path, options)
+    _run(cached, prompts, every)
+    runs["device cache"] = _run(cached, prompts, every[::-1])
+    assert cached.engine.stats().prefix_cache.device_hit_tokens > 0
+    if not every_scenario:
+        return runs
+    # Host tier: a device pool of about two sequences evicts to host memory and reloads.
+    block_bytes = 2 * 2 * BLOCK_SIZE * 2 * 32 * 2
+    host = _llm(path, options, num_blocks=30, enable_prefix_caching=True, kv_offload_memory=200 * block_bytes,
+                max_num_seqs=1)
+    _run(host, prompts, every)
+    runs["host cache"] = _run(host, prompts, every)
+    assert host.engine.stats().prefix_cache.host_hit_tokens > 0
+    # Preemption: too few blocks for all eight at once.
+    small = _llm(path, options, num_blocks=40, enable_prefix_caching=False, max_num_batched_tokens=24)
+    runs["preemption"] = _run(small, prompts, every)
+    assert small.engine.stats().num_preemptions > 0
+    return runs
+
+
+def _differences(runs) -> list[str]:
+    reference = runs["alone"]
+    return [f"{name}: prompt {i}" for name, run in runs.items() for i in reference if run[i] != reference[i]]
+
+
+@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+def test_outputs_do_not_depend_on_the_batch_and_the_cache_or_the_chunks(tiny_model, quantization):
+    runs = _scenarios(tiny_model, quantization is None, quantization=quantization)
+    assert _differences(runs) == []
+
+
+# Kernel builds for other x86 CPUs (TUILI_KERNEL_CFLAGS, as tests/kernels/test_cpu_kernels.py).
+OTHER_CPUS = {
+    "no AMX": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8",
+    "AVX2 only": "-march=x86-64-v3",
+}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
+def test_the_paths_of_other_x86_cpus_are_batch_invariant_too():
+    """This file's test in fresh processes, on kernels built for the other CPUs, side by side."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("TUILI_NATIVE_KERNELS", "TUILI_KERNEL_CFLAGS")}
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "batch_and_the_cache and not int8"],
+            env=environment | {"TUILI_KERNEL_CFLAGS": flags}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, flags in OTHER_CPUS.items()
+    }
+    for name, run in runs.items():
+        output = run.communicate(timeout=1200)[0]
+        assert run.returncode == 0 and " passed" in output, f"{name}:\n{output[-3000:]}"
+
+
+def test_the_fastest_mode_is_a_documented_option():
+    """`--no-batch-invariant` reaches the engine's config; a bad value is refused by name."""
+    import argparse
+
+    from tuili.config import EngineConfig
+    from tuili.engine.cli import add_engine_args, engine_kwargs
+    from tuili.errors import TuiliError
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["batch_invariant"] is True
+    assert engine_kwargs(parser.parse_args(["--no-batch-invariant"]))["batch_invariant"] is False
+    with pytest.raises(TuiliError, match="batch_invariant='yes' is invalid"):
+        EngineConfig(batch_invariant="yes").validate()
