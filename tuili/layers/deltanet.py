@@ -16,9 +16,12 @@ Two forms of the rule compute the same thing:
   prompt may be split anywhere across steps;
 - `recurrent_gated_delta_rule`: one token for each of a batch of sequences (decodes).
 
-Per-sequence state lives in fixed slots (`DeltaNetState`: [slots, ...] tensors, one pair per
-layer, allocated by the runner); `StateBatch` tells a step's layers which slot each sequence reads
-and writes, and which slots start from zero. This module only computes: the weights come from
+Per-sequence state lives in fixed slots (`DeltaNetState`: [rows, ...] tensors, one pair per
+layer, allocated by the runner; rows past the sequences' slots hold prefix-cache checkpoints);
+`StateBatch` tells a step's layers which slot each sequence reads and writes, which slots start
+from zero or from a checkpoint row, and where to copy a sequence's state out to a checkpoint row
+(after its chunk, or after a given token inside it: the chunk's conv and delta rule are then run
+in pieces cut there, each continuing from the state the previous one left). This module only computes: the weights come from
 outside (the projections are built by the loader's weight plan; conv1d, A_log, dt_bias and the
 norm's weight are parameters filled by name).
 """
@@ -145,25 +148,51 @@ def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
 class StateBatch:
     """Which state slot each sequence of a step reads and writes, built once per step by the
     runner and shared by every linear-attention layer. Invariant: every row (token) of the step
-    is in exactly one decode row or one chunk; each slot appears at most once."""
+    is in exactly one decode row or one chunk; each slot appears at most once; a checkpoint row
+    is written at most once and, when it is also restored from, read before it is written."""
 
     fresh: torch.Tensor  # [F] int64: slots whose sequence's chunk starts at position 0 (zeroed first)
     decode_rows: torch.Tensor  # [D] int64: rows of single-token items
     decode_slots: torch.Tensor  # [D] int64: their slots
     chunks: list[tuple[int, int, int]]  # (first row, tokens, slot) of items of two tokens or more
+    restore_rows: torch.Tensor  # [R] int64: checkpoint rows copied into ...
+    restore_slots: torch.Tensor  # [R] int64: ... these slots before the step
+    # (tokens into the chunk, checkpoint row) cut points inside a chunk, by the chunk's first row
+    cuts: dict[int, list[tuple[int, int]]]
+    save_slots: torch.Tensor  # [S] int64: slots whose state after the step is copied ...
+    save_rows: torch.Tensor  # [S] int64: ... into these checkpoint rows
 
     @classmethod
-    def build(cls, items: list[tuple[int, int, int, int]], device: torch.device) -> StateBatch:
+    def build(
+        cls, items: list[tuple[int, int, int, int]], device: torch.device,
+        restores: list[tuple[int, int]] = (), saves: list[tuple[int, int, int]] = (),
+    ) -> StateBatch:  # fmt: skip
         """From the step's items as (first row, first position, tokens, slot): a chunk starting
-        at position 0 zeroes its slot first; single-token items are stepped together."""
+        at position 0 zeroes its slot first; single-token items are stepped together.
+        `restores`: (slot, checkpoint row) to start from; `saves`: (item's first row, tokens
+        into the item, checkpoint row) to copy the state out to, 0 < tokens <= the item's."""
         fresh = [slot for _, start, _, slot in items if start == 0]
         decodes = [(row, slot) for row, _, n, slot in items if n == 1]
         chunks = [(row, n, slot) for row, _, n, slot in items if n > 1]
+        length = {row: (n, slot) for row, _, n, slot in items}
+        cuts: dict[int, list[tuple[int, int]]] = {}
+        ends: list[tuple[int, int]] = []
+        for first, offset, row in saves:
+            n, slot = length[first]
+            if offset == n:
+                ends.append((slot, row))
+            else:
+                cuts.setdefault(first, []).append((offset, row))
 
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
-        return cls(column(fresh), column([r for r, _ in decodes]), column([s for _, s in decodes]), chunks)
+        return cls(
+            column(fresh), column([r for r, _ in decodes]), column([s for _, s in decodes]), chunks,
+            column([r for _, r in restores]), column([s for s, _ in restores]),
+            {first: sorted(points) for first, points in cuts.items()},
+            column([s for s, _ in ends]), column([r for _, r in ends]),
+        )  # fmt: skip
 
 
 @dataclass
@@ -249,6 +278,9 @@ class GatedDeltaNet(nn.Module):
         if batch.fresh.numel():  # a sequence starting at position 0 starts from zero state
             state.conv.index_fill_(0, batch.fresh, 0)
             state.recurrent.index_fill_(0, batch.fresh, 0)
+        if batch.restore_slots.numel():  # a prefix-cache hit starts from the checkpoint's state
+            state.conv[batch.restore_slots] = state.conv[batch.restore_rows]
+            state.recurrent[batch.restore_slots] = state.recurrent[batch.restore_rows]
         weight = self.conv1d.weight[:, 0]
         conv = torch.empty_like(mixed)
         decodes = batch.decode_rows.numel() > 0
@@ -256,7 +288,12 @@ class GatedDeltaNet(nn.Module):
             rows, slots = batch.decode_rows, batch.decode_slots
             conv[rows], state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], weight)
         for first, n, slot in batch.chunks:
-            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], state.conv[slot], weight)
+            carried = state.conv[slot]
+            for begin, end, row in _pieces(first, n, batch.cuts):
+                conv[begin:end], carried = causal_conv1d(mixed[begin:end], carried, weight)
+                if row is not None:
+                    state.conv[row] = carried
+            state.conv[slot] = carried
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(tokens, hk, dk), k.view(tokens, hk, dk), v.view(tokens, hv, dv)
 
@@ -270,8 +307,27 @@ class GatedDeltaNet(nn.Module):
             )
             out[rows] = o.to(x.dtype)
         for first, n, slot in batch.chunks:
-            span = slice(first, first + n)
-            o, state.recurrent[slot] = chunk_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span], state.recurrent[slot])
-            out[span] = o.to(x.dtype)
+            carried = state.recurrent[slot]
+            for begin, end, row in _pieces(first, n, batch.cuts):
+                span = slice(begin, end)
+                o, carried = chunk_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span], carried)
+                out[span] = o.to(x.dtype)
+                if row is not None:
+                    state.recurrent[row] = carried
+            state.recurrent[slot] = carried
+        if batch.save_slots.numel():  # checkpoints at the end of an item: the slot's new state
+            state.conv[batch.save_rows] = state.conv[batch.save_slots]
+            state.recurrent[batch.save_rows] = state.recurrent[batch.save_slots]
         normed = self.norm(out.reshape(-1, dv), z.reshape(-1, dv))
         return self.out_proj(normed.view(tokens, hv * dv))
+
+
+def _pieces(first: int, n: int, cuts: dict[int, list[tuple[int, int]]]) -> list[tuple[int, int, int | None]]:
+    """The chunk of rows [first, first + n) as (begin, end, checkpoint row or None) pieces, cut
+    where a checkpoint is taken inside it (one piece when there is none)."""
+    pieces, begin = [], first
+    for offset, row in cuts.get(first, ()):
+        pieces.append((begin, first + offset, row))
+        begin = first + offset
+    pieces.append((begin, first + n, None))
+    return pieces
