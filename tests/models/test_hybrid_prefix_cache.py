@@ -7,7 +7,8 @@ checkpoint at or below their cached KV, and give the same greedy tokens as a col
 (prefix caching off) and as transformers, in float32. With a 7-token step budget the
 checkpoints fall inside prefill chunks (the chunk is cut there) and at their ends. Also: a
 ~200-token shared prefix hits with the default block size and interval; slots, checkpoints
-and blocks are all returned after finish, abort, preemption and a failed step; LRU eviction.
+and blocks are all returned after finish, abort, preemption and a failed step; LRU eviction;
+`tuili plan` counts the checkpoint bytes the pool plan reserves.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import torch
 import transformers
 
 from tuili import LLM, SamplingParams
-from tuili.config import ModelConfig
-from tuili.engine.pool import kv_bytes_per_block, state_bytes_per_slot
+from tuili.config import EngineConfig, ModelConfig
+from tuili.engine.pool import kv_bytes_per_block, plan_pool, state_bytes_per_slot
 from tuili.engine.request import Sequence
 from tuili.engine.state_checkpoints import StateCheckpoints
+from tuili.perf.cost import ModelCost
+from tuili.perf.plan import state_checkpoint_bytes
 
 CONFIG = dict(
     vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -172,20 +175,26 @@ def test_everything_is_returned_after_preemption_abort_and_a_failed_step(hybrid,
 
 
 def test_eviction_under_memory_pressure_keeps_outputs_right(hybrid, sizes):
-    """A quarter of the budget holds 3 checkpoints: BASE's later ones evict its first ones."""
+    """A quarter of the budget holds 3 checkpoints. BASE, one chunk, crosses 7 boundaries: the
+    3 deepest are saved. A later save evicts the least recently used of them."""
     path, greedy = hybrid
     llm = _llm(path, kv_cache_memory=13 * sizes[1], max_num_seqs=1)
     engine = llm.engine
     assert engine.pool.num_state_checkpoints == 3
-    _run(llm, BASE)  # files 8, 16, ..., 56 in turn: only 40, 48, 56 stay
+    _run(llm, BASE)
     checkpoints = engine.scheduler.checkpoints
-    assert checkpoints.num_filed == 3 and checkpoints.stats.evicted == 4
-    prompt, _ = FOLLOWERS[1]  # shares 20 tokens: its checkpoint at 16 was evicted
-    out = _run(llm, prompt)
-    assert out.metrics.num_cached_tokens == 0 and out.outputs[0].token_ids == greedy[tuple(prompt)]
-    prompt, _ = FOLLOWERS[4]  # extends BASE: 56 is still there
-    out = _run(llm, prompt)
-    assert out.metrics.num_cached_tokens == 56 and out.outputs[0].token_ids == greedy[tuple(prompt)]
+    assert checkpoints.num_filed == 3 and checkpoints.stats.saved == 3  # 40, 48, 56
+    cold = _llm(path, enable_prefix_caching=False)
+    for prompt, cached in (
+        (FOLLOWERS[4][0], 56),  # extends BASE: uses 56 (LRU now 40, 48, 56)
+        (FOLLOWERS[0][0], 40),  # uses 40 (LRU 48, 56, 40); saving its own 48 evicts BASE's 48
+        (BASE[:50] + [3, 3], 40),  # 48 tokens of KV match, BASE's 48 is gone; saving it again evicts 56
+        (BASE + [9], 48),  # 60 tokens of KV match: 56 is gone, 48 is back; saving 56 again evicts 48'
+    ):  # fmt: skip
+        out = _run(llm, prompt)
+        assert out.metrics.num_cached_tokens == cached
+        assert out.outputs[0].token_ids == _run(cold, prompt).outputs[0].token_ids
+    assert (checkpoints.stats.saved, checkpoints.stats.evicted, checkpoints.num_filed) == (6, 3, 3)
     _assert_all_returned(llm)
 
 
@@ -207,8 +216,24 @@ def test_checkpoints_are_evicted_least_recently_used_first():
     assert checkpoints.deepest([bytes([1])]) is None  # b evicted
     assert checkpoints.deepest([bytes([0])]) == (4, 0) and checkpoints.deepest([bytes([2])]) == (4, 1)
     assert checkpoints.stats.evicted == 1
-    # Every id pending in one step: a further boundary is not saved rather than overwriting one.
+    # Every id pending in one step: the deepest boundaries get them, no pending one is overwritten.
     d = _sequence(3, [bytes([3]), bytes([4]), bytes([5])])
-    assert len(checkpoints.reserve(d, 0, 12)) == 2 and checkpoints.num_free == 0
+    assert [depth for depth, _ in checkpoints.reserve(d, 0, 12)] == [8, 12] and checkpoints.num_free == 0
     checkpoints.reset_pending()  # that step failed
     assert checkpoints.num_free == 2 and checkpoints.num_filed == 0 and checkpoints.num_pending == 0
+
+
+@pytest.mark.parametrize("budget_mib", [1, 8, 64])
+def test_tuili_plan_counts_the_checkpoint_bytes_the_pool_plan_reserves(budget_mib):
+    """bf16 working dtype (the ruler's conv state dtype), default block size and interval; the
+    KV floor does not bind (no max_model_len, two slots), so both are the share rule alone."""
+    raw = transformers.Qwen3NextConfig(**CONFIG).to_dict() | {"architectures": ["Qwen3NextForCausalLM"]}
+    cfg = ModelConfig.from_hf_config(raw)
+    budget = budget_mib << 20
+    pool = plan_pool(cfg, EngineConfig(kv_cache_memory=budget, max_num_seqs=2), torch.bfloat16, torch.device("cpu"))
+    cost = ModelCost.from_config(raw)
+    assert cost.state_bytes_per_sequence() == pool.state_bytes_per_slot
+    assert cost.kv_bytes_per_token("bf16") == pool.kv_bytes_per_token
+    expected = state_checkpoint_bytes(budget, cost.kv_bytes_per_token("bf16"), cost.state_bytes_per_sequence())
+    assert pool.num_state_checkpoints > 0
+    assert pool.num_state_checkpoints * pool.state_bytes_per_slot == expected

@@ -75,15 +75,18 @@ class StateCheckpoints:
 
     def reserve(self, seq: Sequence, start: int, num_tokens: int) -> tuple[tuple[int, int], ...]:
         """Ids for the checkpoint boundaries that computing `seq`'s tokens [start, start +
-        num_tokens) crosses inside its prompt, as (depth, id); fewer when every id is pending."""
+        num_tokens) crosses inside its prompt, as (depth, id) in order of depth. When every id
+        is pending, the deepest boundaries get one (a deeper checkpoint saves more compute),
+        and they are filed shallowest first, so that the LRU evicts the shallow ones first."""
         end = min(start + num_tokens, seq.prompt_len)
         saves = []
-        for depth in range((start // self.interval + 1) * self.interval, end + 1, self.interval):
+        for depth in range(end // self.interval * self.interval, start, -self.interval):
             checkpoint = self._take()
             if checkpoint is None:
                 break
-            self._pending.append((seq, depth, checkpoint))
             saves.append((depth, checkpoint))
+        saves.reverse()
+        self._pending.extend((seq, depth, checkpoint) for depth, checkpoint in saves)
         return tuple(saves)
 
     def commit(self) -> None:
