@@ -13,15 +13,19 @@ and blocks are all returned after finish, abort, preemption and a failed step; L
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import transformers
 
 from tuili import LLM, SamplingParams
 from tuili.config import EngineConfig, ModelConfig
+from tuili.engine.cli import add_engine_args, engine_kwargs
 from tuili.engine.pool import kv_bytes_per_block, plan_pool, state_bytes_per_slot
 from tuili.engine.request import Sequence
 from tuili.engine.state_checkpoints import StateCheckpoints
+from tuili.errors import TuiliError
 from tuili.perf.cost import ModelCost
 from tuili.perf.plan import state_checkpoint_bytes
 
@@ -78,8 +82,9 @@ def _llm(path, **options) -> LLM:
 PARAMS = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
 
 
-def _run(llm: LLM, prompt: list[int]):
-    return llm.generate([{"prompt_token_ids": prompt}], PARAMS)[0]
+def _run(llm: LLM, prompt: list[int], max_tokens: int = STEPS):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": prompt}], params)[0]
 
 
 def _assert_all_returned(llm: LLM) -> None:
@@ -191,9 +196,9 @@ def test_eviction_under_memory_pressure_keeps_outputs_right(hybrid, sizes):
         (BASE[:50] + [3, 3], 40),  # 48 tokens of KV match, BASE's 48 is gone; saving it again evicts 56
         (BASE + [9], 48),  # 60 tokens of KV match: 56 is gone, 48 is back; saving 56 again evicts 48'
     ):  # fmt: skip
-        out = _run(llm, prompt)
+        out = _run(llm, prompt, max_tokens=4)  # the hits are the point here; outputs: the test above
         assert out.metrics.num_cached_tokens == cached
-        assert out.outputs[0].token_ids == _run(cold, prompt).outputs[0].token_ids
+        assert out.outputs[0].token_ids == _run(cold, prompt, max_tokens=4).outputs[0].token_ids
     assert (checkpoints.stats.saved, checkpoints.stats.evicted, checkpoints.num_filed) == (6, 3, 3)
     _assert_all_returned(llm)
 
@@ -237,3 +242,14 @@ def test_tuili_plan_counts_the_checkpoint_bytes_the_pool_plan_reserves(budget_mi
     expected = state_checkpoint_bytes(budget, cost.kv_bytes_per_token("bf16"), cost.state_bytes_per_sequence())
     assert pool.num_state_checkpoints > 0
     assert pool.num_state_checkpoints * pool.state_bytes_per_slot == expected
+
+
+def test_the_interval_is_a_flag_and_is_checked():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig(**engine_kwargs(parser.parse_args([]))).state_checkpoint_interval == 4
+    config = EngineConfig(**engine_kwargs(parser.parse_args(["--state-checkpoint-interval", "2"])))
+    assert config.state_checkpoint_interval == 2
+    for bad in (0, -1, 1.5):
+        with pytest.raises(TuiliError, match=rf"state_checkpoint_interval={bad!r} is invalid: expected an integer >= 1"):
+            EngineConfig(state_checkpoint_interval=bad).validate()
