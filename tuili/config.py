@@ -383,6 +383,9 @@ class EngineConfig:
     quantization: str | None = None  # "int8" | "int4": quantize the checkpoint's linears at load
     kv_cache_dtype: str = "auto"  # "auto" (the working dtype) or "fp8" (e4m3, per-head scales)
     enforce_eager: bool = False  # no CPU decode graphs (tuili/engine/decode_graphs.py): every step eager
+    # While sequences decode, a step's prompt chunks are cut so the step takes about this many
+    # times a decode-only step (tuili/engine/pacing.py); None = only max_num_batched_tokens.
+    max_itl_stretch: float | None = None
     seed: int = 0
 
     def validate(self) -> None:
@@ -413,5 +416,8 @@ class EngineConfig:
             raise TuiliError(
                 f"quantization {self.quantization!r} is not supported: expected one of {', '.join(QUANTIZATION_METHODS)}"
             )
+        stretch = self.max_itl_stretch
+        if stretch is not None and (isinstance(stretch, bool) or not isinstance(stretch, (int, float)) or not stretch > 1):
+            raise TuiliError(f"max_itl_stretch={stretch!r} is invalid: expected a number above 1, or None for no limit")
         if not isinstance(self.kv_offload_memory, int) or self.kv_offload_memory < 0:
             raise TuiliError(f"kv_offload_memory={self.kv_offload_memory!r} is invalid: expected bytes >= 0")

@@ -96,6 +96,18 @@ def tight_server():
     process.stop()
 
 
+ROOT_PATH = "/tuili"
+
+
+@pytest.fixture(scope="session")
+def web_server():
+    """The browser tests' server: API key required, served under a path prefix (as behind a
+    reverse proxy that passes the prefix on)."""
+    process = ServerProcess("--api-key", API_KEY, "--root-path", ROOT_PATH, *ENGINE_ARGS)
+    yield process
+    process.stop()
+
+
 @pytest.fixture(scope="session")
 def offline_llm(server):
     """The offline API on the same model, loaded here while the server loads."""

@@ -59,6 +59,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CPU decode graphs (replayed kernel calls, see "
                        "docs/kernels.md)")
+    group.add_argument("--max-itl-stretch", type=float, default=None, metavar="X",
+                       help="while sequences decode, cut the prompt chunks of a step so it takes about X times a "
+                       "decode-only step (measured as the engine runs); 0 = no limit but --max-num-batched-tokens "
+                       "(default: 2 for tuili serve, 0 otherwise)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
 
 
@@ -71,6 +75,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         state_checkpoint_interval=args.state_checkpoint_interval,
         hardware=args.hardware, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
+        max_itl_stretch=args.max_itl_stretch or None,
     )
 
 

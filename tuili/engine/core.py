@@ -27,6 +27,7 @@ from tuili.config import (
 )
 from tuili.engine.block_manager import BlockManager
 from tuili.engine.output_processor import OutputProcessor, RequestState
+from tuili.engine.pacing import StepPacer
 from tuili.engine.pool import plan_pool
 from tuili.engine.request import RequestMetrics, RequestOutput, Sequence
 from tuili.engine.runner import ModelRunner, RunnerConfig
@@ -99,6 +100,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, stop_tokens, self.max_model_len)
         self._observers: list[StepObserver] = []
         self._synchronize = False  # an observer wants device time and the device runs asynchronously
+        self.pacer = StepPacer(config.max_itl_stretch) if config.max_itl_stretch is not None else None
+        if self.pacer is not None:
+            self.add_observer(self.pacer)
         self._requests: dict[str, RequestState] = {}
         # Final outputs of requests aborted between steps, handed out by the next step() so
         # that a caller waiting for every request to finish (LLM.generate) sees them end.
@@ -245,7 +249,7 @@ class LLMEngine:
         """Schedule and run one forward; return the outputs of requests that progressed, after
         the final outputs of requests aborted since the last step."""
         aborted, self._aborted = self._aborted, []
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.pacer.prefill_limit() if self.pacer is not None else None)
         if not out.scheduled:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")

@@ -17,6 +17,9 @@ Every step, `schedule()`:
      overtaking); a group whose share is spent waits for the next step;
   3. gives the budget still left to the scheduled sequences, oldest first, as far as their
      blocks can grow without preempting anyone: no budget is left idle because of shares.
+A step that carries decodes may be given a smaller budget for prompt tokens
+(`schedule(prefill_limit=)`, from the engine's StepPacer, so that prompt chunks do not stall
+the decoding sequences): prompt work in steps 1-3 then shares that, fairly in the same way.
 When a running sequence needs a block and none is free, the newest running sequence not yet
 scheduled in this step is preempted: its blocks are freed and it goes back to the front of the
 queue with `num_computed_tokens = 0`, to recompute prompt and generated tokens later. Its
@@ -37,6 +40,7 @@ StateCheckpoints (ids) only.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tuili.engine.block_manager import BlockCopies, BlockManager, PrefixMatch
@@ -116,7 +120,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prefill_limit: int | None = None) -> SchedulerOutput:
+        """Plan the next step. `prefill_limit`: the most prompt tokens (anything but a decode's
+        one token) the step may hold when it also holds decodes; None for no limit but the budget."""
         out = SchedulerOutput()
         if self.checkpoints is not None:
             self.checkpoints.reset_pending()  # a step that raised before update() reserved these
@@ -126,16 +132,23 @@ class Scheduler:
         num_groups = max(1, len(waiting_groups.keys() | running_groups.keys()))
         token_share = max(1, budget // num_groups)
         self._make_slots(waiting_groups, running_groups, num_groups, out)
+        # Prompt work is limited only beside decodes (nothing streams otherwise).
+        decoding = prefill_limit is not None and any(_decodes(seq) for seq in self.running)
+        prefill_left = min(prefill_limit, budget) if decoding else budget
+        prefill_share = max(1, prefill_left // num_groups)
 
         allotted: dict[Sequence, int] = {}  # the tokens each scheduled sequence computes, in order
         restores: dict[Sequence, int] = {}  # admitted sequences whose state starts from a checkpoint
         spent: Counter[str] = Counter()  # tokens per group
+        prefill_spent: Counter[str] = Counter()  # prompt tokens per group
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, token_share - spent[seq.group])
+            if not _decodes(seq):
+                n = min(n, prefill_left, prefill_share - prefill_spent[seq.group])
             if n <= 0:
                 continue  # its group's share is spent: step 3 may add to it
             if not self._make_room(seq, seq.num_computed_tokens + n, allotted, out):
@@ -144,6 +157,9 @@ class Scheduler:
             allotted[seq] = n
             spent[seq.group] += n
             budget -= n
+            if not _decodes(seq):
+                prefill_spent[seq.group] += n
+                prefill_left -= n
 
         admitted: Counter[str] = Counter(seq.group for seq in self.running)
         # Each group's waiting sequences, groups in queue order (with one group, the queue itself).
@@ -154,13 +170,16 @@ class Scheduler:
         elif waiting_groups:
             for seq in self.waiting:
                 queues.setdefault(seq.group, deque()).append(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting(queues, admitted, spent, token_share)
+        while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
+            def room(group: str) -> int:  # prompt tokens `group` may still add in this step
+                return min(token_share - spent[group], prefill_share - prefill_spent[group])
+
+            seq = self._next_waiting(queues, admitted, room)
             if seq is None:
                 break  # every waiting group has spent its share of this step
             match, restore = self._match_prefix(seq)
             seq.num_computed_tokens = match.tokens
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, token_share - spent[seq.group])
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, room(seq.group), prefill_left)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 self.blocks.free(seq)  # the matched blocks stay cached for the next try
                 seq.num_computed_tokens = 0
@@ -182,14 +201,16 @@ class Scheduler:
             allotted[seq] = n
             admitted[seq.group] += 1
             spent[seq.group] += n
+            prefill_spent[seq.group] += n
             budget -= n
+            prefill_left -= n
 
-        if budget and num_groups > 1:  # shares held back budget: give it out, oldest first
+        if budget and prefill_left and num_groups > 1:  # shares held back budget: give it out, oldest first
             for seq in self.running:
-                if budget == 0:
+                if budget == 0 or prefill_left == 0:
                     break
                 have = allotted.get(seq, 0)
-                more = min(seq.num_tokens - seq.num_computed_tokens - have, budget)
+                more = min(seq.num_tokens - seq.num_computed_tokens - have, budget, prefill_left)
                 if more <= 0 or seq.status is not SequenceStatus.RUNNING:
                     continue
                 total = seq.num_computed_tokens + have + more
@@ -198,6 +219,7 @@ class Scheduler:
                 self.blocks.grow(seq, total)
                 allotted[seq] = have + more
                 budget -= more
+                prefill_left -= more  # a decode has no more than its one token to take
 
         if self.checkpoints is None:
             out.scheduled = [ScheduledSeq.next_chunk(seq, n) for seq, n in allotted.items()]
@@ -229,13 +251,13 @@ class Scheduler:
         return match, found[1]
 
     @staticmethod
-    def _next_waiting(queues: dict[str, deque[Sequence]], admitted: Counter[str], spent: Counter[str],
-                      token_share: int) -> Sequence | None:
+    def _next_waiting(queues: dict[str, deque[Sequence]], admitted: Counter[str],
+                      room: Callable[[str], int]) -> Sequence | None:
         """The waiting sequence to admit next: the first of the group with the fewest running
-        sequences (the earlier group in the queue on a tie) whose share of the budget is left."""
+        sequences (the earlier group in the queue on a tie) that has room left in this step."""
         best = None
         for group, queue in queues.items():
-            if queue and spent[group] < token_share and (best is None or admitted[group] < admitted[best]):
+            if queue and room(group) > 0 and (best is None or admitted[group] < admitted[best]):
                 best = group
         return queues[best][0] if best is not None else None
 
@@ -301,3 +323,8 @@ class Scheduler:
             self.state_slots.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _decodes(seq: Sequence) -> bool:
+    """Whether `seq` is decoding: only its newest sampled token is left to compute."""
+    return seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_computed_tokens >= seq.prompt_len

@@ -9,11 +9,14 @@ schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are bui
     POST /tokenize, /detokenize                  the model's tokenizer        (key)
     GET  /health                                 200 while the engine thread lives
     GET  /metrics                                Prometheus text format
+    GET  /, /dashboard, /static/...              the chat and dashboard pages (web.py)
+    GET  /stats                                  the dashboard's figures as JSON  (key)
 
 With --api-key, the routes marked (key) need `Authorization: Bearer KEY`; /health and
-/metrics stay open for load balancers and scrapers. Every request's Host header must name one
-of --allowed-hosts (on a loopback address, by default only loopback names: a web page cannot
-reach a key-less local server through DNS rebinding), and a body must be declared JSON.
+/metrics stay open for load balancers and scrapers, and the pages load (their calls need the
+key). Every request's Host header must name one of --allowed-hosts (on a loopback address, by
+default only loopback names: a web page cannot reach a key-less local server through DNS
+rebinding), and a body must be declared JSON.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from tuili.server.protocol import (
     UnsupportedFieldError,
 )
 from tuili.server.tokenization import PromptTokenizer
+from tuili.server.web import LiveStats, StepLog, install_pages, is_public
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -81,6 +85,7 @@ class ServerSettings:
     max_sequences_per_request: int = 256
     body_timeout: float = 60.0  # seconds from a request's headers to the end of its body (--body-timeout)
     more_model_names: tuple[str, ...] = ()  # --served-model-name's other names, after model_name
+    root_path: str = ""  # --root-path: the path prefix a reverse proxy serves the app under
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -110,17 +115,22 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size, settings.content_special_tokens)
     backend = Backend(driver, tokenizer, settings.model_names, engine.max_model_len, settings.max_sequences_per_request)
     started = int(time.time())
+    steps = StepLog(meter)
+    engine.add_observer(steps)
+    live = LiveStats(engine, metrics, meter, steps, lambda: driver.stats, settings.model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         driver.start()
+        live.start()
         try:
             yield
         finally:  # uvicorn has already waited out (or cancelled) the requests in flight
+            await live.stop()
             await driver.stop()
             tokenizer.close()
 
-    app = FastAPI(title="tuili", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="tuili", version="0.1.0", lifespan=lifespan, root_path=settings.root_path,
                   description="An OpenAI-compatible API over the tuili engine.")
     app.state.abort_all = driver.abort_all  # shutdown's grace is over (serve.py)
     install_error_handlers(app)
@@ -190,6 +200,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         check_model(backend, body.model)
         return DetokenizeResponse(prompt=await _answer_errors(tokenizer.decode(body.tokens), DetokenizeRequest))
 
+    install_pages(app, live)
     return app
 
 
@@ -321,7 +332,8 @@ class _LimitBody:
 
 
 class _RequireApiKey:
-    """ASGI middleware: every route but /health, /metrics and the API docs needs the key.
+    """ASGI middleware: every route but /health, /metrics, the API docs and the pages (not the
+    calls they make) needs the key.
 
     It answers before the body is read, so an unauthenticated caller gets 401 whatever it sent.
     """
@@ -333,7 +345,8 @@ class _RequireApiKey:
         self._expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._OPEN or scope["path"].startswith("/docs"):
+        path = route_path(scope)
+        if scope["type"] != "http" or path in self._OPEN or path.startswith("/docs") or is_public(path):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization")
         if given is None or not hmac.compare_digest(given, self._expected):
@@ -342,6 +355,15 @@ class _RequireApiKey:
                              code="invalid_api_key")
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes match: without the root path when the client sent it (a proxy that
+    forwards the prefix), as it is when not (a proxy that strips it). Starlette routes alike."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 def host_name(header: bytes) -> str:

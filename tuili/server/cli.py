@@ -23,7 +23,11 @@ def register(subparsers) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     http.add_argument("--api-key", default=None,
-                      help="require 'Authorization: Bearer KEY' on the API routes (/health and /metrics stay open)")
+                      help="require 'Authorization: Bearer KEY' on the API routes and /stats (/health, /metrics and the "
+                      "pages stay open; the pages ask for the key)")
+    http.add_argument("--root-path", default="",
+                      help="the path prefix a reverse proxy serves this server under, e.g. /tuili (the proxy may "
+                      "strip it or pass it on); the pages' links are relative, so they work under it")
     http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                       help="the names /v1/models lists and a request's model may give; the first is the default "
                       "(default: the model file or directory name)")
@@ -54,7 +58,8 @@ def register(subparsers) -> None:
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(serve)
-    serve.set_defaults(func=run_serve)
+    # A server streams to people, so its steps are paced by default (tuili/engine/pacing.py).
+    serve.set_defaults(func=run_serve, max_itl_stretch=2.0)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -98,6 +103,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise TuiliError(f"--served-model-name {names} is invalid: a name is empty")
     if len(set(names)) != len(names):
         raise TuiliError(f"--served-model-name {names} is invalid: a name is given twice")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise TuiliError(f"--root-path {args.root_path!r} is invalid: expected a path like /tuili "
+                         "(a leading slash, no trailing one)")
     if args.api_key is not None and not args.api_key:
         raise TuiliError("--api-key is empty: expected a key")
 
@@ -178,7 +186,7 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     name, *more = args.served_model_name or [_default_name(engine.model_path)]
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
                               allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
-                              args.max_sequences_per_request, args.body_timeout, tuple(more))
+                              args.max_sequences_per_request, args.body_timeout, tuple(more), args.root_path)
     serve(engine, settings, sock, args.shutdown_grace, args.log_level, args.access_log,
           header_timeout=args.header_timeout, max_connections=args.max_connections)
     return 0

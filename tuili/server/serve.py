@@ -77,5 +77,6 @@ def serve(engine: LLMEngine, settings: ServerSettings, sock: socket.socket, shut
         engine.model_path, ", ".join(map(repr, settings.model_names)), str(engine.dtype).removeprefix("torch."), engine.device,
         engine.pool.num_tokens, engine.max_model_len, url_host, port,
     )
+    logger.info("chat page at http://%s:%d/, live dashboard at http://%s:%d/dashboard", url_host, port, url_host, port)
     GracefulServer(config, shutdown_grace, app.state.abort_all).run(sockets=[sock])
     logger.info("stopped")
