@@ -181,3 +181,20 @@ def test_checkpoints_taken_inside_and_after_chunks_restore_to_the_same_rows():
             ours.state.recurrent[1].fill_(7.0)  # garbage in the slot: the restore must replace it
             got = ours(x[depth:], StateBatch.build([(0, depth, 20 - depth, 1)], cpu, restores=[(1, row)]))
             torch.testing.assert_close(got, want[depth:], atol=5e-5, rtol=1e-4)
+
+
+def test_checkpoints_on_the_rule_block_grid_are_emitted_by_the_scan():
+    """Cuts at 64 and 128 tokens (block ends of the chunked rule: emitted, no extra pieces) and
+    at 100 (a piece of its own): each restored state continues as the reference run."""
+    ours, theirs = _mixer_pair(2, 2)
+    conv_dim, kernel, heads = ours.state_shapes()
+    ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, torch.device("cpu"))
+    x = torch.randn(150, 32, generator=torch.Generator().manual_seed(6))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = theirs(x[None])[0]
+        got = ours(x, StateBatch.build([(0, 0, 150, 0)], cpu, saves=[(0, 64, 2), (0, 100, 3), (0, 128, 4)]))
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+        for row, depth in ((2, 64), (3, 100), (4, 128)):
+            got = ours(x[depth:], StateBatch.build([(0, depth, 150 - depth, 1)], cpu, restores=[(1, row)]))
+            torch.testing.assert_close(got, want[depth:], atol=5e-5, rtol=1e-4)

@@ -64,7 +64,24 @@ def chunk_gated_delta_rule(
     state: torch.Tensor,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's L tokens. q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g (log decay, <= 0), beta:
+    """The rule over one sequence's run of tokens (see chunk_gated_delta_rule_states)."""
+    out, final, _ = chunk_gated_delta_rule_states(q, k, v, g, beta, state, (), chunk_size)
+    return out, final
+
+
+def chunk_gated_delta_rule_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    emit_at: tuple[int, ...],
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One sequence's L tokens, also returning the states after the first `emit_at` tokens
+    (multiples of `chunk_size`, < L: block ends, where the scan holds them anyway; for prefix
+    caching's state checkpoints). q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g (log decay, <= 0), beta:
     [L, Hv]; state: [Hv, Dk, Dv], the state before the first token. Returns (output [L, Hv, Dv]
     float32, the state after the last token, float32). Within a block of `chunk_size`
     tokens the delta-rule writes are condensed by the UT transform (a unit lower-triangular
@@ -98,13 +115,17 @@ def chunk_gated_delta_rule(
     block_decay = cum[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
     out = torch.empty(heads, n, chunk_size, dv, dtype=torch.float32, device=q.device)
     s = state.float()
+    emit = {position // chunk_size - 1 for position in emit_at}
+    emitted = []
     for i in range(n):
         v_new = values[:, i] - keys_cum[:, i] @ s
         out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
         s = s * block_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+        if i in emit:
+            emitted.append(s)
     out = out.reshape(heads, -1, dv)[:, :length].transpose(0, 1)
-    assert s.shape == (heads, dk, dv)
-    return out, s
+    assert s.shape == (heads, dk, dv) and len(emitted) == len(emit_at)
+    return out, s, emitted
 
 
 def recurrent_gated_delta_rule(
@@ -288,12 +309,12 @@ class GatedDeltaNet(nn.Module):
             rows, slots = batch.decode_rows, batch.decode_slots
             conv[rows], state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], weight)
         for first, n, slot in batch.chunks:
-            carried = state.conv[slot]
-            for begin, end, row in _pieces(first, n, batch.cuts):
-                conv[begin:end], carried = causal_conv1d(mixed[begin:end], carried, weight)
-                if row is not None:
-                    state.conv[row] = carried
-            state.conv[slot] = carried
+            before = state.conv[slot]
+            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], before, weight)
+            if first in batch.cuts:  # the conv state after o tokens: the K-1 inputs before token o
+                window = torch.cat([before.to(x.dtype), mixed[first : first + n].transpose(0, 1)], dim=-1)
+                for offset, row in batch.cuts[first]:
+                    state.conv[row] = window[:, offset : offset + before.shape[1]]
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(tokens, hk, dk), k.view(tokens, hk, dk), v.view(tokens, hv, dv)
 
@@ -308,10 +329,14 @@ class GatedDeltaNet(nn.Module):
             out[rows] = o.to(x.dtype)
         for first, n, slot in batch.chunks:
             carried = state.recurrent[slot]
-            for begin, end, row in _pieces(first, n, batch.cuts):
+            for begin, end, emits, row in _pieces(first, n, batch.cuts.get(first, ())):
                 span = slice(begin, end)
-                o, carried = chunk_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span], carried)
+                o, carried, emitted = chunk_gated_delta_rule_states(
+                    q[span], k[span], v[span], g[span], beta[span], carried, tuple(e for e, _ in emits),
+                )  # fmt: skip
                 out[span] = o.to(x.dtype)
+                for (_, emit_row), emitted_state in zip(emits, emitted, strict=True):
+                    state.recurrent[emit_row] = emitted_state
                 if row is not None:
                     state.recurrent[row] = carried
             state.recurrent[slot] = carried
@@ -322,12 +347,22 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(normed.view(tokens, hv * dv))
 
 
-def _pieces(first: int, n: int, cuts: dict[int, list[tuple[int, int]]]) -> list[tuple[int, int, int | None]]:
-    """The chunk of rows [first, first + n) as (begin, end, checkpoint row or None) pieces, cut
-    where a checkpoint is taken inside it (one piece when there is none)."""
-    pieces, begin = [], first
-    for offset, row in cuts.get(first, ()):
-        pieces.append((begin, first + offset, row))
-        begin = first + offset
-    pieces.append((begin, first + n, None))
+
+def _pieces(
+    first: int, n: int, cuts: list[tuple[int, int]], chunk_size: int = 64,
+) -> list[tuple[int, int, list[tuple[int, int]], int | None]]:  # fmt: skip
+    """The chunk of rows [first, first + n) as pieces (begin, end, states to emit inside it as
+    (tokens into the piece, checkpoint row), checkpoint row of its final state or None) for the
+    chunked rule: a cut on the piece's block grid is emitted by the scan (no extra work); any
+    other cut ends the piece there. With checkpoints every multiple of 64 tokens, a chunk is at
+    most two pieces: up to its first cut, then the rest."""
+    pieces, begin, emits = [], first, []
+    for offset, row in cuts:
+        position = first + offset
+        if (position - begin) % chunk_size == 0:
+            emits.append((position - begin, row))
+        else:
+            pieces.append((begin, position, emits, row))
+            begin, emits = position, []
+    pieces.append((begin, first + n, emits, None))
     return pieces
