@@ -20,9 +20,9 @@ Per-sequence state lives in fixed slots (`DeltaNetState`: [rows, ...] tensors, o
 layer, allocated by the runner; rows past the sequences' slots hold prefix-cache checkpoints);
 `StateBatch` tells a step's layers which slot each sequence reads and writes, which slots start
 from zero or from a checkpoint row, and where to copy a sequence's state out to a checkpoint row
-(after its chunk, or after a given token inside it: the chunk's conv and delta rule are then run
-in pieces cut there, each continuing from the state the previous one left). This module only computes: the weights come from
-outside (the projections are built by the loader's weight plan; conv1d, A_log, dt_bias and the
+(after its chunk, or after a given token inside it: read off the conv's input window, and
+emitted by the chunked rule's scan at its block ends, or else by running the chunk in pieces
+cut there). This module only computes: the weights come from outside (the projections are built by the loader's weight plan; conv1d, A_log, dt_bias and the
 norm's weight are parameters filled by name).
 """
 
