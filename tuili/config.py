@@ -19,7 +19,17 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3NextForCausalLM": "qwen3_next",  # its own network: tuili/models/qwen3_next.py
+    "Qwen3_5ForCausalLM": "qwen3_5",  # the hybrid network with Qwen3.5's projections, dense MLPs
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # the same, every MLP a mixture of experts
+    # Multimodal wrappers of the two (text_config, weights under model.language_model.): tuili
+    # runs their language model and ignores the vision encoder (tuili/models/loader.py says so).
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
+
+# Families whose network is the hybrid one (tuili/models/qwen3_next.py): Gated DeltaNet and gated
+# full attention per layer_types.
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 
@@ -34,7 +44,7 @@ _REQUIRED_FIELDS = (
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The mixture-of-experts MLPs of a model (Qwen3-MoE), validated when read."""
+    """The mixture-of-experts MLPs of a model (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE), validated when read."""
 
     num_experts: int
     top_k: int  # experts per token
@@ -46,7 +56,7 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
-    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next), validated when read."""
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5), validated when read."""
 
     num_k_heads: int  # query/key heads (linear_num_key_heads)
     num_v_heads: int  # value heads, a multiple of num_k_heads (linear_num_value_heads)
@@ -107,7 +117,13 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         if "text_config" in cfg and "hidden_size" not in cfg:
-            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+            # A multimodal wrapper: the language model's fields are in text_config; the wrapper's
+            # architectures name the model, and its tie_word_embeddings is the one transformers
+            # applies to the whole model (the text_config's is not read).
+            outer = cfg
+            cfg = {**cfg["text_config"], "architectures": outer.get("architectures")}
+            if "tie_word_embeddings" in outer:
+                cfg["tie_word_embeddings"] = outer["tie_word_embeddings"]
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -116,7 +132,9 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        missing = [k for k in _REQUIRED_FIELDS if k not in cfg]
+        # Qwen3.5-MoE has no dense MLP, hence no intermediate_size.
+        required = [k for k in _REQUIRED_FIELDS if not (family == "qwen3_5_moe" and k == "intermediate_size")]
+        missing = [k for k in required if k not in cfg]
         if missing:
             raise CheckpointError(f"config is missing required field(s) {missing} for {arch}")
         _refuse_sliding_window(family, cfg)
@@ -149,7 +167,7 @@ class ModelConfig:
             family=family,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or 0),  # 0: no dense MLP (Qwen3.5-MoE)
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -164,13 +182,13 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or (family in _ATTENTION_BIAS_FAMILIES and attention_bias),
             o_bias=family in _ATTENTION_BIAS_FAMILIES and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next"),
+            qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=_moe_config(cfg, num_layers) if family == "qwen3_moe" or (
+            moe=_moe_config(cfg, num_layers, family) if family in ("qwen3_moe", "qwen3_5_moe") or (
                 family == "qwen3_next" and _expert_count(cfg) != 0
             ) else None,
-            **(_hybrid_fields(cfg, num_layers, int(head_dim)) if family == "qwen3_next" else {}),
+            **(_hybrid_fields(cfg, num_layers, int(head_dim)) if family in HYBRID_FAMILIES else {}),
             raw=dict(cfg),
         )  # fmt: skip
 
@@ -187,9 +205,11 @@ def _expert_count(cfg: dict[str, Any]) -> Any:
 
 
 def _hybrid_fields(cfg: dict[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:
-    """Qwen3-Next's layer pattern, linear-attention shape and partial rotary, each checked once.
-    layer_types is read as written, else built as transformers builds it: every
-    `full_attention_interval`-th layer (1-based, default 4) full attention, the others linear."""
+    """A hybrid's (Qwen3-Next, Qwen3.5) layer pattern, linear-attention shape and partial rotary,
+    each checked once. layer_types is read as written, else built as transformers builds it: every
+    `full_attention_interval`-th layer (1-based, default 4) full attention, the others linear.
+    partial_rotary_factor defaults to 0.25 when the config has none, as transformers' configs of
+    all three families set it."""
     types = cfg.get("layer_types")
     if types is None:
         interval = _integer("full_attention_interval", cfg.get("full_attention_interval", 4), 1)
@@ -209,7 +229,7 @@ def _hybrid_fields(cfg: dict[str, Any], num_layers: int, head_dim: int) -> dict[
                          ("linear_conv_kernel_dim", 4)):  # fmt: skip
         value = cfg.get(key, default)
         if value is None:
-            raise CheckpointError(f"config is missing required field {key!r} for a Qwen3-Next model")
+            raise CheckpointError(f"config is missing required field {key!r} for a hybrid (Qwen3-Next/Qwen3.5) model")
         fields[key] = _integer(key, value, 2 if key == "linear_conv_kernel_dim" else 1)
     hk, hv = fields["linear_num_key_heads"], fields["linear_num_value_heads"]
     if hv % hk:
@@ -221,7 +241,7 @@ def _hybrid_fields(cfg: dict[str, Any], num_layers: int, head_dim: int) -> dict[
     # Published checkpoints write partial_rotary_factor at the top level; transformers >= 5 in
     # rope_parameters.
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise CheckpointError(f"config partial_rotary_factor={factor!r} is invalid: expected a number in (0, 1]")
     rotary_dim = int(head_dim * factor)
@@ -232,16 +252,18 @@ def _hybrid_fields(cfg: dict[str, Any], num_layers: int, head_dim: int) -> dict[
         )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedModelError(f"config hidden_act={act!r} is not supported: Qwen3-Next's conv and MLPs are SiLU")
+        raise UnsupportedModelError(f"config hidden_act={act!r} is not supported: the hybrids' conv and MLPs are SiLU")
     if cfg.get("attention_bias"):
-        raise UnsupportedModelError("config attention_bias=true is not supported for Qwen3-Next (no checkpoint has it)")
+        raise UnsupportedModelError("config attention_bias=true is not supported for Qwen3-Next/Qwen3.5 (no checkpoint has it)")
     return dict(layer_types=tuple(types), linear=linear, rotary_dim=rotary_dim)
 
 
-def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
-    """Qwen3-MoE's expert fields, each checked once: a bad value is named here, not met later as a
+def _moe_config(cfg: dict[str, Any], num_layers: int, family: str) -> MoEConfig:
+    """The expert fields, each checked once: a bad value is named here, not met later as a
     shape error. transformers >= 5 writes the expert count as num_local_experts, the published
-    checkpoints as num_experts."""
+    checkpoints as num_experts. Qwen3.5-MoE, as transformers defines it, has a mixture of experts
+    in every layer and always renormalises the top-k weights (its config has no
+    decoder_sparse_step, mlp_only_layers or norm_topk_prob: any written there are not read)."""
 
     def integer(key: str, value: Any, minimum: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -263,8 +285,9 @@ def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
     if top_k > num_experts:
         raise CheckpointError(f"config num_experts_per_tok={top_k} exceeds the number of experts ({num_experts})")
     inter = integer("moe_intermediate_size", cfg["moe_intermediate_size"], 1)
-    step = integer("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), 1)
-    dense = cfg.get("mlp_only_layers") or []
+    every_layer = family == "qwen3_5_moe"
+    step = 1 if every_layer else integer("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), 1)
+    dense = [] if every_layer else cfg.get("mlp_only_layers") or []
     if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
         raise CheckpointError(f"config mlp_only_layers={dense!r} is invalid: expected a list of layer indices")
     outside = [i for i in dense if not 0 <= i < num_layers]
@@ -272,7 +295,8 @@ def _moe_config(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
         raise CheckpointError(
             f"config mlp_only_layers={dense!r} names layer(s) {outside} outside 0..{num_layers - 1}"
         )
-    norm = cfg.get("norm_topk_prob", False)
+    # transformers' defaults when the config has none: False for Qwen3-MoE, True for Qwen3-Next.
+    norm = True if every_layer else cfg.get("norm_topk_prob", family == "qwen3_next")
     if not isinstance(norm, bool):
         raise CheckpointError(f"config norm_topk_prob={norm!r} is invalid: expected true or false")
     act = cfg.get("hidden_act", "silu")

@@ -185,7 +185,9 @@ def test_checkpoints_taken_inside_and_after_chunks_restore_to_the_same_rows():
 
 def test_checkpoints_on_the_rule_block_grid_are_emitted_by_the_scan():
     """Cuts at 64 and 128 tokens (block ends of the chunked rule: emitted, no extra pieces) and
-    at 100 (a piece of its own): each restored state continues as the reference run."""
+    at 100 (a piece of its own): each restored state continues as the reference run. Then a
+    chunk that starts 2 tokens before a cut (its conv state still holds inputs of the step
+    before) and a decode continue from it."""
     ours, theirs = _mixer_pair(2, 2)
     conv_dim, kernel, heads = ours.state_shapes()
     ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, torch.device("cpu"))
@@ -198,3 +200,7 @@ def test_checkpoints_on_the_rule_block_grid_are_emitted_by_the_scan():
         for row, depth in ((2, 64), (3, 100), (4, 128)):
             got = ours(x[depth:], StateBatch.build([(0, depth, 150 - depth, 1)], cpu, restores=[(1, row)]))
             torch.testing.assert_close(got, want[depth:], atol=5e-5, rtol=1e-4)
+        ours(x[:62], StateBatch.build([(0, 0, 62, 0)], cpu))
+        ours(x[62:70], StateBatch.build([(0, 62, 8, 0)], cpu, saves=[(0, 2, 2)]))
+        got = ours(x[64:], StateBatch.build([(0, 64, 86, 1)], cpu, restores=[(1, 2)]))
+        torch.testing.assert_close(got, want[64:], atol=5e-5, rtol=1e-4)

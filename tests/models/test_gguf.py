@@ -283,6 +283,35 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
         open_gguf(tmp_path / "gpt2.gguf")
 
 
+def test_a_tensor_of_another_architecture_is_refused(tmp_path):
+    """A Mixtral-style "llama" file's experts have no place in tuili's llama network: refused by
+    name rather than left unread."""
+    config, state = hf_checkpoint("llama")
+    experts = np.zeros((4, 96, 64), dtype=np.float32)
+    path = write_gguf(
+        tmp_path / "mixtral.gguf", "llama", config, state, raw_tensors={"blk.0.ffn_gate_exps.weight": (experts, Q.F32)}
+    )
+    with pytest.raises(UnsupportedModelError, match="'blk.0.ffn_gate_exps.weight' has no place in tuili's llama network"):
+        open_gguf(path)
+
+
+def test_a_split_tensor_missing_a_part_is_named(tmp_path):
+    """llama.cpp splits a mixture of experts' fused gate_up_proj into ffn_gate_exps and ffn_up_exps;
+    a file with only one of them is refused, naming what it has."""
+    writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "qwen3moe")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 8), dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        CheckpointError, match=r"experts.gate_up_proj is stored in 2 GGUF tensors, but the file has 1 .*ffn_gate_exps"
+    ):
+        open_gguf(tmp_path / "moe.gguf")
+
+
 def test_sliding_window_is_refused(tmp_path):
     config, state = hf_checkpoint("llama")
     path = write_gguf(

@@ -8,7 +8,7 @@ prompts are split at odd positions across steps and steps mix prefill chunks wit
 the native kernels and on the portable torch path (TUILI_NATIVE_KERNELS=0). Also: a run under
 preemption (a KV/state budget too small for all sequences at once), every state slot free after
 finish and abort, prefix caching off when the budget leaves no room for a state checkpoint
-(never a wrong hit; hits are tested in test_hybrid_prefix_cache.py), bf16, MTP tensors skipped, and the
+(never a wrong hit; hits are tested in test_hybrid_prefix_cache.py), bf16, MTP tensors held, and the
 config's checks.
 """
 
@@ -226,16 +226,28 @@ def test_bf16_runs_close_to_transformers_bf16(checkpoint, prompt_logits, assert_
     _assert_all_state_free(llm)
 
 
-def test_mtp_tensors_are_skipped_with_a_note(tmp_path, caplog, prompt_logits, assert_logits_match):
+def test_mtp_tensors_are_held_as_stored_and_not_run(tmp_path, caplog, prompt_logits, assert_logits_match):
+    """Multi-token-prediction tensors load into model.mtp (for speculative decoding, later), each
+    equal to the checkpoint's, outside the network's parameters and its forward."""
     hf = _hf_model("moe-shared-hv4")
     hf.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    tensors["mtp.fc.weight"] = torch.randn(64, 128)
-    tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    generator = torch.Generator().manual_seed(1)
+    mtp = {
+        "mtp.fc.weight": torch.randn(64, 128, generator=generator),
+        "mtp.layers.0.input_layernorm.weight": torch.randn(64, generator=generator),
+        "mtp.layers.0.mlp.experts.0.down_proj.weight": torch.randn(64, 32, generator=generator),
+    }
+    save_file(tensors | mtp, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="tuili.models.loader"):
         llm = _llm(tmp_path)
-    assert "skipping 2 multi-token-prediction tensors" in caplog.text
+    assert "holding 3 multi-token-prediction tensors (mtp.*)" in caplog.text
+    model = llm.engine.runner.model
+    held = dict(model.named_buffers())
+    assert sorted(n for n in held if n.startswith("mtp.")) == sorted(mtp)
+    for name, tensor in mtp.items():
+        assert torch.equal(held[name], tensor), name
+    assert not any(name.startswith("mtp.") for name, _ in model.named_parameters())
     assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
 
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3-Next's linear attention): a causal depthwise conv over the q/k/v
+"""Gated DeltaNet (Qwen3-Next's and Qwen3.5's linear attention): a causal depthwise conv over the q/k/v
 channels, then the gated delta rule, a recurrence over a per-head [Dk, Dv] state:
 
     S_t = exp(g_t) * S_{t-1}                                  (decay)
@@ -245,10 +245,19 @@ class CausalConv1d(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next's linear-attention token mixer over a flat batch of sequences. The fused input
-    projections are as the checkpoint stores them: `in_proj_qkvz` gives, per key head, [q (Dk), k
-    (Dk), v (r*Dv), z (r*Dv)] with r = Hv / Hk value heads per key head; `in_proj_ba` gives, per
-    key head, [b (r), a (r)]. Module names are the checkpoint's."""
+    """The linear-attention token mixer over a flat batch of sequences. Two input projections:
+    `in_proj_qkvz` yields q, k, v (the conv's channels) and the output gate z; `in_proj_ba` yields
+    the write strength b and the decay input a, one each per value head. Their rows come in one of
+    two layouts (`grouped_by_key_head`):
+
+    - grouped (Qwen3-Next's in_proj_qkvz / in_proj_ba as stored): per key head [q (Dk), k (Dk),
+      v (r*Dv), z (r*Dv)] and [b (r), a (r)], with r = Hv / Hk value heads per key head;
+    - flat (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, stacked by the weight plan in
+      that order): [q (Hk*Dk), k (Hk*Dk), v (Hv*Dv), z (Hv*Dv)] and [b (Hv), a (Hv)], so q, k, v
+      are already the conv's channel order.
+
+    The rest (conv, rule, gated norm, out_proj) is the same in both. Module names are Qwen3-Next's
+    checkpoint names."""
 
     def __init__(
         self,
@@ -262,6 +271,7 @@ class GatedDeltaNet(nn.Module):
         conv_kernel: int,
         eps: float,
         platform: Platform,
+        grouped_by_key_head: bool = True,
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
@@ -271,6 +281,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
+        self.grouped_by_key_head = grouped_by_key_head
         self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
         self.conv1d = CausalConv1d(self.conv_dim, conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)
@@ -289,11 +300,15 @@ class GatedDeltaNet(nn.Module):
         assert state is not None, "the runner binds the state slots before the first forward"
         tokens = x.shape[0]
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        r = hv // hk
-        qkvz = self.in_proj_qkvz(x).view(tokens, hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(tokens, hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+        if self.grouped_by_key_head:
+            r = hv // hk
+            qkvz = self.in_proj_qkvz(x).view(tokens, hk, 2 * dk + 2 * r * dv)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+            b, a = self.in_proj_ba(x).view(tokens, hk, 2 * r).split([r, r], dim=-1)
+            mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+        else:
+            mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
         z, b, a = z.reshape(tokens, hv, dv), b.reshape(tokens, hv), a.reshape(tokens, hv)
 
         if batch.fresh.numel():  # a sequence starting at position 0 starts from zero state
@@ -309,12 +324,12 @@ class GatedDeltaNet(nn.Module):
             rows, slots = batch.decode_rows, batch.decode_slots
             conv[rows], state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], weight)
         for first, n, slot in batch.chunks:
-            before = state.conv[slot]
-            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], before, weight)
+            before = state.conv[slot]  # a view: read before the slot is overwritten below
             if first in batch.cuts:  # the conv state after o tokens: the K-1 inputs before token o
                 window = torch.cat([before.to(x.dtype), mixed[first : first + n].transpose(0, 1)], dim=-1)
                 for offset, row in batch.cuts[first]:
                     state.conv[row] = window[:, offset : offset + before.shape[1]]
+            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], before, weight)
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(tokens, hk, dk), k.view(tokens, hk, dk), v.view(tokens, hv, dv)
 

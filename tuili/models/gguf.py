@@ -2,7 +2,8 @@
 
 `open_gguf` validates the file once (magic, version 3, every byte it names present, a supported
 architecture and tensor types) and returns a `GGUFCheckpoint` that speaks Hugging Face: a
-config.json-style dict, tensors under Hugging Face names in Hugging Face layout, and a
+config.json-style dict, tensors under Hugging Face names in Hugging Face layout (what llama.cpp's
+convert_hf_to_gguf.py split, reordered or rescaled is put back: GGUFTensorInfo), and a
 transformers tokenizer with the chat template. Tensors stay memory-mapped until asked for, and are
 then dequantized by the vectorized torch code at the end of this module.
 """
@@ -30,12 +31,20 @@ if TYPE_CHECKING:
 
 GGUF_VERSION = 3
 # llama.cpp stores Mistral models as "llama": the same network, run with full attention.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 _HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
+_HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # Gated DeltaNet and gated full attention
+_MOE = ("qwen3moe", "qwen3next", "qwen35moe")
+_OFFSET_NORMS = _HYBRID  # RMSNorm weights centred on zero (scale 1 + w): stored as 1 + w
+_TILED_VALUE_HEADS = ("qwen35", "qwen35moe")  # see GGUFCheckpoint._grouped_value_heads
 # llama.cpp's Llama 3 converter drops rope_scaling's original context length; Llama 3 used 8192.
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
@@ -45,34 +54,139 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_TENSORS = {
+# Per layer, by architecture: a tensor another architecture uses (a Mixtral-style "llama" file's
+# experts, say) has no place here and is refused, not silently left unread.
+_ATTENTION = {
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+_DENSE_MLP = {
+    "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_DELTANET = {
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_conv1d": "linear_attn.conv1d",  # stored [C, K]; HF [C, 1, K]
+}
+# Qwen3.5's DeltaNet projections, stored apart (Qwen3-Next's: split or fused, below)
+_DELTANET_35 = _DELTANET | {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+}
+_HYBRID_NORM = {"post_attention_norm": "post_attention_layernorm"}
+_ROUTER = {"ffn_gate_inp": "mlp.gate"}
+_LAYER_TENSORS = {
+    "llama": _ATTENTION | _DENSE_MLP,
+    "qwen2": _ATTENTION | _DENSE_MLP,
+    "qwen3": _ATTENTION | _DENSE_MLP,
+    "qwen3moe": _ATTENTION | {"ffn_norm": "post_attention_layernorm"} | _ROUTER,
+    "qwen3next": _ATTENTION | _HYBRID_NORM | _ROUTER | _SHARED_EXPERT | _DELTANET | {"ssm_ba": "linear_attn.in_proj_ba"},
+    "qwen35": _ATTENTION | _HYBRID_NORM | {k: v for k, v in _DENSE_MLP.items() if k != "ffn_norm"} | _DELTANET_35,
+    "qwen35moe": _ATTENTION | _HYBRID_NORM | _ROUTER | _SHARED_EXPERT | _DELTANET_35,
+}
+# Tensors the converter renamed whole (no ".weight"/".bias" of theirs left): GGUF layer tensor,
+# suffix included → Hugging Face name within the layer.
+_DELTANET_WHOLE = {
+    "ssm_a": "linear_attn.A_log",  # stored as -exp(A_log)
+    "ssm_dt.bias": "linear_attn.dt_bias",
+}
+_LAYER_TENSORS_WHOLE = {arch: _DELTANET_WHOLE for arch in _HYBRID}
+# Hugging Face tensors the converter split: each GGUF part → (the HF tensor, the part's place).
+# A mixture of experts' matrices are stacked [experts, out, in] (ffn_*_exps); the HF tensors are
+# transformers' fused 3-D ones, which WeightPlan.experts reads as they are.
+_EXPERTS = {
+    "ffn_gate_exps.weight": ("mlp.experts.gate_up_proj", 0),
+    "ffn_up_exps.weight": ("mlp.experts.gate_up_proj", 1),
+    "ffn_down_exps.weight": ("mlp.experts.down_proj", 0),
+}
+_LAYER_TENSOR_PARTS = {
+    "qwen3moe": _EXPERTS,
+    "qwen35moe": _EXPERTS,
+    "qwen3next": _EXPERTS | {
+        # the DeltaNet input projection: [q, k, v] of all heads, then z (_qkvz_rows)
+        "attn_qkv.weight": ("linear_attn.in_proj_qkvz.weight", 0),
+        "attn_gate.weight": ("linear_attn.in_proj_qkvz.weight", 1),
+    },
+}
+_SPLIT = {"gate_up_proj": 2, "in_proj_qkvz": 2}  # HF leaf module → how many GGUF parts make it
+# qwen3next's and qwen35's multi-token-prediction block: llama.cpp appends it as the last block(s) (its
+# nextn_predict_layers), its own tensors named nextn.*; Hugging Face names them mtp.*
+# (mtp.layers.N.* for the decoder layers).
+_NEXTN_TENSORS = {
+    "nextn.eh_proj": "mtp.fc",
+    "nextn.enorm": "mtp.pre_fc_norm_embedding",
+    "nextn.hnorm": "mtp.pre_fc_norm_hidden",
+    "nextn.shared_head_norm": "mtp.norm",
+}
+# What undoes the converter's arithmetic on a tensor's values.
+_VALUE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "A_log": lambda a: torch.log(-a),  # llama.cpp stores -exp(A_log)
+    # llama.cpp stores the hybrids' zero-centred RMSNorm weights as 1 + w. Subtracting 1 is exact
+    # for stored values in [0.5, 2], so 1 + w recomputed equals the stored value.
+    "minus_one": lambda w: w - 1,
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+?)(\.weight|\.bias|)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling, folded into the config
 _REQUIRED = object()  # marks a metadata key without a default
 
 
 @dataclass(frozen=True)
-class GGUFTensorInfo:
-    """Where one tensor's bytes lie in the file and how to turn them into the HF tensor."""
+class StoredTensor:
+    """One tensor as the file stores it."""
 
-    gguf_name: str
+    name: str  # the GGUF name
     ggml_type: GGMLQuantizationType
-    shape: tuple[int, ...]  # row-major (Hugging Face) order: GGUF lists dimensions innermost first
+    shape: tuple[int, ...]  # row-major order: GGUF lists dimensions innermost first
     offset: int
     n_bytes: int
-    rope_heads: int | None  # set for llama q/k projections, whose rows llama.cpp permuted per head
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """A Hugging Face tensor and how it is made from the file's tensors (`parts`, most often one).
+
+    The parts are read as rows (a 1-D tensor: one value a row; else the last dimension a row),
+    concatenated, taken in `rows` order when set (HF row i is row rows[i]: llama's q/k rows that
+    llama.cpp permuted per head, a split projection interleaved back), their columns in `columns`
+    order when set (qwen35's out_proj), mapped value by value by `values` when set (what undoes the converter's arithmetic, see _VALUE_MAPS), and reshaped to
+    `shape`, the Hugging Face shape."""
+
+    parts: tuple[StoredTensor, ...]
+    shape: tuple[int, ...]
+    rows: torch.Tensor | None = None
+    values: str | None = None
+    rope_heads: int | None = None  # set for llama q/k projections, whose rows llama.cpp permuted per head
+    columns: torch.Tensor | None = None  # HF column j is stored column columns[j]
+
+    @property
+    def gguf_name(self) -> str:
+        return " + ".join(p.name for p in self.parts)
+
+    @property
+    def ggml_type(self) -> GGMLQuantizationType:
+        """The parts' type (the first part's where they differ, which llama.cpp's converter does
+        not write for tensors split from one)."""
+        return self.parts[0].ggml_type
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(p.n_bytes for p in self.parts)
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
@@ -119,31 +233,53 @@ class GGUFCheckpoint:
         return info
 
     def raw_tensor(self, hf_name: str) -> np.ndarray:
-        """The tensor's bytes as stored (quantized, GGUF row order), memory-mapped and read-only."""
+        """The tensor's bytes as stored (quantized, GGUF row order), memory-mapped and read-only;
+        only for a tensor stored whole, as one GGUF tensor."""
         info = self.tensor_info(hf_name)
-        return self._bytes[info.offset : info.offset + info.n_bytes]
+        if len(info.parts) != 1:
+            raise CheckpointError(f"{self.path}: {hf_name} is stored in {len(info.parts)} parts ({info.gguf_name})")
+        return self._stored_bytes(info.parts[0])
 
     def load_tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor `hf_name`, dequantized, in Hugging Face layout ([out, in] for linear weights)."""
         info = self.tensor_info(hf_name)
-        tensor = dequantize(self.raw_tensor(hf_name), info.ggml_type, info.shape)
-        if info.rope_heads is not None:
-            tensor = _undo_rope_permutation(tensor, info.rope_heads)
-        return tensor.to(dtype)
+        rows = torch.cat([_as_rows(dequantize(self._stored_bytes(p), p.ggml_type, p.shape)) for p in info.parts])
+        if info.rows is not None:
+            rows = rows[info.rows]
+        if info.columns is not None:
+            rows = rows[:, info.columns]
+        if info.values is not None:
+            rows = _VALUE_MAPS[info.values](rows)
+        return rows.reshape(info.shape).to(dtype)
 
     def runs_packed(self, hf_name: str) -> bool:
-        """Whether the tensor's type is one the packed kernels read as stored (quantized_tensor)."""
-        return self.tensor_info(hf_name).ggml_type in PACKED_GGUF_TYPES
+        """Whether the tensor is one the packed kernels read as stored (quantized_tensor): a
+        matrix whose parts are all of one packed type, its values as stored."""
+        info = self.tensor_info(hf_name)
+        return (
+            len(info.shape) == 2
+            and info.values is None
+            and len({p.ggml_type for p in info.parts}) == 1
+            and info.ggml_type in PACKED_GGUF_TYPES
+            # blocks run along the columns: a column order must move whole blocks
+            and (info.columns is None or _whole_groups(info.columns, GGML_QUANT_SIZES[info.ggml_type][0]) is not None)
+        )
 
     def quantized_tensor(self, hf_name: str) -> QuantizedWeight:
         """The tensor `hf_name` as stored, not dequantized (Q4_0, Q4_1, Q8_0: quantized_weight),
         in Hugging Face row order."""
         info = self.tensor_info(hf_name)
-        weight = quantized_weight(self.raw_tensor(hf_name), info.ggml_type, info.shape)
-        if info.rope_heads is None:
-            return weight
-        # llama.cpp's q/k row order: whole rows move, so whole rows of blocks do.
-        return _take_rows(weight, _undo_rope_permutation(torch.arange(info.shape[0]), info.rope_heads))
+        parts = [quantized_weight(self._stored_bytes(p), p.ggml_type, _rows_shape(p.shape)) for p in info.parts]
+        weight = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)  # type: ignore[arg-type]
+        # Whole rows move (llama's q/k order, a split projection's), so whole rows of blocks do.
+        if info.rows is not None:
+            weight = _take_rows(weight, info.rows)
+        if info.columns is not None:
+            weight = _take_columns(weight, info.columns, hf_name)
+        return weight
+
+    def _stored_bytes(self, part: StoredTensor) -> np.ndarray:
+        return self._bytes[part.offset : part.offset + part.n_bytes]
 
     # -- tokenizer -----------------------------------------------------------------------
 
@@ -211,13 +347,13 @@ class GGUFCheckpoint:
         return heads, kv_heads
 
     def _tensor_table(self) -> dict[str, GGUFTensorInfo]:
-        heads, kv_heads = self._head_counts()
-        table: dict[str, GGUFTensorInfo] = {}
+        placed: dict[str, list[tuple[int, StoredTensor]]] = {}
+        main_blocks = self._main_block_count()
         for t in self._reader.tensors:
             if t.name == _ROPE_FREQS:
                 continue
-            hf_name = _hf_tensor_name(t.name)
-            if hf_name is None:
+            place = _hf_place(self.architecture, t.name, main_blocks)
+            if place is None:
                 raise UnsupportedModelError(
                     f"{self.path}: tensor {t.name!r} has no place in tuili's {self.architecture} network"
                 )
@@ -226,26 +362,115 @@ class GGUFCheckpoint:
                     f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which tuili cannot "
                     f"dequantize; supported types: {', '.join(q.name for q in _DEQUANTIZERS)}"
                 )
-            # llama.cpp reorders q/k rows for its rope layout only in files it labels "llama".
-            module = hf_name.split(".")[-2]
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            rope_heads = None
-            if self.architecture == "llama" and module in ("q_proj", "k_proj"):
-                rope_heads = heads if module == "q_proj" else kv_heads
-                if shape[0] % (2 * rope_heads) != 0:
-                    raise CheckpointError(
-                        f"{self.path}: tensor {t.name!r} has {shape[0]} rows, which cannot be "
-                        f"{rope_heads} heads of an even size"
-                    )
-            table[hf_name] = GGUFTensorInfo(
-                gguf_name=t.name,
-                ggml_type=t.tensor_type,
-                shape=shape,
-                offset=t.data_offset,
-                n_bytes=t.n_bytes,
-                rope_heads=rope_heads,
-            )
+            stored = StoredTensor(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes))
+            hf_name, index = place
+            placed.setdefault(hf_name, []).append((index, stored))
+        table: dict[str, GGUFTensorInfo] = {}
+        for hf_name, indexed in placed.items():
+            indexed.sort(key=lambda item: item[0])
+            parts = tuple(stored for _, stored in indexed)
+            expected = _SPLIT.get(hf_name.removesuffix(".weight").rpartition(".")[2], 1)
+            if [i for i, _ in indexed] != list(range(expected)):
+                raise CheckpointError(
+                    f"{self.path}: {hf_name} is stored in {expected} GGUF tensors, but the file has "
+                    f"{len(parts)} of them ({', '.join(p.name for p in parts)})"
+                )
+            table[hf_name] = self._tensor_info(hf_name, parts)
         return table
+
+    def _main_block_count(self) -> int:
+        """Blocks of the network itself: llama.cpp counts a multi-token-prediction block in
+        block_count and says how many with nextn_predict_layers."""
+        return self._arch_meta("block_count") - self._arch_meta("nextn_predict_layers", 0)
+
+    def _tensor_info(self, hf_name: str, parts: tuple[StoredTensor, ...]) -> GGUFTensorInfo:
+        """How the Hugging Face tensor `hf_name` is made from `parts` (checked against each other
+        and the metadata)."""
+        first = parts[0]
+        module = hf_name.split(".")[-2] if hf_name.endswith((".weight", ".bias")) else hf_name.rpartition(".")[2]
+        if module == "gate_up_proj":  # [E, I, H] gate and up → [E, 2I, H]: per expert, gate rows then up rows
+            if parts[1].shape != first.shape or len(first.shape) != 3:
+                raise CheckpointError(
+                    f"{self.path}: {first.name} {first.shape} and {parts[1].name} {parts[1].shape} "
+                    "should be [experts, expert width, hidden] alike"
+                )
+            experts, width, hidden = first.shape
+            rows = torch.arange(2 * experts * width).view(2, experts, width).transpose(0, 1).reshape(-1)
+            return GGUFTensorInfo(parts, (experts, 2 * width, hidden), rows)
+        if module == "in_proj_qkvz":
+            return GGUFTensorInfo(parts, *self._qkvz_rows(parts))
+        shape = first.shape
+        if module == "conv1d":  # [C, K] → [C, 1, K], the checkpoint's depthwise conv weight
+            shape = (first.shape[0], 1, first.shape[-1])
+        values = None
+        if module == "A_log":
+            values = "A_log"
+        elif self.architecture in _OFFSET_NORMS and first.name.endswith("norm.weight") and ".ssm_norm." not in first.name:
+            values = "minus_one"  # the converter adds 1 to every norm but the DeltaNet's gated one
+        rows, columns, rope_heads = None, None, None
+        # llama.cpp reorders q/k rows for its rope layout only in files it labels "llama".
+        if self.architecture == "llama" and module in ("q_proj", "k_proj"):
+            heads, kv_heads = self._head_counts()
+            rope_heads = heads if module == "q_proj" else kv_heads
+            if first.shape[0] % (2 * rope_heads) != 0:
+                raise CheckpointError(
+                    f"{self.path}: tensor {first.name!r} has {first.shape[0]} rows, which cannot be "
+                    f"{rope_heads} heads of an even size"
+                )
+            rows = _undo_rope_permutation(torch.arange(first.shape[0]), rope_heads)
+        if self.architecture in _TILED_VALUE_HEADS and hf_name.startswith("model.layers."):
+            rows, columns = self._grouped_value_heads(module, first)
+        return GGUFTensorInfo(parts, shape, rows, values, rope_heads, columns)
+
+    def _grouped_value_heads(self, module: str, stored: StoredTensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The row and column orders that undo qwen35's value-head reordering (none when Hv = Hk).
+
+        For ggml's broadcasting, the converter stores Qwen3.5's value heads tiled over the key heads
+        ([v0 of every key head, v1 of every key head, ...]) where Hugging Face groups them by key
+        head ([the r = Hv/Hk value heads of key head 0, ...]): in the v rows of in_proj_qkv and the
+        v channels of conv1d, the rows of in_proj_z, in_proj_b, in_proj_a, the values of A_log and
+        dt_bias, and the columns of out_proj."""
+        hk, hv = self._arch_meta("ssm.group_count"), self._arch_meta("ssm.time_step_rank")
+        key = 2 * hk * self._arch_meta("ssm.state_size")  # q and k channels, never reordered
+        dv = self._arch_meta("ssm.inner_size") // max(hv, 1)
+        if hk == hv or module not in ("in_proj_qkv", "conv1d", "in_proj_z", "in_proj_b", "in_proj_a", "A_log",
+                                      "dt_bias", "out_proj"):  # fmt: skip
+            return None, None
+
+        def grouped(size: int) -> torch.Tensor:  # HF index → stored index over hv heads of `size`
+            return torch.arange(hv * size).view(hv // hk, hk, size).transpose(0, 1).reshape(-1)
+
+        if module in ("in_proj_qkv", "conv1d"):
+            order = torch.cat([torch.arange(key), key + grouped(dv)])
+        else:
+            order = grouped(dv if module in ("in_proj_z", "out_proj") else 1)
+        axis = -1 if module == "out_proj" else 0
+        if stored.shape[axis] != len(order):
+            raise CheckpointError(
+                f"{self.path}: {stored.name} {stored.shape} does not fit {hk} key heads and {hv} value heads "
+                f"of {dv} ({len(order)} {'columns' if axis else 'rows'} expected)"
+            )
+        return (None, order) if module == "out_proj" else (order, None)
+
+    def _qkvz_rows(self, parts: tuple[StoredTensor, ...]) -> tuple[tuple[int, ...], torch.Tensor]:
+        """The HF shape and row order of a DeltaNet's in_proj_qkvz from llama.cpp's attn_qkv (q of
+        every key head, then k, then v of every value head) and attn_gate (z of every value head):
+        HF groups the rows by key head, [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] with r = Hv/Hk."""
+        qkv, gate = parts
+        hk, dk = self._arch_meta("ssm.group_count"), self._arch_meta("ssm.state_size")
+        hv, value = self._arch_meta("ssm.time_step_rank"), self._arch_meta("ssm.inner_size")
+        key = hk * dk
+        hidden = qkv.shape[-1]
+        if hv % hk or value % hk or qkv.shape != (2 * key + value, hidden) or gate.shape != (value, hidden):
+            raise CheckpointError(
+                f"{self.path}: {qkv.name} {qkv.shape} and {gate.name} {gate.shape} do not fit "
+                f"{hk} key heads of {dk} and {hv} value heads ({value} values) on {hidden} inputs"
+            )
+        q = torch.arange(key).view(hk, dk)
+        v = 2 * key + torch.arange(value).view(hk, value // hk)
+        rows = torch.cat([q, key + q, v, value + v], dim=1).reshape(-1)
+        return (2 * key + 2 * value, hidden), rows
 
     def _config(self) -> dict[str, Any]:
         """A config.json dict for the Hugging Face class of this architecture."""
@@ -258,17 +483,20 @@ class GGUFCheckpoint:
         head_dim = self._arch_meta("attention.key_length", hidden // heads)
         if self._arch_meta("attention.value_length", head_dim) != head_dim:
             raise UnsupportedModelError(f"{self.path}: keys and values of different widths are not supported")
-        if self._arch_meta("rope.dimension_count", head_dim) != head_dim:
+        rotary_dim = self._arch_meta("rope.dimension_count", head_dim)
+        if rotary_dim != head_dim and arch not in _HYBRID:
             raise UnsupportedModelError(
-                f"{self.path}: rotary embedding on part of each head is not supported"
+                f"{self.path}: rotary embedding on part of each head is not supported for {arch!r}"
             )
         rope_theta = _float32_value(self._arch_meta("rope.freq_base", 10000.0))
+        hf_class, model_type = _HF_ARCHITECTURES[arch]
         config: dict[str, Any] = {
-            "architectures": [_HF_ARCHITECTURES[arch]],
-            "model_type": arch,
+            "architectures": [hf_class],
+            "model_type": model_type,
             "hidden_size": hidden,
-            "intermediate_size": self._arch_meta("feed_forward_length"),
-            "num_hidden_layers": self._arch_meta("block_count"),
+            # qwen35moe has no dense MLP, hence perhaps no feed_forward_length
+            "intermediate_size": self._arch_meta("feed_forward_length", 0 if arch == "qwen35moe" else _REQUIRED),
+            "num_hidden_layers": self._main_block_count(),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
@@ -279,13 +507,61 @@ class GGUFCheckpoint:
             "max_position_embeddings": self._arch_meta("context_length"),
             "vocab_size": embeddings.shape[0],
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
-            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "attention_bias": any(name.endswith("self_attn.q_proj.bias") for name in self._tensors),
         }
+        if arch in _MOE:
+            config |= self._moe_config()
+        if arch in _HYBRID:
+            config |= self._hybrid_config(head_dim, rotary_dim)
         for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
             value = self.metadata(f"tokenizer.ggml.{key}", None)
             if value is not None:
                 config[key.replace("padding", "pad")] = value
         return config
+
+    def _moe_config(self) -> dict[str, Any]:
+        """The experts' config keys. llama.cpp renormalises the top-k routing weights of every MoE
+        architecture here (norm_topk_prob; a file does not say) and makes every layer a mixture of
+        experts; an expert's width defaults, as there, to feed_forward_length / experts used."""
+        used = self._arch_meta("expert_used_count")
+        config = {
+            "num_experts": self._arch_meta("expert_count"),
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": self._arch_meta(
+                "expert_feed_forward_length", self._arch_meta("feed_forward_length", 0) // max(used, 1)
+            ),
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        shared = self._arch_meta("expert_shared_feed_forward_length", None)
+        if shared:
+            config["shared_expert_intermediate_size"] = shared
+        return config
+
+    def _hybrid_config(self, head_dim: int, rotary_dim: int) -> dict[str, Any]:
+        """A hybrid's layer pattern (recurrent_layers, else every full_attention_interval-th layer
+        full attention, as llama.cpp reads it), DeltaNet shape (ssm.*) and partial rotary."""
+        layers = self._main_block_count()
+        recurrent = self._arch_meta("attention.recurrent_layers", None)
+        if recurrent is None:
+            interval = self._arch_meta("full_attention_interval", 4)
+            recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+        value_heads = self._arch_meta("ssm.time_step_rank")
+        inner = self._arch_meta("ssm.inner_size")
+        if value_heads <= 0 or inner % value_heads:
+            raise CheckpointError(
+                f"{self.path}: ssm.inner_size {inner} is not {value_heads} (ssm.time_step_rank) value heads"
+            )
+        return {
+            "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+            "linear_num_key_heads": self._arch_meta("ssm.group_count"),
+            "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": self._arch_meta("ssm.state_size"),
+            "linear_value_head_dim": inner // value_heads,
+            "linear_conv_kernel_dim": self._arch_meta("ssm.conv_kernel"),
+            "partial_rotary_factor": rotary_dim / head_dim,
+        }
 
     def _rope_scaling(self, rope_theta: float, head_dim: int) -> dict[str, Any] | None:
         kind = self._arch_meta("rope.scaling.type", None)
@@ -314,13 +590,41 @@ class GGUFCheckpoint:
         raise UnsupportedModelError(f"{self.path}: rope scaling type {kind!r} is not supported")
 
 
-def _hf_tensor_name(gguf_name: str) -> str | None:
+def _hf_place(architecture: str, gguf_name: str, main_blocks: int) -> tuple[str, int] | None:
+    """The Hugging Face tensor a GGUF tensor makes (with the part it is, for split ones), or None.
+    Blocks from `main_blocks` on are the multi-token-prediction block(s): mtp.*."""
     if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+        return _GLOBAL_TENSORS[gguf_name], 0
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER_TENSORS:
+    if match is None:
         return None
-    return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+    block, base, suffix = int(match[1]), match[2], match[3]
+    if block >= main_blocks:
+        if base in _NEXTN_TENSORS:
+            return f"{_NEXTN_TENSORS[base]}{suffix}", 0
+        prefix = f"mtp.layers.{block - main_blocks}"
+    else:
+        prefix = f"model.layers.{block}"
+    whole = _LAYER_TENSORS_WHOLE.get(architecture, {}).get(base + suffix)
+    if whole is not None:
+        return f"{prefix}.{whole}", 0
+    part = _LAYER_TENSOR_PARTS.get(architecture, {}).get(base + suffix)
+    if part is not None:
+        return f"{prefix}.{part[0]}", part[1]
+    module = _LAYER_TENSORS[architecture].get(base)
+    if module is None or not suffix:
+        return None
+    return f"{prefix}.{module}{suffix}", 0
+
+
+def _rows_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """`shape` as [rows, row length]: a 1-D tensor's values are one a row, else the last dimension
+    is the row."""
+    return (shape[0], 1) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
+
+
+def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(_rows_shape(tuple(tensor.shape)))
 
 
 def _undo_rope_permutation(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -647,6 +951,27 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
         return Int4Weight(q, d, torch.zeros_like(d), 32)
     m = _f16(blocks, 2).view(n, k // 32)
     return Int4Weight(q, d, m + 8 * d, 32)
+
+
+def _whole_groups(columns: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The order of the groups of `group` columns when `columns` moves whole groups, else None."""
+    if len(columns) % group:
+        return None
+    runs = columns.view(-1, group)
+    starts = runs[:, 0]
+    if bool((starts % group).any()) or not torch.equal(runs, starts[:, None] + torch.arange(group)):
+        return None
+    return starts // group
+
+
+def _take_columns(weight: QuantizedWeight, columns: torch.Tensor, name: str) -> QuantizedWeight:
+    groups = None if isinstance(weight, Int8Weight) else _whole_groups(columns, weight.group_size)
+    if groups is None:
+        raise CheckpointError(f"{name}: its column order splits quantization blocks; it cannot run packed")
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(weight.q[:, columns], weight.scale[:, groups], weight.zero[:, groups], weight.group_size)
+    assert isinstance(weight, Int8GroupWeight)
+    return Int8GroupWeight(weight.q[:, columns], weight.scale[:, groups], weight.group_size)
 
 
 def _take_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:

@@ -18,7 +18,7 @@ from tuili.errors import CheckpointError
 from tuili.layers.attention import attention_backend
 from tuili.layers.linear import PanelLinear
 from tuili.models.llama import LlamaForCausalLM
-from tuili.models.qwen3_next import Qwen3NextForCausalLM
+from tuili.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 from tuili.models.weights import TensorSource, WeightPlan
 from tuili.platform import Platform
 from tuili.tokenizer import Tokenizer
@@ -30,7 +30,16 @@ logger = logging.getLogger(__name__)
 
 
 # The network class of each family that does not run as the Llama family.
-NETWORKS: dict[str, type[LlamaForCausalLM] | type[Qwen3NextForCausalLM]] = {"qwen3_next": Qwen3NextForCausalLM}
+NETWORKS: dict[str, type[LlamaForCausalLM] | type[Qwen3NextForCausalLM]] = {
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
+    "qwen3_5_moe": Qwen3_5ForCausalLM,
+}
+
+# A multimodal checkpoint (Qwen3_5ForConditionalGeneration) stores its language model under this
+# prefix and its vision encoder under VISION_PREFIX.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
 
 
 @dataclass
@@ -84,14 +93,13 @@ def load_model(
         cfg, tensors, shapes, tokenizer = _open_hf_dir(path)
         ckpt, weight_format = None, "safetensors"
     network_class = NETWORKS.get(cfg.family, LlamaForCausalLM)
-    if network_class is Qwen3NextForCausalLM:
-        if weight_format == "gguf":
-            raise CheckpointError(f"{path}: {cfg.architecture} is read from safetensors only (no GGUF yet)")
+    if issubclass(network_class, Qwen3NextForCausalLM):
         mtp = [name for name in tensors if name.startswith("mtp.")]
         if mtp:
             # The multi-token-prediction head is a draft model for speculative decoding, which
-            # tuili does not run; the main network does not read it.
-            logger.info("skipping %d multi-token-prediction tensors (mtp.*): not used", len(mtp))
+            # tuili does not run yet: held beside the network (model.mtp), not run.
+            logger.info("holding %d multi-token-prediction tensors (mtp.*) for speculative decoding: "
+                        "loaded, not run", len(mtp))
     plan = WeightPlan(
         platform, dtype, tensors, network_class.stacked_projections, str(path), quantization,
         quantized_dtype=packed_dtype or dtype,
@@ -127,7 +135,28 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, TensorSource, dict[str, tuple
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
+    tensors, shapes = _language_model_tensors(tensors, shapes, path)
     return cfg, tensors, shapes, Tokenizer.from_pretrained_dir(path)
+
+
+def _language_model_tensors(
+    tensors: TensorSource, shapes: dict[str, tuple[int, ...]], path: Path
+) -> tuple[TensorSource, dict[str, tuple[int, ...]]]:
+    """A multimodal checkpoint's language model under the names a text-only one uses
+    (model.language_model.X -> model.X), without its vision encoder (model.visual.*), which tuili
+    does not run: it serves text only, and says so. A text-only checkpoint passes unchanged."""
+    if not any(name.startswith(LANGUAGE_MODEL_PREFIX) for name in tensors):
+        return tensors, shapes
+    vision = [name for name in tensors if name.startswith(VISION_PREFIX)]
+    if vision:
+        logger.info("%s: ignoring %d vision-encoder tensors (%s*): tuili serves this model's language model, "
+                    "text in and text out", path, len(vision), VISION_PREFIX)
+
+    def rename(name: str) -> str:
+        return "model." + name.removeprefix(LANGUAGE_MODEL_PREFIX) if name.startswith(LANGUAGE_MODEL_PREFIX) else name
+
+    kept = [name for name in tensors if not name.startswith(VISION_PREFIX)]
+    return {rename(n): tensors[n] for n in kept}, {rename(n): shapes[n] for n in kept if n in shapes}
 
 
 def _read_tensor(handle: Any, name: str, file: Path) -> torch.Tensor:

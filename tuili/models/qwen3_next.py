@@ -1,15 +1,29 @@
-"""Qwen3-Next: a hybrid decoder. Per `layer_types`, each layer's token mixer is either Gated
-DeltaNet linear attention (tuili/layers/deltanet.py, per-sequence state in fixed slots) or gated
-full attention over the paged KV cache; the MLP is a mixture of experts with a shared expert
-(tuili/layers/moe.py, `ModelConfig.moe`) or dense where the config says so.
+"""Qwen3-Next and Qwen3.5 (dense and MoE): a hybrid decoder. Per `layer_types`, each layer's
+token mixer is either Gated DeltaNet linear attention (tuili/layers/deltanet.py, per-sequence
+state in fixed slots) or gated full attention over the paged KV cache; the MLP is a mixture of
+experts with a shared expert (tuili/layers/moe.py, `ModelConfig.moe`) or dense where the config
+says so.
 
 This file describes the network and nothing else. What differs from the Llama family: RMSNorm
 weights stored centred on zero (scale 1 + w, `OffsetRMSNorm`) for the layer norms, the final norm
 and q/k norms; the full attention's q_proj also yields a per-head output gate (rows [q, gate] per
 head), applied as sigmoid(gate) before o_proj; RoPE rotates only the first `rotary_dim`
 dimensions of each head (partial_rotary_factor). Module paths follow the Hugging Face
-checkpoints; multi-token-prediction weights (`mtp.*`) are not part of this network (the loader
-notes and skips them).
+checkpoints.
+
+Qwen3.5 is the same network with two differences, both taken as parameters rather than copies:
+- its DeltaNet input projections are stored apart and flat (in_proj_qkv, in_proj_z, in_proj_b,
+  in_proj_a) where Qwen3-Next fuses them grouped by key head (in_proj_qkvz, in_proj_ba): the
+  weight plan stacks Qwen3.5's into the same two matmuls (`Qwen3_5ForCausalLM.stacked_projections`)
+  and the layer reads the flat layout;
+- its rotary embedding is multimodal (mrope: sections of the frequencies follow temporal, height
+  and width positions). For text all three positions are the token's position, which makes mrope
+  the ordinary (partial) RoPE computed here.
+Qwen3.5-MoE's router always renormalises its top-k weights and every layer is a mixture of experts
+(tuili/config.py reads it so); Qwen3.5 dense has a SwiGLU MLP in every layer.
+
+Multi-token-prediction weights (`mtp.*`) are not part of this network's forward; they are loaded
+and held by `model.mtp` (tuili/models/mtp.py) for speculative decoding.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.norm import OffsetRMSNorm
 from tuili.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from tuili.models.llama import MLP, Rope, sparse_moe
+from tuili.models.mtp import multi_token_prediction_weights
 from tuili.models.weights import WeightPlan
 
 
@@ -65,6 +80,8 @@ def gated_deltanet(cfg: ModelConfig, plan: WeightPlan, prefix: str) -> GatedDelt
         plan.linear(f"{prefix}.out_proj", value_dim, cfg.hidden_size, False),
         lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.conv_kernel, cfg.rms_norm_eps,
         plan.platform,
+        # Qwen3-Next stores the projections fused per key head; Qwen3.5 stores them flat.
+        grouped_by_key_head=cfg.family == "qwen3_next",
     )  # fmt: skip
 
 
@@ -124,18 +141,19 @@ class Qwen3NextModel(nn.Module):
 class Qwen3NextForCausalLM(nn.Module):
     """The interface of LlamaForCausalLM (forward -> final hidden states, compute_logits on the
     sampled rows, attention_layers for the KV pool), plus linear_attention_layers for the state
-    slots."""
+    slots. `mtp` holds the checkpoint's multi-token-prediction weights (None without any)."""
 
     stacked_projections = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, cfg: ModelConfig, max_positions: int, plan: WeightPlan, attention: AttentionBackend) -> None:
         super().__init__()
         if not cfg.is_hybrid or cfg.rotary_dim is None:
-            raise ValueError("Qwen3NextForCausalLM needs a config read as qwen3_next (layer types, linear attention)")
+            raise ValueError(f"{type(self).__name__} needs a config read as a hybrid (layer types, linear attention)")
         self.config = cfg
         self.platform, self.attention = plan.platform, attention
         self.model = Qwen3NextModel(cfg, max_positions, plan, attention)
         self.lm_head = plan.output_head("lm_head", self.model.embed_tokens, cfg.tie_word_embeddings)
+        self.mtp = multi_token_prediction_weights(plan)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.run_layers(*self.model.embed(input_ids, positions), meta)
@@ -157,3 +175,13 @@ class Qwen3NextForCausalLM(nn.Module):
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
         """The Gated DeltaNet layers, in order: the ones with state slots."""
         return [layer.linear_attn for layer in self.model.layers if layer.linear]
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 and Qwen3.5-MoE: the same network; the weight plan stacks the checkpoint's separate
+    DeltaNet projections into the two matmuls the layer runs (in the layer's flat layout)."""
+
+    stacked_projections = Qwen3NextForCausalLM.stacked_projections | {
+        "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+        "in_proj_ba": ("in_proj_b", "in_proj_a"),
+    }

@@ -16,7 +16,8 @@ request and the platform (first match):
 Stacked projections (q, k, v -> qkv_proj) are the checkpoint's tensors concatenated along the
 output dimension, in the model class's order. A mixture-of-experts layer's routed experts are
 float tensors [experts, out, in] (`experts`: a checkpoint's fused 3-D tensor, or its per-expert
-matrices stacked), never quantized: `quantization` on such a model is refused. The output head holds the embedding table itself
+matrices stacked), never quantized: `quantization` on such a model is refused, and a GGUF file's
+quantized expert stacks are read dequantized (`TensorSource` gives floats). The output head holds the embedding table itself
 when tied (one tensor), an int8 copy of it under `quantization`, and, for a GGUF file run packed,
 a quantized decode copy (tuili/layers/logits.py). The rest (norms) is assigned by name in `fill`.
 Every checkpoint tensor the config requires must be present: a CheckpointError names the

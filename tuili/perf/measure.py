@@ -90,7 +90,7 @@ def measure(
     )
     working = canonical_dtype(str(engine.dtype))
     packed = _packed_compute_dtype(engine.model)
-    inputs = replace(inputs, weights=engine_storage(engine.model), kv_dtype=working,
+    inputs = replace(inputs, weights=engine_storage(engine.model), kv_dtype=working, conv_state_dtype=working,
                      compute_dtype=packed or working, packed_linears=packed is not None)
     probed = hardware
     if refresh is not None:
@@ -267,6 +267,8 @@ def _kind(name: str) -> str:
         return "router"
     if ".mlp." in name:
         return "mlp"
+    if ".linear_attn." in name:  # Gated DeltaNet: projections, conv, A_log, dt_bias (its norm is a norm)
+        return "linear_attention"
     raise TuiliError(f"the engine holds a weight {name!r} the cost model has no kind for")
 
 

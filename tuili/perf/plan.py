@@ -47,6 +47,9 @@ class PlanInputs:
     mbu: float = 1.0  # achievable share of memory bandwidth assumed for memory time
     compute_dtype: str | None = None  # None: the weight format's (fp8 -> W8A8 fp8)
     packed_linears: bool = False  # the layers' linears are tuili's packed int4 modules (--measure)
+    # The dtype of the DeltaNet conv state (the working dtype, whatever the KV cache's; the
+    # recurrent state is float32 always): bf16 for a plan, the engine's own under --measure.
+    conv_state_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("gpus", "tp", "context", "prompt", "output", "batch"):
@@ -61,6 +64,7 @@ class PlanInputs:
             if not 0 < getattr(self, name) <= 1:
                 raise TuiliError(f"--{name} {getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
         dtype_bytes(self.kv_dtype)
+        dtype_bytes(self.conv_state_dtype)
 
 
 # A hybrid model's prefix cache (tuili/engine/pool.py, state_checkpoint_count): state checkpoints
@@ -135,7 +139,7 @@ class Roofline:
         if tp > 1 and self.link is None:
             raise TuiliError(f"--tp {tp} needs a link between devices: {hardware.name} names none, give --link")
         self.kv_token_device = cost.kv_bytes_per_token(inputs.kv_dtype, tp)
-        self.state_device = cost.state_bytes_per_sequence(tp=tp)
+        self.state_device = cost.state_bytes_per_sequence(conv_dtype=inputs.conv_state_dtype, tp=tp)
         self.hidden_bytes = cost.shape.hidden_size * dtype_bytes(ACTIVATION_DTYPE)
         # an all-reduce after attention and after the MLP of every layer, and one for the embedding
         self.allreduces = 2 * cost.shape.num_layers + 1
@@ -281,7 +285,7 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
     # ---- memory -----------------------------------------------------------------------------
     weights_device = cost.weight_bytes_per_device(storage, tp)
     kv_token = cost.kv_bytes_per_token(inputs.kv_dtype)
-    state = cost.state_bytes_per_sequence()
+    state = cost.state_bytes_per_sequence(conv_dtype=inputs.conv_state_dtype)
     reserve = inputs.reserve_fraction * hardware.memory_bytes
     if weights_device > hardware.memory_bytes - reserve:
         raise TuiliError(
