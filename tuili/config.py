@@ -400,6 +400,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     kv_offload_memory: int = 0  # bytes of host memory for evicted prefix-cache blocks; 0 = off
+    # Hybrid models' prefix cache: the linear-attention state is checkpointed every this many
+    # KV blocks of a prompt (tuili/engine/state_checkpoints.py); 4 x 16 = every 64 tokens.
+    state_checkpoint_interval: int = 4
     hardware: str | None = None  # preset name or spec file for MFU/MBU; None = probed or estimated
     quantization: str | None = None  # "int8" | "int4": quantize the checkpoint's linears at load
     kv_cache_dtype: str = "auto"  # "auto" (the working dtype) or "fp8" (e4m3, per-head scales)
@@ -418,7 +421,7 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise TuiliError(f"tensor_parallel_size={tp!r} is invalid: expected an integer >= 1")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "state_checkpoint_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise TuiliError(f"{name}={value!r} is invalid: expected an integer >= 1")

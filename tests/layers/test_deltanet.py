@@ -158,3 +158,49 @@ def test_mixer_over_split_prompts_and_decodes_matches_reference(hk, hv):
                 first += n
         for slot, x in seqs.items():
             torch.testing.assert_close(torch.cat(got[slot]), theirs(x[None])[0], atol=5e-5, rtol=1e-4)
+
+
+def test_checkpoints_taken_inside_and_after_chunks_restore_to_the_same_rows():
+    """Prefix caching's state checkpoints (rows after the slots): A's 13-token chunk is cut at
+    token 5 (checkpoint row 2) and its state after it copied to row 3; a decode of token 13
+    saves row 4. Sequences restored from rows 2 and 4 into slot 1 continue exactly as the
+    reference run over the whole sequence."""
+    ours, theirs = _mixer_pair(1, 4)
+    conv_dim, kernel, heads = ours.state_shapes()
+    ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, torch.device("cpu"))
+    x = torch.randn(20, 32, generator=torch.Generator().manual_seed(5))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = theirs(x[None])[0]
+        got = ours(x[:13], StateBatch.build([(0, 0, 13, 0)], cpu, saves=[(0, 5, 2), (0, 13, 3)]))
+        torch.testing.assert_close(got, want[:13], atol=5e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.state.recurrent[3], ours.state.recurrent[0], atol=0, rtol=0)
+        got = ours(x[13:14], StateBatch.build([(0, 13, 1, 0)], cpu, saves=[(0, 1, 4)]))
+        torch.testing.assert_close(got, want[13:14], atol=5e-5, rtol=1e-4)
+        for row, depth in ((2, 5), (4, 14)):
+            ours.state.recurrent[1].fill_(7.0)  # garbage in the slot: the restore must replace it
+            got = ours(x[depth:], StateBatch.build([(0, depth, 20 - depth, 1)], cpu, restores=[(1, row)]))
+            torch.testing.assert_close(got, want[depth:], atol=5e-5, rtol=1e-4)
+
+
+def test_checkpoints_on_the_rule_block_grid_are_emitted_by_the_scan():
+    """Cuts at 64 and 128 tokens (block ends of the chunked rule: emitted, no extra pieces) and
+    at 100 (a piece of its own): each restored state continues as the reference run. Then a
+    chunk that starts 2 tokens before a cut (its conv state still holds inputs of the step
+    before) and a decode continue from it."""
+    ours, theirs = _mixer_pair(2, 2)
+    conv_dim, kernel, heads = ours.state_shapes()
+    ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, torch.device("cpu"))
+    x = torch.randn(150, 32, generator=torch.Generator().manual_seed(6))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = theirs(x[None])[0]
+        got = ours(x, StateBatch.build([(0, 0, 150, 0)], cpu, saves=[(0, 64, 2), (0, 100, 3), (0, 128, 4)]))
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+        for row, depth in ((2, 64), (3, 100), (4, 128)):
+            got = ours(x[depth:], StateBatch.build([(0, depth, 150 - depth, 1)], cpu, restores=[(1, row)]))
+            torch.testing.assert_close(got, want[depth:], atol=5e-5, rtol=1e-4)
+        ours(x[:62], StateBatch.build([(0, 0, 62, 0)], cpu))
+        ours(x[62:70], StateBatch.build([(0, 62, 8, 0)], cpu, saves=[(0, 2, 2)]))
+        got = ours(x[64:], StateBatch.build([(0, 64, 86, 1)], cpu, restores=[(1, 2)]))
+        torch.testing.assert_close(got, want[64:], atol=5e-5, rtol=1e-4)

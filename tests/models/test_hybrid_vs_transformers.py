@@ -7,7 +7,8 @@ prompt against transformers' `generate`, with block_size=4 and a 7-token step bu
 prompts are split at odd positions across steps and steps mix prefill chunks with decodes; on
 the native kernels and on the portable torch path (TUILI_NATIVE_KERNELS=0). Also: a run under
 preemption (a KV/state budget too small for all sequences at once), every state slot free after
-finish and abort, prefix caching off (never a wrong hit), bf16, MTP tensors held, and the
+finish and abort, prefix caching off when the budget leaves no room for a state checkpoint
+(never a wrong hit; hits are tested in test_hybrid_prefix_cache.py), bf16, MTP tensors held, and the
 config's checks.
 """
 
@@ -194,11 +195,17 @@ def test_slots_are_freed_on_abort_and_reused(checkpoint):
     _assert_all_state_free(llm)
 
 
-def test_prefix_caching_is_off_with_a_reason(checkpoint, caplog):
-    path, _, greedy = checkpoint
+def test_prefix_caching_is_off_without_room_for_a_checkpoint(checkpoint, caplog):
+    """The KV floor of max_model_len and four state slots take the whole budget: no state
+    checkpoint fits, so a cached prefix could not be restored and prefix caching is off."""
+    path, hf, greedy = checkpoint
+    cfg = ModelConfig.from_hf_config(hf.config.to_dict() | {"architectures": ["Qwen3NextForCausalLM"]})
+    budget = 16 * kv_bytes_per_block(cfg, 4, torch.float32) + 4 * state_bytes_per_slot(cfg, torch.float32)
     with caplog.at_level(logging.INFO, logger="tuili.engine.core"):
-        llm = _llm(path, enable_prefix_caching=True, kv_offload_memory=1 << 16)
-    assert "prefix caching is off" in caplog.text and "linear-attention state" in caplog.text
+        llm = _llm(path, enable_prefix_caching=True, kv_offload_memory=1 << 16, kv_cache_memory=budget,
+                   max_model_len=64, max_num_seqs=4)  # fmt: skip
+    assert "prefix caching is off" in caplog.text and "linear-attention state checkpoint" in caplog.text
+    assert llm.engine.pool.num_state_checkpoints == 0 and llm.engine.scheduler.checkpoints is None
     assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.pool.num_host_blocks == 0
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     for _ in range(2):  # the same prompt twice: the second is computed again, never a cache hit

@@ -183,15 +183,18 @@ class BlockManager:
 
     # ---- prefix cache -----------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Attach the longest cached prefix to a sequence that holds no blocks yet. At least
-        one token is always left to compute (its logits pick the next token), and what is left
-        starts on a block boundary, so no shared block is ever written."""
+    def match_prefix(self, seq: Sequence, max_tokens: int | None = None) -> PrefixMatch:
+        """Attach the longest cached prefix (of at most `max_tokens` tokens) to a sequence that
+        holds no blocks yet. At least one token is always left to compute (its logits pick the
+        next token), and what is left starts on a block boundary, so no shared block is ever
+        written."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return PrefixMatch()
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs
+        if max_tokens is not None:
+            limit = min(limit, max_tokens // bs)
         parent = b""
         hits_device = hits_host = 0
         for i in range(limit):
@@ -213,6 +216,15 @@ class BlockManager:
             seq.block_digests.append(digest)
             parent = digest
         return PrefixMatch(hits_device * bs, hits_host * bs)
+
+    def prefix_digests(self, seq: Sequence) -> list[bytes]:
+        """The cache keys of the blocks match_prefix would look up for `seq`, in order, whether
+        cached or not (no side effects)."""
+        digests: list[bytes] = []
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs if self.enable_prefix_caching else 0):
+            digests.append(block_digest(digests[-1] if digests else b"", tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return digests
 
     def record_query(self, seq: Sequence, match: PrefixMatch) -> None:
         """Count one admitted sequence's lookup (once, even if admission is retried)."""

@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="do not reuse the KV of prompt prefixes computed before (on by default)")
     group.add_argument("--kv-offload-memory", type=parse_bytes, default=0,
                        help="host memory for prefix-cache blocks evicted from the KV pool, e.g. 4GiB (default 0: off)")
+    group.add_argument("--state-checkpoint-interval", type=int, default=4,
+                       help="hybrid models' prefix cache: checkpoint the linear-attention state every N KV "
+                       "blocks of a prompt (default 4: every 64 tokens at block size 16)")
     group.add_argument("--hardware", default=None,
                        help="hardware preset or spec file that MFU/MBU are measured against "
                        "(default: this machine's `tuili probe` result, else a quick estimate)")
@@ -78,6 +81,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
+        state_checkpoint_interval=args.state_checkpoint_interval,
         hardware=args.hardware, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
         max_itl_stretch=args.max_itl_stretch or None,

@@ -32,6 +32,7 @@ from tuili.engine.pool import plan_pool
 from tuili.engine.request import RequestMetrics, RequestOutput, Sequence
 from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import Scheduler, SchedulerOutput
+from tuili.engine.state_checkpoints import StateCheckpoints
 from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
 from tuili.engine.stopping import StopTokens
@@ -82,19 +83,21 @@ class LLMEngine:
         self.model_path = loaded.path
         self.tokenizer: Tokenizer | None = loaded.tokenizer
 
-        if self.model_config.is_hybrid and config.enable_prefix_caching:
-            # A cached prefix gives the KV of its full-attention layers but not the linear
-            # layers' state after it, so a hit would continue from the wrong state. Off until
-            # the state is checkpointed at block boundaries.
-            logger.info(
-                "prefix caching is off for %s: its linear-attention state cannot be restored from "
-                "the cache yet", self.model_config.architecture,
-            )  # fmt: skip
-            config = dataclasses.replace(config, enable_prefix_caching=False)
-            self.config = config
         # The KV pool holds this rank's KV heads (the network's config; the model's when whole).
         # Rank 0 holds the most, so its plan fits every rank: all take it.
         self.pool = plan_pool(loaded.model.config, config, self.dtype, self.device)
+        if self.model_config.is_hybrid and config.enable_prefix_caching and not self.pool.num_state_checkpoints:
+            # A cached prefix gives the KV of the full-attention layers but not the linear
+            # layers' state after it: without a checkpoint to restore, a hit would continue
+            # from the wrong state.
+            logger.info(
+                "prefix caching is off for %s: the KV budget leaves no room for a linear-attention "
+                "state checkpoint (%d bytes); raise kv_cache_memory", self.model_config.architecture,
+                self.pool.state_bytes_per_slot,
+            )  # fmt: skip
+            config = dataclasses.replace(config, enable_prefix_caching=False)
+            self.config = config
+            self.pool = plan_pool(loaded.model.config, config, self.dtype, self.device)
         if self.parallel is not None:
             self.pool = self.parallel.broadcast(self.pool)
         self.max_model_len = self.pool.max_model_len
@@ -108,10 +111,16 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.pool.num_blocks, self.pool.block_size, config.enable_prefix_caching, self.pool.num_host_blocks,
         )
-        # A hybrid model runs at most as many sequences as the plan reserved state slots for.
+        # A hybrid model runs at most as many sequences as the plan reserved state slots for,
         state_slots = StateSlots(self.pool.num_state_slots) if self.pool.num_state_slots else None
+        # and restores a cached prefix's linear-attention state from a checkpoint.
+        checkpoints = StateCheckpoints(
+            self.pool.num_state_checkpoints, self.pool.block_size, config.state_checkpoint_interval,
+        ) if self.pool.num_state_checkpoints else None  # fmt: skip
         max_num_seqs = min(config.max_num_seqs, self.pool.num_state_slots or config.max_num_seqs)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, max_num_seqs, state_slots)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_batched_tokens, max_num_seqs, state_slots, checkpoints,
+        )  # fmt: skip
         runner_config = RunnerConfig(
             self.device, self.dtype, stop_tokens, config.enforce_eager or self.parallel is not None, self.grammars,
         )

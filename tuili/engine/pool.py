@@ -34,6 +34,9 @@ class PoolPlan:
     # at most this many sequences run at once. 0 for models without linear attention.
     num_state_slots: int = 0
     state_bytes_per_slot: int = 0
+    # Hybrid models with prefix caching: checkpoints of the linear-attention state at block
+    # boundaries (tuili/engine/state_checkpoints.py), state_bytes_per_slot each, from the same budget.
+    num_state_checkpoints: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +64,18 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
     conv = lin.conv_dim * (lin.conv_kernel - 1) * element
     recurrent = lin.num_v_heads * lin.head_k_dim * lin.head_v_dim * 4
     return cfg.num_linear_layers * (conv + recurrent)
+
+
+CHECKPOINT_SHARE = 0.25  # of the KV budget, at most, for a hybrid model's state checkpoints
+
+
+def state_checkpoint_count(budget: int, block_bytes: int, slot_bytes: int, interval_blocks: int) -> int:
+    """How many state checkpoints a hybrid model's prefix cache gets from a budget of `budget`
+    bytes: CHECKPOINT_SHARE of it, and no more than one per `interval_blocks` KV blocks the
+    whole budget would hold (more could never all sit on cached prefixes). `tuili plan` counts
+    the same bytes."""
+    share = int(budget * CHECKPOINT_SHARE) // slot_bytes
+    return min(share, -(-budget // (block_bytes * interval_blocks)))
 
 
 _ACTIVATION_RESERVE = 1 << 30  # GPU memory left beside the KV pool for activations
@@ -100,10 +115,22 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
     block_bytes = kv_bytes_per_block(model, config.block_size, kv_dtype)
     budget = config.kv_cache_memory or default_kv_cache_memory(device, config.gpu_memory_utilization)
     slot_bytes = state_bytes_per_slot(model, dtype)
-    num_slots = 0
+    num_slots = num_checkpoints = 0
     if slot_bytes:
+        total = budget
         num_slots = _state_slots(model, config, budget, block_bytes, slot_bytes)
         budget -= num_slots * slot_bytes
+        if config.enable_prefix_caching:
+            # After the slots (a cache never costs concurrency), and above the KV blocks' floor.
+            if config.max_model_len is not None:
+                kv_floor = -(-config.max_model_len // config.block_size) * block_bytes
+            else:
+                kv_floor = budget // 2
+            num_checkpoints = min(
+                state_checkpoint_count(total, block_bytes, slot_bytes, config.state_checkpoint_interval),
+                max(0, (budget - kv_floor) // slot_bytes),
+            )
+            budget -= num_checkpoints * slot_bytes
     num_blocks = budget // block_bytes
     pool_tokens = num_blocks * config.block_size
     max_len = config.max_model_len or model.max_position_embeddings
@@ -116,7 +143,10 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
             f"max_model_len={max_len}: raise kv_cache_memory or lower max_model_len"
         )
     num_host_blocks = config.kv_offload_memory // block_bytes if config.enable_prefix_caching else 0
-    return PoolPlan(num_blocks, config.block_size, num_host_blocks, kv_dtype, max_len, block_bytes, num_slots, slot_bytes)
+    return PoolPlan(
+        num_blocks, config.block_size, num_host_blocks, kv_dtype, max_len, block_bytes, num_slots, slot_bytes,
+        num_checkpoints,
+    )  # fmt: skip
 
 
 def _state_slots(model: ModelConfig, config: EngineConfig, budget: int, block_bytes: int, slot_bytes: int) -> int:

@@ -2,7 +2,8 @@
 
 It owns the KV pool (one key and one value tensor per full-attention layer), a hybrid model's
 linear-attention state slots (a conv and a recurrent state tensor per linear layer, indexed by
-the slot ids the scheduler hands out) and the per-sequence random generators. It knows nothing
+the slot ids the scheduler hands out; the prefix cache's state checkpoints are the rows after
+the slots) and the per-sequence random generators. It knows nothing
 of HTTP or of scheduling policy.
 """
 
@@ -80,9 +81,11 @@ class ModelRunner:
         linear_layers = model.linear_attention_layers()
         if linear_layers and pool.num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs a pool plan with state slots")
+        self.num_state_slots = pool.num_state_slots  # checkpoint c is state row num_state_slots + c
         for layer in linear_layers:
             conv_dim, kernel, heads = layer.state_shapes()
-            layer.state = DeltaNetState.allocate(pool.num_state_slots, conv_dim, kernel, heads, dtype, device)
+            rows = pool.num_state_slots + pool.num_state_checkpoints
+            layer.state = DeltaNetState.allocate(rows, conv_dim, kernel, heads, dtype, device)
         # The prefix cache's second tier: the same layout in host memory (pinned on a GPU so
         # host-to-device copies run asynchronously), as raw bytes (index_put has no float8
         # kernel; copies of bytes are exact). On a CPU it is simply a separate pool.
@@ -241,6 +244,8 @@ class ModelRunner:
         spans: list[CausalSpan] = []
         # Hybrid models: each item's (first row, first position, tokens, state slot).
         state_items: list[tuple[int, int, int, int]] = []
+        restores: list[tuple[int, int]] = []  # (slot, checkpoint row)
+        saves: list[tuple[int, int, int]] = []  # (first row, tokens into the item, checkpoint row)
         for item in batch:
             seq, start, n = item.seq, item.start, item.num_tokens
             query_start = len(input_ids)
@@ -248,6 +253,10 @@ class ModelRunner:
                 state_slot = seq.state_slot
                 assert state_slot is not None, f"sequence {seq.seq_id} runs without a state slot"
                 state_items.append((query_start, start, n, state_slot))
+                if item.restore_checkpoint is not None:
+                    restores.append((state_slot, self.num_state_slots + item.restore_checkpoint))
+                for depth, checkpoint in item.save_checkpoints:
+                    saves.append((query_start, depth - start, self.num_state_slots + checkpoint))
             input_ids.extend(seq.token_ids[start : start + n])
             span = range(start, start + n)
             positions.extend(span)
@@ -269,10 +278,10 @@ class ModelRunner:
         else:
             meta = AttentionMetadata(slot_mapping, ([self._group(decodes)] if decodes else []) + groups, spans)
         if self.hybrid:
-            # The state continues from the slot only where this chunk continues what the slot
-            # holds: prefix caching is off for hybrid models, so a sequence's first chunk after
-            # admission (or a preemption) always starts at position 0 and zeroes its slot.
-            meta.states = StateBatch.build(state_items, dev)
+            # A sequence's first chunk after admission (or a preemption) starts its slot from zero
+            # at position 0, or from the checkpoint its cached prefix ends at; later chunks
+            # continue what the slot holds.
+            meta.states = StateBatch.build(state_items, dev, restores, saves)
         return (
             torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),

@@ -28,8 +28,13 @@ sampled tokens are kept, so the resumed output is the same as an uninterrupted r
 Hybrid models (linear attention beside full attention): a sequence also holds a state slot
 while it runs (StateSlots), taken at admission and returned with its blocks on finish, abort and
 preemption; max_num_seqs is never more than the slots, so admission never waits on one.
+With prefix caching, a hybrid sequence's cached prefix is cut to the deepest state checkpoint
+at or below its cached KV (StateCheckpoints): it is admitted with that checkpoint to restore
+into its slot, and each scheduled prompt chunk is given checkpoint ids for the boundaries it
+crosses, which the forward fills and `update()` files.
 
-The scheduler knows no tensors: it works on Sequence, BlockManager and StateSlots (ids) only.
+The scheduler knows no tensors: it works on Sequence, BlockManager, StateSlots and
+StateCheckpoints (ids) only.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tuili.engine.block_manager import BlockCopies, BlockManager
+from tuili.engine.block_manager import BlockCopies, BlockManager, PrefixMatch
 from tuili.engine.request import Sequence, SequenceStatus
+from tuili.engine.state_checkpoints import StateCheckpoints
 from tuili.engine.state_slots import StateSlots
 
 
@@ -47,17 +53,25 @@ from tuili.engine.state_slots import StateSlots
 class ScheduledSeq:
     """This step computes `seq.token_ids[start : start + num_tokens]`; `samples` is True when
     that reaches the end of the sequence, so the last logits pick a new token. Fixed when
-    scheduled, so it stays true after the sequence advances."""
+    scheduled, so it stays true after the sequence advances.
+
+    Hybrid models with prefix caching: `restore_checkpoint` is the state checkpoint the
+    sequence's slot starts from (its first chunk after admission, at `start` = the checkpoint's
+    depth); `save_checkpoints` are (depth, checkpoint id) pairs, start < depth <= start +
+    num_tokens, whose state the forward copies out after computing the token before `depth`."""
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
+    restore_checkpoint: int | None = None
+    save_checkpoints: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def next_chunk(cls, seq: Sequence, num_tokens: int) -> ScheduledSeq:
+    def next_chunk(cls, seq: Sequence, num_tokens: int, restore_checkpoint: int | None = None,
+                   save_checkpoints: tuple[tuple[int, int], ...] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens, restore_checkpoint, save_checkpoints)
 
 
 @dataclass
@@ -86,7 +100,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-        state_slots: StateSlots | None = None,
+        state_slots: StateSlots | None = None, checkpoints: StateCheckpoints | None = None,
     ) -> None:  # fmt: skip
         if state_slots is not None and max_num_seqs > state_slots.num_slots:
             raise ValueError(f"max_num_seqs={max_num_seqs} exceeds the {state_slots.num_slots} state slots")
@@ -94,6 +108,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.state_slots = state_slots  # hybrid models only
+        self.checkpoints = checkpoints  # hybrid models with prefix caching only
         self.waiting: deque[Sequence] = deque()
         self._waiting_groups: Counter[str] = Counter()  # waiting sequences per group
         self.running: list[Sequence] = []  # ordered by arrival
@@ -109,6 +124,8 @@ class Scheduler:
         """Plan the next step. `prefill_limit`: the most prompt tokens (anything but a decode's
         one token) the step may hold when it also holds decodes; None for no limit but the budget."""
         out = SchedulerOutput()
+        if self.checkpoints is not None:
+            self.checkpoints.reset_pending()  # a step that raised before update() reserved these
         budget = self.max_num_batched_tokens
         waiting_groups = +self._waiting_groups  # the groups with waiting sequences
         running_groups = Counter(seq.group for seq in self.running)
@@ -121,6 +138,7 @@ class Scheduler:
         prefill_share = max(1, prefill_left // num_groups)
 
         allotted: dict[Sequence, int] = {}  # the tokens each scheduled sequence computes, in order
+        restores: dict[Sequence, int] = {}  # admitted sequences whose state starts from a checkpoint
         spent: Counter[str] = Counter()  # tokens per group
         prefill_spent: Counter[str] = Counter()  # prompt tokens per group
         for seq in list(self.running):
@@ -159,7 +177,7 @@ class Scheduler:
             seq = self._next_waiting(queues, admitted, room)
             if seq is None:
                 break  # every waiting group has spent its share of this step
-            match = self.blocks.match_prefix(seq)
+            match, restore = self._match_prefix(seq)
             seq.num_computed_tokens = match.tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, room(seq.group), prefill_left)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
@@ -175,6 +193,9 @@ class Scheduler:
             self.blocks.grow(seq, seq.num_computed_tokens + n)
             if self.state_slots is not None:
                 self.state_slots.take(seq)
+            if restore is not None:
+                restores[seq] = restore
+                self.checkpoints.stats.restored += 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             allotted[seq] = n
@@ -200,9 +221,34 @@ class Scheduler:
                 budget -= more
                 prefill_left -= more  # a decode has no more than its one token to take
 
-        out.scheduled = [ScheduledSeq.next_chunk(seq, n) for seq, n in allotted.items()]
+        if self.checkpoints is None:
+            out.scheduled = [ScheduledSeq.next_chunk(seq, n) for seq, n in allotted.items()]
+        else:
+            reserve = self.checkpoints.reserve
+            out.scheduled = [
+                ScheduledSeq.next_chunk(seq, n, restores.get(seq), reserve(seq, seq.num_computed_tokens, n))
+                for seq, n in allotted.items()
+            ]
         out.copies = self.blocks.take_copies()
         return out
+
+    def _match_prefix(self, seq: Sequence) -> tuple[PrefixMatch, int | None]:
+        """Attach `seq`'s cached prefix; with state checkpoints (a hybrid model), only as deep
+        as the deepest checkpoint on it, returned beside the match for the slot to start from."""
+        if self.checkpoints is None:
+            return self.blocks.match_prefix(seq), None
+        digests = self.blocks.prefix_digests(seq)
+        found = self.checkpoints.deepest(digests)
+        if found is None:
+            return PrefixMatch(), None
+        match = self.blocks.match_prefix(seq, found[0])
+        if match.tokens < found[0]:  # some KV blocks below the checkpoint were evicted
+            self.blocks.free(seq)  # the matched ones stay cached: the second match holds them again
+            found = self.checkpoints.deepest(digests[: match.tokens // self.blocks.block_size])
+            if found is None:
+                return PrefixMatch(), None
+            match = self.blocks.match_prefix(seq, found[0])
+        return match, found[1]
 
     @staticmethod
     def _next_waiting(queues: dict[str, deque[Sequence]], admitted: Counter[str],
@@ -262,6 +308,8 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.register_full_blocks(item.seq)
+        if self.checkpoints is not None:
+            self.checkpoints.commit()
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (finished or aborted) and free its blocks at once."""

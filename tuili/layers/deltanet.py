@@ -16,10 +16,13 @@ Two forms of the rule compute the same thing:
   prompt may be split anywhere across steps;
 - `recurrent_gated_delta_rule`: one token for each of a batch of sequences (decodes).
 
-Per-sequence state lives in fixed slots (`DeltaNetState`: [slots, ...] tensors, one pair per
-layer, allocated by the runner); `StateBatch` tells a step's layers which slot each sequence reads
-and writes, and which slots start from zero. This module only computes: the weights come from
-outside (the projections are built by the loader's weight plan; conv1d, A_log, dt_bias and the
+Per-sequence state lives in fixed slots (`DeltaNetState`: [rows, ...] tensors, one pair per
+layer, allocated by the runner; rows past the sequences' slots hold prefix-cache checkpoints);
+`StateBatch` tells a step's layers which slot each sequence reads and writes, which slots start
+from zero or from a checkpoint row, and where to copy a sequence's state out to a checkpoint row
+(after its chunk, or after a given token inside it: read off the conv's input window, and
+emitted by the chunked rule's scan at its block ends, or else by running the chunk in pieces
+cut there). This module only computes: the weights come from outside (the projections are built by the loader's weight plan; conv1d, A_log, dt_bias and the
 norm's weight are parameters filled by name).
 """
 
@@ -61,7 +64,24 @@ def chunk_gated_delta_rule(
     state: torch.Tensor,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's L tokens. q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g (log decay, <= 0), beta:
+    """The rule over one sequence's run of tokens (see chunk_gated_delta_rule_states)."""
+    out, final, _ = chunk_gated_delta_rule_states(q, k, v, g, beta, state, (), chunk_size)
+    return out, final
+
+
+def chunk_gated_delta_rule_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    emit_at: tuple[int, ...],
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One sequence's L tokens, also returning the states after the first `emit_at` tokens
+    (multiples of `chunk_size`, < L: block ends, where the scan holds them anyway; for prefix
+    caching's state checkpoints). q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g (log decay, <= 0), beta:
     [L, Hv]; state: [Hv, Dk, Dv], the state before the first token. Returns (output [L, Hv, Dv]
     float32, the state after the last token, float32). Within a block of `chunk_size`
     tokens the delta-rule writes are condensed by the UT transform (a unit lower-triangular
@@ -95,13 +115,17 @@ def chunk_gated_delta_rule(
     block_decay = cum[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
     out = torch.empty(heads, n, chunk_size, dv, dtype=torch.float32, device=q.device)
     s = state.float()
+    emit = {position // chunk_size - 1 for position in emit_at}
+    emitted = []
     for i in range(n):
         v_new = values[:, i] - keys_cum[:, i] @ s
         out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
         s = s * block_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+        if i in emit:
+            emitted.append(s)
     out = out.reshape(heads, -1, dv)[:, :length].transpose(0, 1)
-    assert s.shape == (heads, dk, dv)
-    return out, s
+    assert s.shape == (heads, dk, dv) and len(emitted) == len(emit_at)
+    return out, s, emitted
 
 
 def recurrent_gated_delta_rule(
@@ -145,25 +169,51 @@ def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
 class StateBatch:
     """Which state slot each sequence of a step reads and writes, built once per step by the
     runner and shared by every linear-attention layer. Invariant: every row (token) of the step
-    is in exactly one decode row or one chunk; each slot appears at most once."""
+    is in exactly one decode row or one chunk; each slot appears at most once; a checkpoint row
+    is written at most once and, when it is also restored from, read before it is written."""
 
     fresh: torch.Tensor  # [F] int64: slots whose sequence's chunk starts at position 0 (zeroed first)
     decode_rows: torch.Tensor  # [D] int64: rows of single-token items
     decode_slots: torch.Tensor  # [D] int64: their slots
     chunks: list[tuple[int, int, int]]  # (first row, tokens, slot) of items of two tokens or more
+    restore_rows: torch.Tensor  # [R] int64: checkpoint rows copied into ...
+    restore_slots: torch.Tensor  # [R] int64: ... these slots before the step
+    # (tokens into the chunk, checkpoint row) cut points inside a chunk, by the chunk's first row
+    cuts: dict[int, list[tuple[int, int]]]
+    save_slots: torch.Tensor  # [S] int64: slots whose state after the step is copied ...
+    save_rows: torch.Tensor  # [S] int64: ... into these checkpoint rows
 
     @classmethod
-    def build(cls, items: list[tuple[int, int, int, int]], device: torch.device) -> StateBatch:
+    def build(
+        cls, items: list[tuple[int, int, int, int]], device: torch.device,
+        restores: list[tuple[int, int]] = (), saves: list[tuple[int, int, int]] = (),
+    ) -> StateBatch:  # fmt: skip
         """From the step's items as (first row, first position, tokens, slot): a chunk starting
-        at position 0 zeroes its slot first; single-token items are stepped together."""
+        at position 0 zeroes its slot first; single-token items are stepped together.
+        `restores`: (slot, checkpoint row) to start from; `saves`: (item's first row, tokens
+        into the item, checkpoint row) to copy the state out to, 0 < tokens <= the item's."""
         fresh = [slot for _, start, _, slot in items if start == 0]
         decodes = [(row, slot) for row, _, n, slot in items if n == 1]
         chunks = [(row, n, slot) for row, _, n, slot in items if n > 1]
+        length = {row: (n, slot) for row, _, n, slot in items}
+        cuts: dict[int, list[tuple[int, int]]] = {}
+        ends: list[tuple[int, int]] = []
+        for first, offset, row in saves:
+            n, slot = length[first]
+            if offset == n:
+                ends.append((slot, row))
+            else:
+                cuts.setdefault(first, []).append((offset, row))
 
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
-        return cls(column(fresh), column([r for r, _ in decodes]), column([s for _, s in decodes]), chunks)
+        return cls(
+            column(fresh), column([r for r, _ in decodes]), column([s for _, s in decodes]), chunks,
+            column([r for _, r in restores]), column([s for s, _ in restores]),
+            {first: sorted(points) for first, points in cuts.items()},
+            column([s for s, _ in ends]), column([r for _, r in ends]),
+        )  # fmt: skip
 
 
 @dataclass
@@ -264,6 +314,9 @@ class GatedDeltaNet(nn.Module):
         if batch.fresh.numel():  # a sequence starting at position 0 starts from zero state
             state.conv.index_fill_(0, batch.fresh, 0)
             state.recurrent.index_fill_(0, batch.fresh, 0)
+        if batch.restore_slots.numel():  # a prefix-cache hit starts from the checkpoint's state
+            state.conv[batch.restore_slots] = state.conv[batch.restore_rows]
+            state.recurrent[batch.restore_slots] = state.recurrent[batch.restore_rows]
         weight = self.conv1d.weight[:, 0]
         conv = torch.empty_like(mixed)
         decodes = batch.decode_rows.numel() > 0
@@ -271,7 +324,12 @@ class GatedDeltaNet(nn.Module):
             rows, slots = batch.decode_rows, batch.decode_slots
             conv[rows], state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], weight)
         for first, n, slot in batch.chunks:
-            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], state.conv[slot], weight)
+            before = state.conv[slot]  # a view: read before the slot is overwritten below
+            if first in batch.cuts:  # the conv state after o tokens: the K-1 inputs before token o
+                window = torch.cat([before.to(x.dtype), mixed[first : first + n].transpose(0, 1)], dim=-1)
+                for offset, row in batch.cuts[first]:
+                    state.conv[row] = window[:, offset : offset + before.shape[1]]
+            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], before, weight)
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(tokens, hk, dk), k.view(tokens, hk, dk), v.view(tokens, hv, dv)
 
@@ -285,8 +343,41 @@ class GatedDeltaNet(nn.Module):
             )
             out[rows] = o.to(x.dtype)
         for first, n, slot in batch.chunks:
-            span = slice(first, first + n)
-            o, state.recurrent[slot] = chunk_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span], state.recurrent[slot])
-            out[span] = o.to(x.dtype)
+            carried = state.recurrent[slot]
+            for begin, end, emits, row in _pieces(first, n, batch.cuts.get(first, ())):
+                span = slice(begin, end)
+                o, carried, emitted = chunk_gated_delta_rule_states(
+                    q[span], k[span], v[span], g[span], beta[span], carried, tuple(e for e, _ in emits),
+                )  # fmt: skip
+                out[span] = o.to(x.dtype)
+                for (_, emit_row), emitted_state in zip(emits, emitted, strict=True):
+                    state.recurrent[emit_row] = emitted_state
+                if row is not None:
+                    state.recurrent[row] = carried
+            state.recurrent[slot] = carried
+        if batch.save_slots.numel():  # checkpoints at the end of an item: the slot's new state
+            state.conv[batch.save_rows] = state.conv[batch.save_slots]
+            state.recurrent[batch.save_rows] = state.recurrent[batch.save_slots]
         normed = self.norm(out.reshape(-1, dv), z.reshape(-1, dv))
         return self.out_proj(normed.view(tokens, hv * dv))
+
+
+
+def _pieces(
+    first: int, n: int, cuts: list[tuple[int, int]], chunk_size: int = 64,
+) -> list[tuple[int, int, list[tuple[int, int]], int | None]]:  # fmt: skip
+    """The chunk of rows [first, first + n) as pieces (begin, end, states to emit inside it as
+    (tokens into the piece, checkpoint row), checkpoint row of its final state or None) for the
+    chunked rule: a cut on the piece's block grid is emitted by the scan (no extra work); any
+    other cut ends the piece there. With checkpoints every multiple of 64 tokens, a chunk is at
+    most two pieces: up to its first cut, then the rest."""
+    pieces, begin, emits = [], first, []
+    for offset, row in cuts:
+        position = first + offset
+        if (position - begin) % chunk_size == 0:
+            emits.append((position - begin, row))
+        else:
+            pieces.append((begin, position, emits, row))
+            begin, emits = position, []
+    pieces.append((begin, first + n, emits, None))
+    return pieces

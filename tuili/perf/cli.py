@@ -199,7 +199,9 @@ def format_plan(p: dict) -> str:
                     + (f", {_si(p['weights_bytes_per_device'], 'B')} per device" if tp > 1 else "")),
         ("KV cache", f"{p['kv_dtype']}: {_si(p['kv_bytes_per_token'], 'B')}/token, "
                      f"{_si(p['kv_bytes_per_request'], 'B')} per {p['context_tokens']}-token request"
-                     + (f"; state {_si(p['state_bytes_per_request'], 'B')} per request" if p["state_bytes_per_request"] else "")),
+                     + (f"; state {_si(p['state_bytes_per_request'], 'B')} per request" if p["state_bytes_per_request"] else "")
+                     + (f"; prefix-cache state checkpoints {_si(p['state_checkpoint_bytes_per_device'], 'B')} per device"
+                        if p["state_checkpoint_bytes_per_device"] else "")),
         ("hardware", f"{p['hardware']} [{p['hardware_origin']}]: {_si(p['peak_flops_per_device'], 'FLOP/s')} "
                      f"{p['compute_dtype']}, {_si(p['memory_bandwidth_per_device'], 'B/s')}, "
                      f"{_gib(p['memory_bytes_per_device'])} — {p['hardware_source']}"),

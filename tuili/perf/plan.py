@@ -67,6 +67,23 @@ class PlanInputs:
         dtype_bytes(self.conv_state_dtype)
 
 
+# A hybrid model's prefix cache (tuili/engine/pool.py, state_checkpoint_count): state checkpoints
+# take at most this share of the KV budget, and no more than one per interval of the KV tokens it
+# would hold, at the engine's default block size (16) and checkpoint interval (4 blocks).
+CHECKPOINT_SHARE = 0.25
+CHECKPOINT_INTERVAL_TOKENS = 16 * 4
+
+
+def state_checkpoint_bytes(budget: float, kv_bytes_per_token: float, state_bytes: float) -> float:
+    """Bytes a hybrid model's prefix cache reserves for state checkpoints out of a KV budget of
+    `budget` bytes, as the engine's pool plan reserves them; 0 without linear-attention state."""
+    if state_bytes <= 0 or budget <= 0:
+        return 0
+    count = min(int(budget * CHECKPOINT_SHARE) // state_bytes,
+                math.ceil(budget / (kv_bytes_per_token * CHECKPOINT_INTERVAL_TOKENS)))  # fmt: skip
+    return count * state_bytes
+
+
 def max_concurrent_requests(
     memory_bytes: float, weight_bytes: float, request_bytes: float, reserve_bytes: float = 0,
 ) -> int:
@@ -277,7 +294,10 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
             f"activations and runtime; use more devices (--tp), fewer bits (--weights), or bigger hardware"
         )
     request_device = roof.kv_token_device * inputs.context + roof.state_device
-    per_replica = max_concurrent_requests(hardware.memory_bytes, weights_device, request_device, reserve)
+    checkpoints_device = state_checkpoint_bytes(
+        hardware.memory_bytes - reserve - weights_device, roof.kv_token_device, roof.state_device,
+    )  # fmt: skip
+    per_replica = max_concurrent_requests(hardware.memory_bytes, weights_device + checkpoints_device, request_device, reserve)
     if per_replica == 0:
         raise TuiliError(
             f"cannot fit one request of {inputs.context} tokens: it needs {request_device / 1e9:.2f} GB "
@@ -310,6 +330,7 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         "kv_bytes_per_token": kv_token,
         "kv_bytes_per_request": kv_token * inputs.context,
         "state_bytes_per_request": state,
+        "state_checkpoint_bytes_per_device": checkpoints_device,
         "hardware": hardware.name,
         "hardware_origin": hardware.origin,
         "hardware_source": hardware.source,
