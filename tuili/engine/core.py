@@ -31,6 +31,7 @@ from tuili.engine.pool import plan_pool
 from tuili.engine.request import RequestMetrics, RequestOutput, Sequence
 from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import Scheduler, SchedulerOutput
+from tuili.engine.spec.build import build_speculator
 from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
 from tuili.engine.stopping import StopTokens
@@ -88,6 +89,7 @@ class LLMEngine:
             loaded.model, self.pool, RunnerConfig(self.device, self.dtype, stop_tokens, config.enforce_eager),
         )
         self.outputs = OutputProcessor(self.tokenizer, stop_tokens, self.max_model_len)
+        self.speculator = build_speculator(config, self) if config.speculative_config is not None else None
         self._observers: list[StepObserver] = []
         self._synchronize = False  # an observer wants device time and the device runs asynchronously
         self._requests: dict[str, RequestState] = {}
@@ -136,6 +138,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
+            spec=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None,
         )
 
     # ---- requests -------------------------------------------------------------------
@@ -236,6 +239,8 @@ class LLMEngine:
         """Schedule and run one forward; return the outputs of requests that progressed, after
         the final outputs of requests aborted since the last step."""
         aborted, self._aborted = self._aborted, []
+        started = time.perf_counter()
+        proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished():
@@ -250,23 +255,31 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = seq.num_cached_tokens or 0
             prompt_tokens += max(0, min(item.start + item.num_tokens, seq.prompt_len) - item.start)
-        started = time.perf_counter()
+        forward_started = time.perf_counter()
         self.runner.copy_blocks(out.copies)
-        sampled = self.runner.execute(out.scheduled)
+        sampled = self.runner.execute(out.scheduled, proposals)
         if self._synchronize:
             torch.cuda.synchronize(self.device)  # a step without sampling returns before the GPU is done
-        seconds = time.perf_counter() - started
-        self.scheduler.update(out)
+        finished = time.perf_counter()
+        seconds = finished - started  # the proposals' time is the step's too
+        accepted = None
+        if self.speculator is not None:
+            accepted = self.speculator.record(out, sampled, finished - forward_started)
+        self.scheduler.update(out, accepted)
 
         touched: dict[str, RequestState] = {}
         sampling_seqs = [item.seq for item in out.scheduled if item.samples]
         now = time.monotonic()
-        for seq, token in zip(sampling_seqs, sampled, strict=True):
+        num_sampled = 0
+        for seq, tokens in zip(sampling_seqs, sampled, strict=True):
             req = self._requests[seq.request_id]
             req.metrics.first_token_time = req.metrics.first_token_time or now
-            reason = self.outputs.append(seq, req.texts[seq.seq_id], token)
-            if reason is not None:
-                self._retire(seq, reason)
+            for token in tokens:  # several when proposals were kept; a stop among them ends it there
+                num_sampled += 1
+                reason = self.outputs.append(seq, req.texts[seq.seq_id], token)
+                if reason is not None:
+                    self._retire(seq, reason)
+                    break
             touched[req.request_id] = req
         outputs = aborted
         for req in touched.values():
@@ -276,19 +289,23 @@ class LLMEngine:
             outputs.append(self.outputs.output(req))
 
         self._prompt_tokens_computed += prompt_tokens
-        self._generation_tokens += len(sampled)
+        self._generation_tokens += num_sampled
         self._num_steps += 1
         self._num_preemptions += len(out.preempted)
         if self._observers:
-            self._report(out, prompt_tokens, len(sampled), seconds)
+            self._report(out, prompt_tokens, num_sampled, seconds, proposals)
         return outputs
 
-    def _report(self, out: SchedulerOutput, prompt_tokens: int, num_sampled: int, seconds: float) -> None:
+    def _report(self, out: SchedulerOutput, prompt_tokens: int, num_sampled: int, seconds: float,
+                proposals: dict | None) -> None:
         chunks, decodes = out.split_prefill_decode()
         record = StepRecord(
             prefill_chunks=chunks, decode_context_lens=decodes, num_sampled=num_sampled,
             num_preempted=len(out.preempted), prompt_tokens_computed=prompt_tokens, seconds=seconds,
             synchronized=self._synchronize or self.device.type != "cuda",
+            verify_chunks=out.verify_chunks(),
+            draft_forwards=max((len(p.token_ids) for p in proposals.values()), default=0)
+            if proposals and self.speculator is not None and self.speculator.config.method == "draft_model" else 0,
         )
         for observer in self._observers:
             observer.on_step(record)
@@ -297,3 +314,5 @@ class LLMEngine:
         """Free a finished or aborted sequence's blocks and per-sequence state now."""
         self.scheduler.finish(seq, reason)
         self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)

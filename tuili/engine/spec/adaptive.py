@@ -1,0 +1,113 @@
+"""How many tokens to propose, per sequence and step, so that speculation never slows the engine.
+
+A proposal pays when the tokens it is expected to add are worth more than the time its extra
+row costs. Two things are measured as the engine runs:
+
+* acceptance: per sequence, the chance that a proposed token is kept given the ones before it
+  were (a Beta(1, 1) prior, counts halved as they grow, so a change of text is followed);
+  proposal j (1-based) then adds alpha^j expected tokens;
+* cost: the step time as a linear function of the rows computed, fitted by least squares to the
+  recent steps that only decoded or verified, with a separate constant for steps that verify
+  (they run eagerly and attend through gathered blocks, where plain decodes may replay a CPU
+  graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's measured time
+  per forward is added per proposal position (`draft_forward_seconds`).
+
+Each step the candidates (sequence, j) are taken in order of alpha^j while the added tokens per
+added second beat the step's tokens per second; then the plan is compared with proposing
+nothing, and the faster one in tokens per second wins. Before the fit has both kinds of steps
+at two sizes it explores: a plain step, then full proposals, then half of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+_HISTORY = 64  # steps the cost fit remembers
+_DECAY_AT = 32.0  # acceptance counts are halved when their trials reach this
+
+
+@dataclass
+class _Acceptance:
+    kept: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.kept + 1.0) / (self.trials + 2.0)
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.kept += accepted
+        self.trials += accepted + (1 if accepted < proposed else 0)
+        if self.trials >= _DECAY_AT:
+            self.kept /= 2
+            self.trials /= 2
+
+
+class AdaptiveK:
+    def __init__(self, max_k: int, adaptive: bool = True) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self._acceptance: dict[int, _Acceptance] = {}  # by seq_id
+        self._steps: deque[tuple[int, bool, float]] = deque(maxlen=_HISTORY)  # (rows, verified, seconds)
+        self.draft_forward_seconds = 0.0  # a draft model's measured time per forward (EMA)
+        self._explore = 0
+
+    def choose(self, seq_ids: list[int], limits: list[int]) -> list[int]:
+        """Proposals per decoding sequence this step, each at most its limit."""
+        if not self.adaptive or not seq_ids:
+            return [min(self.max_k, lim) for lim in limits]
+        full = [min(self.max_k, lim) for lim in limits]
+        fit = self._fit()
+        if fit is None:  # explore: plain, full, half
+            self._explore += 1
+            phase = self._explore % 3
+            return [0] * len(full) if phase == 1 else full if phase == 2 else [(k + 1) // 2 for k in full]
+        c_plain, c_row, c_spec = fit
+        batch = len(seq_ids)
+        plain_rate = batch / max(c_plain + c_row * batch, 1e-9)
+        rates = [self._acceptance.get(s, _Acceptance()).rate for s in seq_ids]
+        candidates = sorted(
+            ((rates[i] ** j, i) for i in range(batch) for j in range(1, full[i] + 1)), reverse=True,
+        )
+        per_row = c_row + self.draft_forward_seconds / batch
+        tokens, seconds = float(batch), c_plain + c_spec + c_row * batch
+        ks = [0] * batch
+        for gain, i in candidates:
+            if gain * seconds < per_row * tokens:  # adds fewer tokens per second than the step makes
+                break
+            ks[i] += 1
+            tokens += gain
+            seconds += per_row
+        if not any(ks) or tokens / seconds <= plain_rate:
+            return [0] * batch
+        return ks
+
+    def record_step(self, rows: int, verified: bool, seconds: float) -> None:
+        """A step that only decoded or verified: `rows` positions computed in `seconds`."""
+        self._steps.append((rows, verified, seconds))
+
+    def record_acceptance(self, seq_id: int, proposed: int, accepted: int) -> None:
+        self._acceptance.setdefault(seq_id, _Acceptance()).add(proposed, accepted)
+
+    def record_draft_forward(self, seconds: float) -> None:
+        self.draft_forward_seconds = seconds if not self.draft_forward_seconds else (
+            0.9 * self.draft_forward_seconds + 0.1 * seconds
+        )
+
+    def release(self, seq_id: int) -> None:
+        self._acceptance.pop(seq_id, None)
+
+    def _fit(self) -> tuple[float, float, float] | None:
+        """(c_plain, c_row, c_spec) from the recent steps, or None until they determine it."""
+        steps = list(self._steps)
+        plain = [s for s in steps if not s[1]]
+        spec_rows = {s[0] for s in steps if s[1]}
+        if not plain or len(spec_rows) < 2:
+            return None
+        x = np.array([[1.0, rows, 1.0 if verified else 0.0] for rows, verified, _ in steps])
+        y = np.array([seconds for *_, seconds in steps])
+        (c_plain, c_row, c_spec), *_ = np.linalg.lstsq(x, y, rcond=None)
+        return max(float(c_plain), 0.0), max(float(c_row), 0.0), max(float(c_spec), 0.0)
