@@ -57,6 +57,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="run every step eagerly: no CPU decode graphs (replayed kernel calls, see "
                        "docs/kernels.md)")
     group.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling (default 0)")
+    group.add_argument("--speculative-config", type=parse_json_object, default=None, metavar="JSON",
+                       help='speculative decoding, vLLM\'s dict: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                       '(prompt_lookup_min/max), \'{"model": "PATH", "num_speculative_tokens": 3}\' for a draft model, '
+                       '\'{"model": "self", "quantization": "int4", "num_speculative_tokens": 3}\' for the target '
+                       'quantized as its own draft; "adaptive": false keeps k fixed (docs/engine.md)')
+
+
+def parse_json_object(text: str) -> dict:
+    """argparse type: a JSON object (the value of --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -67,6 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         hardware=args.hardware, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -183,13 +200,26 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"tuili: {len(out.prompt_token_ids)} prompt + {generated} generated tokens in "
                   f"{time.perf_counter() - start:.2f}s ({out.outputs[0].finish_reason})", file=sys.stderr)
             print(meter.summary().format(), file=sys.stderr)
+            _print_speculation(llm)
             return 0
         _generate_file(llm, args.prompts_file, args.output, params)
         print(meter.summary().format(), file=sys.stderr)
+        _print_speculation(llm)
         return 0
     except TuiliError as e:
         print(f"tuili: error: {e}", file=sys.stderr)
         return 2
+
+
+def _print_speculation(llm) -> None:
+    spec = llm.engine.stats().spec
+    if spec is not None:
+        print(
+            f"speculative ({spec.method}): {spec.num_accepted_tokens} of {spec.num_proposed_tokens} proposed tokens "
+            f"accepted ({spec.acceptance_rate:.1%}), {spec.tokens_per_verification:.2f} tokens per verifying step "
+            f"({spec.num_verifications} verifications)",
+            file=sys.stderr,
+        )
 
 
 def _read_prompts(path: Path, tokenizer) -> list:

@@ -32,6 +32,7 @@ from tuili.engine.request import RequestMetrics, RequestOutput, Sequence
 from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import Scheduler, SchedulerOutput
 from tuili.engine.spec.build import build_speculator
+from tuili.engine.spec.draft import DraftModel
 from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
 from tuili.engine.stopping import StopTokens
@@ -89,7 +90,11 @@ class LLMEngine:
             loaded.model, self.pool, RunnerConfig(self.device, self.dtype, stop_tokens, config.enforce_eager),
         )
         self.outputs = OutputProcessor(self.tokenizer, stop_tokens, self.max_model_len)
-        self.speculator = build_speculator(config, self) if config.speculative_config is not None else None
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = build_speculator(
+                config, self.model_config, self.model_path, self.pool, self.platform, self.dtype, stop_tokens,
+            )
         self._observers: list[StepObserver] = []
         self._synchronize = False  # an observer wants device time and the device runs asynchronously
         self._requests: dict[str, RequestState] = {}
@@ -115,6 +120,11 @@ class LLMEngine:
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (ModelRunner.decode_weight_bytes)."""
         return self.runner.decode_weight_bytes()
+
+    def draft_weight_bytes(self) -> int:
+        """Bytes of weights one forward of the speculative draft model reads (0 without one)."""
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        return proposer.weight_bytes() if isinstance(proposer, DraftModel) else 0
 
     def add_observer(self, observer: StepObserver) -> None:
         """Hand every later step's StepRecord to `observer` (tuili/engine/stats.py)."""
@@ -293,17 +303,17 @@ class LLMEngine:
         self._num_steps += 1
         self._num_preemptions += len(out.preempted)
         if self._observers:
-            self._report(out, prompt_tokens, num_sampled, seconds, proposals)
+            self._report(out, prompt_tokens, num_sampled, seconds, proposals, accepted)
         return outputs
 
     def _report(self, out: SchedulerOutput, prompt_tokens: int, num_sampled: int, seconds: float,
-                proposals: dict | None) -> None:
+                proposals: dict | None, accepted: dict | None) -> None:
         chunks, decodes = out.split_prefill_decode()
         record = StepRecord(
             prefill_chunks=chunks, decode_context_lens=decodes, num_sampled=num_sampled,
             num_preempted=len(out.preempted), prompt_tokens_computed=prompt_tokens, seconds=seconds,
             synchronized=self._synchronize or self.device.type != "cuda",
-            verify_chunks=out.verify_chunks(),
+            verify_chunks=out.verify_chunks(), num_accepted=sum(accepted.values()) if accepted else 0,
             draft_forwards=max((len(p.token_ids) for p in proposals.values()), default=0)
             if proposals and self.speculator is not None and self.speculator.config.method == "draft_model" else 0,
         )

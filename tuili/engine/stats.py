@@ -35,6 +35,7 @@ class StepRecord:
     # Speculative decoding: verification chunks as (tokens already in the KV cache, positions
     # computed: the decode token and the proposals), and the draft model's forwards this step.
     verify_chunks: list[tuple[int, int]] = field(default_factory=list)
+    num_accepted: int = 0  # proposals kept (each verification also yields the target's own token)
     draft_forwards: int = 0
 
     @property

@@ -2,32 +2,33 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
 
-from tuili.config import EngineConfig, SpeculativeConfig
+import torch
+
+from tuili.config import EngineConfig, ModelConfig, SpeculativeConfig
+from tuili.engine.pool import PoolPlan
+from tuili.engine.spec.draft import DraftModel
 from tuili.engine.spec.speculator import PromptLookup, Proposer, Speculator
+from tuili.engine.stopping import StopTokens
 from tuili.errors import TuiliError
-
-if TYPE_CHECKING:
-    from tuili.engine.core import LLMEngine
+from tuili.platform import Platform
 
 
-def build_speculator(config: EngineConfig, engine: LLMEngine) -> Speculator:
+def build_speculator(
+    config: EngineConfig, target: ModelConfig, target_path: Path, pool: PoolPlan, platform: Platform,
+    dtype: torch.dtype, stop_tokens: StopTokens,
+) -> Speculator:  # fmt: skip
     spec = config.speculative_config
     assert isinstance(spec, SpeculativeConfig)  # EngineConfig.validate parsed it
-    if engine.model_config.is_hybrid:
+    if target.is_hybrid:
         raise TuiliError(
-            f"speculative_config is not supported for {engine.model_config.architecture} yet: rejected tokens "
-            "would need its linear-attention state restored per proposal position"
+            f"speculative_config is not supported for {target.architecture} yet: rejected tokens would need "
+            "its linear-attention state restored per proposal position"
         )
     proposer: Proposer
     if spec.method == "ngram":
         proposer = PromptLookup(spec)
     else:
-        from tuili.engine.spec.draft import DraftModel  # loads a model: only when asked for
-
-        proposer = DraftModel(
-            spec, config, str(engine.model_path), engine.model_config.vocab_size, engine.pool, engine.platform,
-            engine.dtype, engine.runner.stop_tokens,
-        )
-    return Speculator(spec, proposer, engine.max_model_len)
+        proposer = DraftModel(spec, config, str(target_path), target.vocab_size, pool, platform, dtype, stop_tokens)
+    return Speculator(spec, proposer, pool.max_model_len)
