@@ -241,8 +241,8 @@ class ModelRunner:
                 sample_index.extend(range(query_start, query_start + n))
             elif item.samples:
                 sample_index.append(len(input_ids) - 1)
-            if n == 1:
-                decodes.append((query_start, 1, start, table))
+            if n == 1 or item.draft:  # a verification chunk: a few query rows, read like decodes
+                decodes.append((query_start, n, start, table))
             elif start == 0:
                 spans.append(CausalSpan(query_start, n))
             else:
