@@ -1,8 +1,8 @@
 """Speculative decoding on vs off, side by side in one run, on the embedded SmolLM2 (dequantized
 to bf16, benchmarks/common.py); prints decode tokens/s and the ratios.
 
-(a) batch 1, prompt lookup ("ngram", k=4) on a copy-heavy request: the model is asked to repeat
-    a paragraph of tests/data/english_eval.txt (chat template, greedy);
+(a) batch 1, prompt lookup ("ngram", k=4 adaptive, and k=3 fixed) on a copy-heavy request: the
+    model is asked to repeat a paragraph of tests/data/english_eval.txt (chat template, greedy);
 (b) batch 1, the target quantized to int4 as its own draft ({"model": "self", "quantization":
     "int4"}, k=3), on the same request and on a chat question;
 (c) batch 32 chat questions (tests/data/chat_prompts.json, cycled), greedy, ngram with adaptive k
@@ -32,6 +32,7 @@ from tuili import LLM, SamplingParams  # noqa: E402
 
 DATA = Path(__file__).parent.parent / "tests" / "data"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+NGRAM_K3_FIXED = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
 INT4_SELF = {"model": "self", "quantization": "int4", "num_speculative_tokens": 3}
 
 
@@ -92,6 +93,7 @@ def main() -> None:
         configs = {"off": engine(None)}
         if "a" in args.parts:
             configs["ngram"] = engine(NGRAM)
+            configs["ngram-k3-fixed"] = engine(NGRAM_K3_FIXED)
         if "b" in args.parts:
             configs["int4-self"] = engine(INT4_SELF)
         requests = {"copy": copy_request(configs["off"])}
@@ -102,7 +104,7 @@ def main() -> None:
             texts: dict[str, list[int]] = {}
             for _ in range(args.repeat):
                 for name, llm in configs.items():
-                    if request_name == "chat" and name == "ngram":
+                    if request_name == "chat" and name.startswith("ngram"):
                         continue
                     rate, ids = decode_rate(llm, prompt, tokens)
                     best[name] = max(best.get(name, 0.0), rate)

@@ -97,7 +97,7 @@ class DecodeGraphs:
         """Whether `batch` is a pure decode (or verification) step of a shape that has, or may
         get, a graph."""
         if not (0 < len(batch) <= MAX_GRAPH_BATCH
-                and all(item.samples and (item.num_tokens == 1 or item.draft) for item in batch)
+                and all(item.num_tokens == 1 or (item.samples and item.draft) for item in batch)
                 and all(len(item.seq.block_table) <= self.max_blocks_per_seq for item in batch)):
             return False
         shape = self.shape(batch)

@@ -142,7 +142,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.takes(batch):
             logits = self.graphs.logits(batch)
             if logits is not None:
-                return logits
+                if all(item.samples for item in batch):
+                    return logits
+                # a one-token chunk short of its sequence's end (a draft model catching up)
+                rows = [i for i, item in enumerate(batch) if item.samples]
+                return logits[rows] if rows else None
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         if len(sample_index) == 0:

@@ -7,7 +7,7 @@ row costs. Two things are measured as the engine runs:
   were (a Beta(1, 1) prior, counts halved as they grow, so a change of text is followed);
   proposal j (1-based) then adds alpha^j expected tokens;
 * cost: the step time as a linear function of the rows computed, fitted by least squares to the
-  recent steps that only decoded or verified, with a separate constant for steps that verify
+  median time of each kind of recent step that only decoded or verified, with a separate constant for steps that verify
   (they run eagerly and attend through gathered blocks, where plain decodes may replay a CPU
   graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's measured time
   per forward is added per proposal position (`draft_forward_seconds`).
@@ -101,13 +101,18 @@ class AdaptiveK:
         self._acceptance.pop(seq_id, None)
 
     def _fit(self) -> tuple[float, float, float] | None:
-        """(c_plain, c_row, c_spec) from the recent steps, or None until they determine it."""
-        steps = list(self._steps)
-        plain = [s for s in steps if not s[1]]
-        spec_rows = {s[0] for s in steps if s[1]}
-        if not plain or len(spec_rows) < 2:
+        """(c_plain, c_row, c_spec) from the recent steps, or None until they determine it. Each
+        kind of step (rows, verified) enters once, as the median of its times weighted by its
+        count: a step that captured a CPU graph, or met another process on the core, is an
+        outlier that must not move the fit."""
+        groups: dict[tuple[int, bool], list[float]] = {}
+        for rows, verified, seconds in self._steps:
+            groups.setdefault((rows, verified), []).append(seconds)
+        if not any(not verified for _, verified in groups) or len({r for r, v in groups if v}) < 2:
             return None
-        x = np.array([[1.0, rows, 1.0 if verified else 0.0] for rows, verified, _ in steps])
-        y = np.array([seconds for *_, seconds in steps])
+        keys = list(groups)
+        weights = np.sqrt([len(groups[k]) for k in keys])
+        x = np.array([[1.0, rows, 1.0 if verified else 0.0] for rows, verified in keys]) * weights[:, None]
+        y = np.array([float(np.median(groups[k])) for k in keys]) * weights
         (c_plain, c_row, c_spec), *_ = np.linalg.lstsq(x, y, rcond=None)
         return max(float(c_plain), 0.0), max(float(c_row), 0.0), max(float(c_spec), 0.0)

@@ -87,23 +87,28 @@ class DraftModel:
                 self.blocks.grow(shadow, shadow.num_tokens + k - 1)
                 active.append((i, shadow, k))
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
-        step = 0
         while active:
-            batch = [ScheduledSeq.next_chunk(shadow, shadow.num_tokens - shadow.num_computed_tokens)
-                     for _, shadow, _ in active]
+            # A shadow a few tokens behind (the target kept all proposals: the last one and the
+            # bonus token) catches up one token per forward, so that every forward is a pure
+            # decode step that replays a CPU graph; one far behind (its prompt) in one chunk.
+            batch = []
+            for _, shadow, k in active:
+                missing = shadow.num_tokens - shadow.num_computed_tokens
+                n = missing if missing > k + 1 else 1
+                batch.append(ScheduledSeq(shadow, shadow.num_computed_tokens, n, n == missing))
             logits = self.runner.sample_logits(batch)
-            assert logits is not None
             for item in batch:
                 item.seq.num_computed_tokens += item.num_tokens
-            rows = [self._row(seqs[i], shadow) for i, shadow, _ in active]
-            tokens, probs = self._draw(logits, rows)
-            for (i, shadow, _), token, q in zip(active, tokens, probs, strict=True):
-                shadow.token_ids.append(token)
-                proposals[i].token_ids.append(token)
-                if q is not None:
-                    q_rows[i].append(q)
-            step += 1
-            active = [entry for entry in active if entry[2] > step]
+            drawing = [entry for entry, item in zip(active, batch, strict=True) if item.samples]
+            if drawing:
+                assert logits is not None
+                tokens, probs = self._draw(logits, [self._row(seqs[i], shadow) for i, shadow, _ in drawing])
+                for (i, shadow, _), token, q in zip(drawing, tokens, probs, strict=True):
+                    shadow.token_ids.append(token)
+                    proposals[i].token_ids.append(token)
+                    if q is not None:
+                        q_rows[i].append(q)
+            active = [(i, shadow, k) for i, shadow, k in active if len(proposals[i].token_ids) < k]
         for i, rows in q_rows.items():
             if rows:
                 proposals[i].probs = torch.stack(rows)
@@ -126,7 +131,9 @@ class DraftModel:
             self._shadows[seq.seq_id] = shadow
         # The shadow's tokens are the target's as of the last sync, then that step's proposals:
         # only those can differ from the target's tokens now.
-        limit = min(shadow.num_computed_tokens, seq.num_tokens)
+        # At least the last token is computed again: its logits draw the first proposal (the
+        # shadow may be ahead when its proposals were not verified: the target was preempted).
+        limit = min(shadow.num_computed_tokens, seq.num_tokens - 1)
         valid = min(self._synced.get(seq.seq_id, 0), limit)
         old, new = shadow.token_ids, seq.token_ids
         while valid < limit and old[valid] == new[valid]:
