@@ -258,7 +258,7 @@ def test_adaptive_k_stops_speculating_when_rows_are_expensive_and_acceptance_low
     adaptive = AdaptiveK(max_k=4)
     seqs = list(range(32))
     # Steps cost 1 ms plus 1 ms per row: verifying 4 proposals quintuples a batch of 32's step.
-    for rows, verified in [(32, False), (160, True), (96, True), (32, False), (160, True)]:
+    for rows, verified in [(32, False), (36, True), (34, True), (32, False), (160, True)]:
         adaptive.record_step(rows, verified, 0.001 + 0.001 * rows)
     for s in seqs:
         adaptive.record_acceptance(s, 4, 0)  # nothing kept

@@ -13,8 +13,9 @@ rows); the reason is logged once.
 
 Speculative decoding's verification steps are captured the same way, keyed by the query rows of
 each sequence (1 for a decode, 1 + proposals for a verification): their rows go to the paged
-kernel as a few causal queries per sequence, and the graph returns every row's logits. At most
-MAX_VERIFY_SHAPES such shapes are captured; others run eagerly.
+kernel as a few causal queries per sequence, and the graph returns every row's logits. Only
+steps of at most MAX_VERIFY_BATCH sequences, and at most MAX_VERIFY_SHAPES shapes, are captured;
+others run eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 # between kernels, and each batch size captured costs one more eager step and its buffers.
 MAX_GRAPH_BATCH = 64
 MAX_VERIFY_SHAPES = 32  # verification shapes (query rows per sequence) captured at most
+# Most sequences of a captured verification step: the shapes multiply with the batch (each
+# sequence's rows vary), and a large batch's step is arithmetic, not time between kernels.
+MAX_VERIFY_BATCH = 4
 
 # A step's shape: its batch size for pure decodes, else the query rows of each sequence.
 Shape = int | tuple[int, ...]
@@ -106,7 +110,8 @@ class DecodeGraphs:
         if isinstance(shape, tuple):
             key = (shape, torch.get_num_threads())
             verify_shapes = sum(1 for s, _ in self._graphs if isinstance(s, tuple))
-            return sum(shape) <= MAX_GRAPH_BATCH and (key in self._graphs or verify_shapes < MAX_VERIFY_SHAPES)
+            return (len(shape) <= MAX_VERIFY_BATCH and sum(shape) <= MAX_GRAPH_BATCH
+                    and (key in self._graphs or verify_shapes < MAX_VERIFY_SHAPES))
         return True
 
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:

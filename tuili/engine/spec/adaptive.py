@@ -15,7 +15,8 @@ row costs. Two things are measured as the engine runs:
 Each step the candidates (sequence, j) are taken in order of alpha^j while the added tokens per
 added second beat the step's tokens per second; then the plan is compared with proposing
 nothing, and the faster one in tokens per second wins. Before the fit has both kinds of steps
-at two sizes it explores: a plain step, then full proposals, then half of them.
+at two sizes it explores, cheaply at any batch size: a plain step, then one sequence verifying
+all its proposals, then half of them.
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ class AdaptiveK:
             return [min(self.max_k, lim) for lim in limits]
         full = [min(self.max_k, lim) for lim in limits]
         fit = self._fit()
-        if fit is None:  # explore: plain, full, half
+        if fit is None:  # explore: plain, then one sequence with full and with half its proposals
             self._explore += 1
             phase = self._explore % 3
-            return [0] * len(full) if phase == 1 else full if phase == 2 else [(k + 1) // 2 for k in full]
+            ks = [0] * len(full)
+            if phase:
+                i = (self._explore // 3) % len(full)
+                ks[i] = full[i] if phase == 1 else (full[i] + 1) // 2
+            return ks
         c_plain, c_row, c_spec = fit
         batch = len(seq_ids)
         plain_rate = batch / max(c_plain + c_row * batch, 1e-9)
