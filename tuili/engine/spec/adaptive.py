@@ -10,11 +10,12 @@ row costs. Two things are measured as the engine runs:
   median time of each kind of recent step that only decoded or verified, with a separate constant for steps that verify
   (they run eagerly and attend through gathered blocks, where plain decodes may replay a CPU
   graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's measured time
-  per forward is added per proposal position (`draft_forward_seconds`).
+  per forward is added once per proposal depth of the step (`draft_forward_seconds`): its
+  forwards run whatever the number of sequences.
 
-Each step the candidates (sequence, j) are taken in order of alpha^j while the added tokens per
-added second beat the step's tokens per second; then the plan is compared with proposing
-nothing, and the faster one in tokens per second wins. Before the fit has both kinds of steps
+Each step, for each depth K, the candidates (sequence, j <= K) are taken in order of alpha^j
+while the added tokens per added second beat the step's tokens per second; the plan of the
+fastest depth in tokens per second wins, or proposing nothing when that is faster. Before the fit has both kinds of steps
 at two sizes it explores, cheaply at any batch size: a plain step, then one sequence verifying
 all its proposals, then half of them.
 """
@@ -74,21 +75,24 @@ class AdaptiveK:
         batch = len(seq_ids)
         plain_rate = batch / max(c_plain + c_row * batch, 1e-9)
         rates = [self._acceptance.get(s, _Acceptance()).rate for s in seq_ids]
-        candidates = sorted(
-            ((rates[i] ** j, i) for i in range(batch) for j in range(1, full[i] + 1)), reverse=True,
-        )
-        per_row = c_row + self.draft_forward_seconds / batch
-        tokens, seconds = float(batch), c_plain + c_spec + c_row * batch
-        ks = [0] * batch
-        for gain, i in candidates:
-            if gain * seconds < per_row * tokens:  # adds fewer tokens per second than the step makes
-                break
-            ks[i] += 1
-            tokens += gain
-            seconds += per_row
-        if not any(ks) or tokens / seconds <= plain_rate:
-            return [0] * batch
-        return ks
+        # A draft model's forwards are paid per step (one per proposal position, whatever the
+        # number of sequences): each depth K is a plan of its own, the best one wins.
+        best_rate, best = plain_rate, [0] * batch
+        for depth in range(1, max(full) + 1):
+            candidates = sorted(
+                ((rates[i] ** j, i) for i in range(batch) for j in range(1, min(full[i], depth) + 1)), reverse=True,
+            )
+            tokens, seconds = float(batch), c_plain + c_spec + c_row * batch + self.draft_forward_seconds * depth
+            ks = [0] * batch
+            for gain, i in candidates:
+                if gain * seconds < c_row * tokens:  # adds fewer tokens per second than the step makes
+                    break
+                ks[i] += 1
+                tokens += gain
+                seconds += c_row
+            if any(ks) and tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, ks
+        return best
 
     def record_step(self, rows: int, verified: bool, seconds: float) -> None:
         """A step that only decoded or verified: `rows` positions computed in `seconds`."""
