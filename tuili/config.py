@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -383,6 +384,89 @@ QUANTIZATION_METHODS = ("int8", "int4")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The keys of vLLM's speculative_config that tuili reads, and tuili's own "adaptive".
+_SPECULATIVE_KEYS = (
+    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization",
+    "adaptive",
+)
+SELF_DRAFT = "self"  # speculative_config {"model": "self", "quantization": "int4"}: the target, quantized, drafts
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, from vLLM's `speculative_config` dict (docs/engine.md).
+
+    `method` "ngram" proposes by prompt lookup (the n-gram of `prompt_lookup_min`..`_max`
+    tokens ending the text, found earlier in prompt or output); "draft_model" runs `model`, a
+    smaller checkpoint with the target's vocabulary, or "self": the target's own checkpoint
+    quantized as `quantization` says ("int4" drafting for a bf16 model). `num_speculative_tokens`
+    is the most tokens proposed per sequence per step; with `adaptive` (default) the engine
+    proposes fewer, or none, where measured acceptance and step cost say they would not pay."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    quantization: str | None = None
+    adaptive: bool = True
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """Validate vLLM's dict; raises TuiliError naming the bad key and what was expected."""
+        if isinstance(value, SpeculativeConfig):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, dict):
+            raise TuiliError(f"speculative_config={value!r} is invalid: expected a dict such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise TuiliError(f"speculative_config key(s) {unknown} are not supported: expected some of "
+                             f"{list(_SPECULATIVE_KEYS)}")
+        model = value.get("model")
+        method = value.get("method")
+        if method is None:  # vLLM infers the method from the model: "ngram" (its old spelling) or a draft
+            method = "ngram" if model in ("ngram", "[ngram]") else "draft_model" if model is not None else None
+            model = None if method == "ngram" else model
+        if method not in SPECULATIVE_METHODS:
+            extra = " (MTP heads are not run yet)" if method == "mtp" else ""
+            raise TuiliError(f"speculative_config method={method!r} is not supported{extra}: expected one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+
+        def integer(key: str, default: int | None, minimum: int, maximum: int) -> int:
+            v = value.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+                raise TuiliError(f"speculative_config {key}={v!r} is invalid: expected an integer in "
+                                 f"[{minimum}, {maximum}]")
+            return v
+
+        k = integer("num_speculative_tokens", None, 1, 16)
+        lo_given, hi_given = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        # vLLM's rule: one bound given sets the other.
+        lo = integer("prompt_lookup_min", lo_given if lo_given is not None else (hi_given or 2), 1, 64)
+        hi = integer("prompt_lookup_max", hi_given if hi_given is not None else max(lo, 5), 1, 64)
+        if lo > hi:
+            raise TuiliError(f"speculative_config prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
+        quantization = value.get("quantization")
+        if quantization is not None and quantization not in QUANTIZATION_METHODS:
+            raise TuiliError(f"speculative_config quantization={quantization!r} is not supported: expected one "
+                             f"of {', '.join(QUANTIZATION_METHODS)}")
+        if method == "ngram" and (model is not None or quantization is not None):
+            raise TuiliError("speculative_config method='ngram' takes no model or quantization: it needs no draft model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise TuiliError(f"speculative_config model={model!r} is invalid: method 'draft_model' needs a "
+                                 f"checkpoint path, or {SELF_DRAFT!r} with a quantization")
+            if model == SELF_DRAFT and quantization is None:
+                raise TuiliError(f"speculative_config model={SELF_DRAFT!r} needs a quantization ('int4' or 'int8'): "
+                                 "the unquantized target drafting for itself cannot be faster")
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise TuiliError(f"speculative_config adaptive={adaptive!r} is invalid: expected true or false")
+        return cls(method, k, lo, hi, model, quantization, adaptive)
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs; `validate()` runs once when the engine is built."""
@@ -416,6 +500,8 @@ class EngineConfig:
     seed: int = 0
     # Ranks the model is split over (tuili/parallel): 1 runs it whole in this process.
     tensor_parallel_size: int = 1
+    # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}); None: no speculation
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
 
     def validate(self) -> None:
         tp = self.tensor_parallel_size
@@ -455,3 +541,5 @@ class EngineConfig:
             raise TuiliError(f"kv_offload_memory={self.kv_offload_memory!r} is invalid: expected bytes >= 0")
         if not isinstance(self.batch_invariant, bool):
             raise TuiliError(f"batch_invariant={self.batch_invariant!r} is invalid: expected True or False")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -15,3 +15,18 @@ def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "llama"
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(tiny_llama, tmp_path_factory):
+    """tiny_llama's first layer alone (its embedding, norm and head): a draft model that shares
+    the target's vocabulary and often, not always, agrees with it."""
+    target = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    config = target.config
+    config.num_hidden_layers = 1
+    draft = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    assert not missing
+    path = tmp_path_factory.mktemp("tiny") / "llama_draft"
+    draft.save_pretrained(path)
+    return path

@@ -57,3 +57,18 @@ def test_chat_keeps_history_and_reuses_its_cache():
     assert c2 >= (p1 // 16) * 16, "and reuses their KV from the prefix cache"
     assert p3 < p2, "/reset starts a new conversation"
     assert result.stdout.count("> ") == 5  # three messages, /reset, /exit
+
+
+def test_generate_with_speculative_config_prints_acceptance():
+    text = "one two three four five six seven eight nine ten"
+    prompt = f"Repeat exactly: {text}. {text}. {text}."
+    result = _tuili("generate", "--prompt", prompt, "--temperature", "0", "--max-tokens", "24",
+                    "--kv-cache-memory", "128MiB", "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"speculative \(ngram\): \d+ of \d+ proposed tokens accepted", result.stderr), result.stderr
+    bad = _tuili("generate", "--prompt", "hi", "--kv-cache-memory", "128MiB", "--speculative-config",
+                 '{"method": "ngram"}')
+    assert bad.returncode == 2 and "num_speculative_tokens=None is invalid" in bad.stderr, bad.stderr
+    bad = _tuili("generate", "--prompt", "hi", "--speculative-config", "{not json")
+    assert bad.returncode == 2 and "not valid JSON" in bad.stderr

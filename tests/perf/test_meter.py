@@ -111,3 +111,18 @@ def test_a_utilization_above_100_percent_is_unknown_not_printed():
     assert samples["tuili:prefill_flops_total"] == flops  # the totals stay, for a better peak
     text = summary.format()
     assert "MFU unknown" in text and "855" not in text and "%" in text.splitlines()[1]
+
+
+def test_a_verification_chunk_is_decode_work_with_every_position_computed():
+    """Speculative decoding: a chunk verifying 3 proposals after 40 cached tokens reads the weights
+    once (with the step's decode), its 44 tokens of KV once, and computes 4 positions with their
+    logits; it yields its 2 kept proposals plus the target's token. A draft forward adds the
+    draft's weights."""
+    meter = meter_for(TIED)
+    cost = ModelCost.from_config(TIED)
+    meter.draft_weight_bytes = 1000
+    meter.record_step([], [10], seconds=0.5, verify_chunks=[(40, 4)], num_accepted=2, draft_forwards=3)
+    assert meter.decode_bytes == params(TIED) * FP32 + kv_per_token(TIED) * (10 + 44) + 3 * 1000
+    assert meter.decode_flops == cost.decode_flops([10]) + cost.decode_flops([41, 42, 43, 44])
+    assert meter.decode_tokens == 1 + 1 + 2
+    assert meter.prefill_tokens == 0 and meter.prefill_seconds == 0

@@ -181,6 +181,18 @@ class BlockManager:
         seq.block_table = []
         seq.block_digests = []
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back `seq`'s blocks past those its first `num_tokens` tokens need (speculative
+        decoding's rejected tokens). Such blocks were grown for this step only: held by `seq`
+        alone and never registered, since registration covers computed slots only."""
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.digest is None, f"trimmed block {block.block_id} is shared or cached"
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+
     # ---- prefix cache -----------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence, max_tokens: int | None = None) -> PrefixMatch:
@@ -237,7 +249,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        # Only tokens already in the sequence: accepted proposals are appended after this call.
+        full = min(seq.num_computed_tokens, seq.num_tokens) // bs
         while len(seq.block_digests) < full:
             i = len(seq.block_digests)
             parent = seq.block_digests[-1] if seq.block_digests else b""

@@ -73,6 +73,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="let each step pick its fastest kernels by row count: a request's output may then "
                        "depend on what else is in the batch, on prefix-cache hits and on chunking (default: "
                        "batch invariant, see docs/engine.md)")
+    group.add_argument("--speculative-config", type=parse_json_object, default=None, metavar="JSON",
+                       help='speculative decoding, vLLM\'s dict: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                       '(prompt_lookup_min/max), \'{"model": "PATH", "num_speculative_tokens": 3}\' for a draft model, '
+                       '\'{"model": "self", "quantization": "int4", "num_speculative_tokens": 3}\' for the target '
+                       'quantized as its own draft; "adaptive": false keeps k fixed (docs/engine.md)')
+
+
+def parse_json_object(text: str) -> dict:
+    """argparse type: a JSON object (the value of --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -87,6 +103,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_itl_stretch=args.max_itl_stretch or None,
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -231,6 +248,7 @@ def run_generate(args: argparse.Namespace) -> int:
         else:
             _generate_file(llm, args.prompts_file, args.output, params)
         print(meter.summary().format(), file=sys.stderr)
+        _print_speculation(llm)
         parallel = _parallel_summary(llm, meter)
         if parallel:
             print(parallel, file=sys.stderr)
@@ -239,6 +257,17 @@ def run_generate(args: argparse.Namespace) -> int:
     except TuiliError as e:
         print(f"tuili: error: {e}", file=sys.stderr)
         return 2
+
+
+def _print_speculation(llm) -> None:
+    spec = llm.engine.stats().spec
+    if spec is not None:
+        print(
+            f"speculative ({spec.method}): {spec.num_accepted_tokens} of {spec.num_proposed_tokens} proposed tokens "
+            f"accepted ({spec.acceptance_rate:.1%}), {spec.tokens_per_verification:.2f} tokens per verifying step "
+            f"({spec.num_verifications} verifications)",
+            file=sys.stderr,
+        )
 
 
 def _read_prompts(path: Path, tokenizer) -> list:

@@ -32,6 +32,8 @@ from tuili.engine.pool import plan_pool
 from tuili.engine.request import RequestMetrics, RequestOutput, Sequence
 from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import Scheduler, SchedulerOutput
+from tuili.engine.spec.build import build_speculator
+from tuili.engine.spec.draft import DraftModel
 from tuili.engine.state_checkpoints import StateCheckpoints
 from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
@@ -128,6 +130,11 @@ class LLMEngine:
             ParallelModelRunner(loaded.model, self.pool, runner_config, self.parallel)
         )
         self.outputs = OutputProcessor(self.tokenizer, stop_tokens, self.max_model_len)
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = build_speculator(
+                config, self.model_config, self.model_path, self.pool, self.platform, self.dtype, stop_tokens,
+            )
         self._observers: list[StepObserver] = []
         self._synchronize = False  # an observer wants device time and the device runs asynchronously
         self.pacer = StepPacer(config.max_itl_stretch) if config.max_itl_stretch is not None else None
@@ -171,6 +178,11 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.stop()
 
+    def draft_weight_bytes(self) -> int:
+        """Bytes of weights one forward of the speculative draft model reads (0 without one)."""
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        return proposer.weight_bytes() if isinstance(proposer, DraftModel) else 0
+
     def add_observer(self, observer: StepObserver) -> None:
         """Hand every later step's StepRecord to `observer` (tuili/engine/stats.py)."""
         self._observers.append(observer)
@@ -193,6 +205,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
+            spec=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None,
         )
 
     # ---- requests -------------------------------------------------------------------
@@ -297,6 +310,8 @@ class LLMEngine:
         """Schedule and run one forward; return the outputs of requests that progressed, after
         the final outputs of requests aborted since the last step."""
         aborted, self._aborted = self._aborted, []
+        started = time.perf_counter()
+        proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
         out = self.scheduler.schedule(self.pacer.prefill_limit() if self.pacer is not None else None)
         if not out.scheduled:
             if self.scheduler.has_unfinished():
@@ -311,23 +326,31 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = seq.num_cached_tokens or 0
             prompt_tokens += max(0, min(item.start + item.num_tokens, seq.prompt_len) - item.start)
-        started = time.perf_counter()
+        forward_started = time.perf_counter()
         self.runner.copy_blocks(out.copies)
-        sampled = self.runner.execute(out.scheduled)
+        sampled = self.runner.execute(out.scheduled, proposals)
         if self._synchronize:
             torch.cuda.synchronize(self.device)  # a step without sampling returns before the GPU is done
-        seconds = time.perf_counter() - started
-        self.scheduler.update(out)
+        finished = time.perf_counter()
+        seconds = finished - started  # the proposals' time is the step's too
+        accepted = None
+        if self.speculator is not None:
+            accepted = self.speculator.record(out, sampled, finished - forward_started)
+        self.scheduler.update(out, accepted)
 
         touched: dict[str, RequestState] = {}
         sampling_seqs = [item.seq for item in out.scheduled if item.samples]
         now = time.monotonic()
-        for seq, token in zip(sampling_seqs, sampled, strict=True):
+        num_sampled = 0
+        for seq, tokens in zip(sampling_seqs, sampled, strict=True):
             req = self._requests[seq.request_id]
             req.metrics.first_token_time = req.metrics.first_token_time or now
-            reason = self.outputs.append(seq, req.texts[seq.seq_id], token)
-            if reason is not None:
-                self._retire(seq, reason)
+            for token in tokens:  # several when proposals were kept; a stop among them ends it there
+                num_sampled += 1
+                reason = self.outputs.append(seq, req.texts[seq.seq_id], token)
+                if reason is not None:
+                    self._retire(seq, reason)
+                    break
             touched[req.request_id] = req
         outputs = aborted
         for req in touched.values():
@@ -337,19 +360,23 @@ class LLMEngine:
             outputs.append(self.outputs.output(req))
 
         self._prompt_tokens_computed += prompt_tokens
-        self._generation_tokens += len(sampled)
+        self._generation_tokens += num_sampled
         self._num_steps += 1
         self._num_preemptions += len(out.preempted)
         if self._observers:
-            self._report(out, prompt_tokens, len(sampled), seconds)
+            self._report(out, prompt_tokens, num_sampled, seconds, proposals, accepted)
         return outputs
 
-    def _report(self, out: SchedulerOutput, prompt_tokens: int, num_sampled: int, seconds: float) -> None:
+    def _report(self, out: SchedulerOutput, prompt_tokens: int, num_sampled: int, seconds: float,
+                proposals: dict | None, accepted: dict | None) -> None:
         chunks, decodes = out.split_prefill_decode()
         record = StepRecord(
             prefill_chunks=chunks, decode_context_lens=decodes, num_sampled=num_sampled,
             num_preempted=len(out.preempted), prompt_tokens_computed=prompt_tokens, seconds=seconds,
             synchronized=self._synchronize or self.device.type != "cuda",
+            verify_chunks=out.verify_chunks(), num_accepted=sum(accepted.values()) if accepted else 0,
+            draft_forwards=max((len(p.token_ids) for p in proposals.values()), default=0)
+            if proposals and self.speculator is not None and self.speculator.config.method == "draft_model" else 0,
         )
         for observer in self._observers:
             observer.on_step(record)
@@ -358,3 +385,5 @@ class LLMEngine:
         """Free a finished or aborted sequence's blocks and per-sequence state now."""
         self.scheduler.finish(seq, reason)
         self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)

@@ -10,6 +10,12 @@ kernel calls per layer. Everything else runs eagerly: prefills, mixed steps, bat
 MAX_GRAPH_BATCH, caches the native kernels do not write (fp8), and any batch size whose capture
 was refused (a torch op in the forward, e.g. a float32 model's F.linear beyond the native GEMV's
 rows); the reason is logged once.
+
+Speculative decoding's verification steps are captured the same way, keyed by the query rows of
+each sequence (1 for a decode, 1 + proposals for a verification): their rows go to the paged
+kernel as a few causal queries per sequence, and the graph returns every row's logits. Only
+steps of at most MAX_VERIFY_BATCH sequences, and at most MAX_VERIFY_SHAPES shapes, are captured;
+others run eagerly.
 """
 
 from __future__ import annotations
@@ -30,18 +36,25 @@ log = logging.getLogger(__name__)
 # Most sequences of a captured step. Beyond a few dozen the step's arithmetic dwarfs the time
 # between kernels, and each batch size captured costs one more eager step and its buffers.
 MAX_GRAPH_BATCH = 64
+MAX_VERIFY_SHAPES = 32  # verification shapes (query rows per sequence) captured at most
+# Most sequences of a captured verification step: the shapes multiply with the batch (each
+# sequence's rows vary), and a large batch's step is arithmetic, not time between kernels.
+MAX_VERIFY_BATCH = 4
+
+# A step's shape: its batch size for pure decodes, else the query rows of each sequence.
+Shape = int | tuple[int, ...]
 
 
 @dataclass
 class _StepBuffers:
     """The inputs of a B-sequence decode step, at the addresses its graph reads."""
 
-    x: torch.Tensor  # [B, hidden] embeddings (overwritten by the first layer's residual add)
-    cos: torch.Tensor  # [B, 1, head_dim / 2] float32
+    x: torch.Tensor  # [R, hidden] embeddings of the R query rows (overwritten by the first layer's residual add)
+    cos: torch.Tensor  # [R, 1, head_dim / 2] float32
     sin: torch.Tensor
-    slot_mapping: torch.Tensor  # [B] int64
+    slot_mapping: torch.Tensor  # [R] int64
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32; only each row's used prefix is read
-    seq_info: torch.Tensor  # [B, 3] int32: row b, 1 query, position
+    seq_info: torch.Tensor  # [B, 3] int32: first row, query rows, first position
     meta: AttentionMetadata
 
 
@@ -50,6 +63,10 @@ class _Captured:
     graph: Graph
     buffers: _StepBuffers
     logits_in_graph: bool  # else the graph ends at the final norm and the logits run eagerly
+
+
+def _describe(shape: Shape) -> str:
+    return f"{shape} sequences" if isinstance(shape, int) else f"query rows {shape} per sequence"
 
 
 class DecodeGraphs:
@@ -67,27 +84,41 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self._arena = Arena()
-        self._graphs: dict[tuple[int, int], _Captured] = {}  # (batch size, threads) -> its graph
-        self.refused: dict[int, str] = {}  # batch size -> why it runs eagerly
-        self._said: set[tuple[str, int]] = set()  # (what, batch size) already logged at info
+        self._graphs: dict[tuple[Shape, int], _Captured] = {}  # (shape, threads) -> its graph
+        self.refused: dict[Shape, str] = {}  # shape -> why it runs eagerly
+        self._said: set[tuple[str, Shape]] = set()  # (what, shape) already logged at info
 
     def captured_batch_sizes(self) -> list[int]:
-        return sorted({size for size, _ in self._graphs})
+        return sorted({shape for shape, _ in self._graphs if isinstance(shape, int)})
+
+    @staticmethod
+    def shape(batch: list[ScheduledSeq]) -> Shape:
+        if all(item.num_tokens == 1 for item in batch):
+            return len(batch)
+        return tuple(item.num_tokens for item in batch)
 
     def takes(self, batch: list[ScheduledSeq]) -> bool:
-        """Whether `batch` is a pure decode step of a size that has, or may get, a graph."""
-        return (
-            0 < len(batch) <= MAX_GRAPH_BATCH
-            and len(batch) not in self.refused
-            and all(item.num_tokens == 1 and item.samples for item in batch)
-            and all(len(item.seq.block_table) <= self.max_blocks_per_seq for item in batch)
-        )
+        """Whether `batch` is a pure decode (or verification) step of a shape that has, or may
+        get, a graph."""
+        if not (0 < len(batch) <= MAX_GRAPH_BATCH
+                and all(item.num_tokens == 1 or (item.samples and item.draft) for item in batch)
+                and all(len(item.seq.block_table) <= self.max_blocks_per_seq for item in batch)):
+            return False
+        shape = self.shape(batch)
+        if shape in self.refused:
+            return False
+        if isinstance(shape, tuple):
+            key = (shape, torch.get_num_threads())
+            verify_shapes = sum(1 for s, _ in self._graphs if isinstance(s, tuple))
+            return (len(shape) <= MAX_VERIFY_BATCH and sum(shape) <= MAX_GRAPH_BATCH
+                    and (key in self._graphs or verify_shapes < MAX_VERIFY_SHAPES))
+        return True
 
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Float32 logits [B, vocab] of a step `takes` accepted, valid until the next call; None
         when this step must run eagerly instead (its capture was refused, or a kernel refused its
         inputs, which the eager run then reports by name)."""
-        key = (len(batch), torch.get_num_threads())
+        key = (self.shape(batch), torch.get_num_threads())
         captured = self._graphs.get(key)
         if captured is None:
             return self._capture(batch, key)
@@ -98,10 +129,11 @@ class DecodeGraphs:
             return None
         return out if captured.logits_in_graph else self.model.compute_logits(out)
 
-    def _capture(self, batch: list[ScheduledSeq], key: tuple[int, int]) -> torch.Tensor | None:
+    def _capture(self, batch: list[ScheduledSeq], key: tuple[Shape, int]) -> torch.Tensor | None:
         """Captures the step with its logits, else (an output layer that is not all native
         kernels, such as torch's int8 op) without them, the logits then computed eagerly."""
-        buffers = self._buffers(len(batch))
+        shape = key[0]
+        buffers = self._buffers([item.num_tokens for item in batch])
         model = self.model
         reasons = []
         for logits_in_graph in (True, False):
@@ -121,35 +153,37 @@ class DecodeGraphs:
                 reasons.append(str(error))
                 continue
             self._graphs[key] = _Captured(graph, buffers, logits_in_graph)
-            log.debug("captured a decode graph of %d sequences: %d kernel calls", len(batch), graph.calls)
+            log.debug("captured a decode graph of %s: %d kernel calls", _describe(shape), graph.calls)
             if logits_in_graph:
                 return eager
-            self._say("logits", "the logits of decode steps of %d sequences run eagerly: %s", len(batch), reasons[0])
+            self._say("logits", "the logits of decode steps of %s run eagerly: %s", shape, reasons[0])
             return model.compute_logits(eager)
-        self.refused[len(batch)] = reasons[-1]
-        self._say("step", "decode steps of %d sequences run eagerly: %s", len(batch), reasons[-1])
+        self.refused[shape] = reasons[-1]
+        self._say("step", "decode steps of %s run eagerly: %s", shape, reasons[-1])
         return None
 
-    def _say(self, what: str, message: str, size: int, reason: str) -> None:
+    def _say(self, what: str, message: str, size: Shape, reason: str) -> None:
         """Log `message` at info once per batch size, at debug after that: a server under load
         meets the same shapes again and again (a new thread count recaptures them), and a line
         per step grew its log by hundreds of MB an hour (issue 20)."""
         level = logging.DEBUG if (what, size) in self._said else logging.INFO
         self._said.add((what, size))
-        log.log(level, message, size, reason)
+        log.log(level, message, _describe(size), reason)
 
-    def _buffers(self, batch_size: int) -> _StepBuffers:
+    def _buffers(self, rows_per_seq: list[int]) -> _StepBuffers:
         hidden = self.model.model.embed_tokens.weight
         half_dim = self.model.model.rotary.cos.shape[1]
+        batch_size, rows = len(rows_per_seq), sum(rows_per_seq)
         block_tables = torch.zeros(batch_size, self.max_blocks_per_seq, dtype=torch.int32)
         seq_info = torch.zeros(batch_size, 3, dtype=torch.int32)
-        seq_info[:, 0] = torch.arange(batch_size)
-        seq_info[:, 1] = 1
-        slot_mapping = torch.zeros(batch_size, dtype=torch.int64)
+        counts = torch.tensor(rows_per_seq, dtype=torch.int32)
+        seq_info[:, 0] = torch.cumsum(counts, 0) - counts
+        seq_info[:, 1] = counts
+        slot_mapping = torch.zeros(rows, dtype=torch.int64)
         return _StepBuffers(
-            x=hidden.new_empty(batch_size, hidden.shape[1]),
-            cos=torch.empty(batch_size, 1, half_dim),
-            sin=torch.empty(batch_size, 1, half_dim),
+            x=hidden.new_empty(rows, hidden.shape[1]),
+            cos=torch.empty(rows, 1, half_dim),
+            sin=torch.empty(rows, 1, half_dim),
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_info=seq_info,
@@ -158,8 +192,18 @@ class DecodeGraphs:
 
     def _write_inputs(self, buffers: _StepBuffers, batch: list[ScheduledSeq]) -> None:
         bs = self.block_size
-        positions = [item.start for item in batch]
-        tokens = [item.seq.token_ids[item.start] for item in batch]
+        starts = [item.start for item in batch]
+        if all(item.num_tokens == 1 for item in batch):
+            positions = starts
+            tokens = [item.seq.token_ids[item.start] for item in batch]
+            slots = [slot(item.seq.block_table, p, bs) for item, p in zip(batch, positions, strict=True)]
+        else:
+            positions, tokens, slots = [], [], []
+            for item in batch:
+                span = range(item.start, item.start + item.num_tokens)
+                positions.extend(span)
+                tokens.extend(item.token_ids())
+                slots.extend(slot(item.seq.block_table, p, bs) for p in span)
         x, (cos, sin) = self.model.embed(torch.tensor(tokens), torch.tensor(positions))
         buffers.x.copy_(x)
         buffers.cos.copy_(cos)
@@ -168,7 +212,5 @@ class DecodeGraphs:
         for row, item in enumerate(batch):
             table = item.seq.block_table
             tables[row, : len(table)] = table
-        buffers.slot_mapping.numpy()[:] = [
-            slot(item.seq.block_table, p, bs) for item, p in zip(batch, positions, strict=True)
-        ]
-        buffers.seq_info.numpy()[:, 2] = positions
+        buffers.slot_mapping.numpy()[:] = slots
+        buffers.seq_info.numpy()[:, 2] = starts

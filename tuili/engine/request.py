@@ -40,6 +40,9 @@ class Sequence:
     # Hybrid models: the linear-attention state slot held while running (tuili/engine/state_slots.py).
     state_slot: int | None = None
     group: str = ""  # who it is scheduled fairly against (the server's API call); "": the default group
+    # Speculative decoding: tokens proposed to follow token_ids, verified in the next step
+    # (tuili/engine/spec/); cleared when the step is scheduled-and-verified or the sequence preempted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

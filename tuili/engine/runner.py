@@ -19,6 +19,7 @@ from tuili.engine.decode_graphs import DecodeGraphs
 from tuili.engine.pool import PoolPlan
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
+from tuili.engine.spec.verify import Proposal, verify
 from tuili.engine.stopping import StopTokens
 from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
 from tuili.layers.deltanet import DeltaNetState, StateBatch
@@ -122,23 +123,53 @@ class ModelRunner:
                     device_bytes[dst] = host[src].to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:
-        """Run one forward over `batch`; return one sampled token per item whose chunk ends
-        its sequence (in batch order)."""
-        sampling = [item.seq for item in batch if item.samples]
-        masks = self._token_masks(sampling)  # filled while the forward below runs
+    def execute(
+        self, batch: list[ScheduledSeq], proposals: dict[Sequence, Proposal] | None = None,
+    ) -> list[list[SampledToken]]:
+        """Run one forward over `batch`; return the new tokens of each item whose chunk ends
+        its sequence (in batch order): one token, or for a verification chunk its accepted
+        proposals and the target's token after them (tuili/engine/spec/verify.py).
+        `proposals` gives the distribution a draft model drew each verified proposal from.
+        Structured-output sequences are never verified (the speculator proposes nothing for
+        them), so their masks apply to one row each."""
+        sampling = [item for item in batch if item.samples]
+        masks = self._token_masks([item.seq for item in sampling])  # filled while the forward below runs
+        logits = self.sample_logits(batch)
+        if logits is None:
+            return []
+        if not any(item.draft for item in sampling):
+            return [[t] for t in self._sample(logits, [item.seq for item in sampling], masks)]
+        rows: list[SamplingRow] = []
+        verified: list[Proposal | None] = []
+        for item in sampling:
+            rows.extend(self._row(item.seq, item.draft[:j]) for j in range(len(item.draft) + 1))
+            if item.draft:
+                probs = (proposals or {}).get(item.seq, Proposal([])).probs
+                verified.append(Proposal(list(item.draft), None if probs is None else probs[: len(item.draft)]))
+            else:
+                verified.append(None)
+        return verify(logits, rows, verified)
+
+    @torch.inference_mode()
+    def sample_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Run one forward over `batch`: the float32 logits of the rows that sample, in batch
+        order (every position of a verification chunk, the last of any other chunk that ends
+        its sequence); None when no chunk does."""
         if self.graphs is not None and self.graphs.takes(batch):
             logits = self.graphs.logits(batch)
             if logits is not None:
-                return self._sample(logits, sampling, masks)
+                if all(item.samples for item in batch):
+                    return logits
+                # a one-token chunk short of its sequence's end (a draft model catching up)
+                rows = [i for i, item in enumerate(batch) if item.samples]
+                return logits[rows] if rows else None
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
-        if not sampling:
-            return []
-        if len(sampling) < hidden.shape[0]:
+        if len(sample_index) == 0:
+            return None
+        if len(sample_index) < hidden.shape[0]:
             hidden = hidden[sample_index]
-        logits = self.model.compute_logits(hidden)
-        return self._sample(logits, sampling, masks)
+        return self.model.compute_logits(hidden)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None) -> list[SampledToken]:
         """Sample, then advance each constrained sequence's grammar past its new token."""
@@ -205,8 +236,9 @@ class ModelRunner:
         self._generators.pop(seq.seq_id, None)
         self._grammar_states.pop(seq.seq_id, None)
 
-    def _row(self, seq: Sequence) -> SamplingRow:
-        """The sequence's sampling row; its token history is read only if a penalty needs it."""
+    def _row(self, seq: Sequence, proposed: tuple[int, ...] = ()) -> SamplingRow:
+        """The sequence's sampling row; its token history is read only if a penalty needs it.
+        With `proposed` tokens: the row of the token after them, as if they had been generated."""
         params = seq.params
         generator = None
         if params.seed is not None:
@@ -218,10 +250,12 @@ class ModelRunner:
                 self._generators[seq.seq_id] = generator
         return SamplingRow(
             params=params,
-            token_ids=seq.token_ids,
+            token_ids=seq.token_ids + list(proposed) if proposed else seq.token_ids,
             prompt_len=seq.prompt_len,
             generator=generator,
-            suppressed_token_ids=self.stop_tokens.suppressed(params, seq.num_output_tokens, self._can_end(seq)),
+            suppressed_token_ids=self.stop_tokens.suppressed(
+                params, seq.num_output_tokens + len(proposed), self._can_end(seq),
+            ),
         )
 
     def _can_end(self, seq: Sequence) -> bool:
@@ -257,14 +291,17 @@ class ModelRunner:
                     restores.append((state_slot, self.num_state_slots + item.restore_checkpoint))
                 for depth, checkpoint in item.save_checkpoints:
                     saves.append((query_start, depth - start, self.num_state_slots + checkpoint))
-            input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(item.token_ids())
             span = range(start, start + n)
             positions.extend(span)
             table = seq.block_table
             slots.extend(slot(table, p, bs) for p in span)
-            if item.samples:
+            if item.draft:  # verification: every position's logits
+                sample_index.extend(range(query_start, query_start + n))
+            elif item.samples:
                 sample_index.append(len(input_ids) - 1)
-            if n == 1 or self.paged_prompts:
+            # A verification chunk (item.draft) is a few query rows, read like decodes.
+            if n == 1 or self.paged_prompts or item.draft:
                 decodes.append((query_start, n, start, table))
             elif start == 0:
                 spans.append(CausalSpan(query_start, n))

@@ -25,6 +25,15 @@ scheduled in this step is preempted: its blocks are freed and it goes back to th
 queue with `num_computed_tokens = 0`, to recompute prompt and generated tokens later. Its
 sampled tokens are kept, so the resumed output is the same as an uninterrupted run.
 
+Speculative decoding: a decoding sequence may carry proposed tokens (`Sequence.spec_token_ids`,
+set by the engine's speculator before `schedule()`). Then it is scheduled as a verification
+chunk: its last sampled token and as many proposals as the budget, its group's share and the
+free blocks allow (never preempting anyone for a proposal), all computed in one chunk
+(`ScheduledSeq.draft`). `update()` is told how many proposals were accepted: the sequence keeps
+the KV of those, and the blocks beyond its next token go back to the pool (they hold only
+rejected tokens' KV and were never registered in the prefix cache, which registers only
+computed slots).
+
 Hybrid models (linear attention beside full attention): a sequence also holds a state slot
 while it runs (StateSlots), taken at admission and returned with its blocks on finish, abort and
 preemption; max_num_seqs is never more than the slots, so admission never waits on one.
@@ -66,12 +75,23 @@ class ScheduledSeq:
     samples: bool
     restore_checkpoint: int | None = None
     save_checkpoints: tuple[tuple[int, int], ...] = ()
+    # Verification: the proposed tokens computed after the sequence's last token (num_tokens =
+    # 1 + len(draft)); every one of those rows is sampled.
+    draft: tuple[int, ...] = ()
 
     @classmethod
     def next_chunk(cls, seq: Sequence, num_tokens: int, restore_checkpoint: int | None = None,
                    save_checkpoints: tuple[tuple[int, int], ...] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        if num_tokens > seq.num_tokens - start:  # the decode token and proposals after it
+            return cls(seq, start, num_tokens, True, draft=tuple(seq.spec_token_ids[: num_tokens - 1]))
         return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens, restore_checkpoint, save_checkpoints)
+
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes."""
+        if self.draft:
+            return [self.seq.token_ids[self.start], *self.draft]
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
 
 
 @dataclass
@@ -87,14 +107,21 @@ class SchedulerOutput:
     def split_prefill_decode(self) -> tuple[list[tuple[int, int]], list[int]]:
         """This step as prefill chunks (tokens cached before, chunk length) and decode context
         lengths (including the new token). A decode computes one generated token; anything
-        else, including the recompute of generated tokens after a preemption, is prefill."""
+        else, including the recompute of generated tokens after a preemption, is prefill.
+        Verification chunks are neither (`verify_chunks`)."""
         chunks, decodes = [], []
         for item in self.scheduled:
+            if item.draft:
+                continue
             if item.num_tokens == 1 and item.start >= item.seq.prompt_len:
                 decodes.append(item.start + 1)
             else:
                 chunks.append((item.start, item.num_tokens))
         return chunks, decodes
+
+    def verify_chunks(self) -> list[tuple[int, int]]:
+        """Verification chunks as (tokens cached before, positions computed: 1 + proposals)."""
+        return [(item.start, item.num_tokens) for item in self.scheduled if item.draft]
 
 
 class Scheduler:
@@ -151,6 +178,8 @@ class Scheduler:
                 n = min(n, prefill_left, prefill_share - prefill_spent[seq.group])
             if n <= 0:
                 continue  # its group's share is spent: step 3 may add to it
+            if n == 1 and seq.spec_token_ids:
+                n += self._proposals_that_fit(seq, budget - 1, token_share - spent[seq.group] - 1)
             if not self._make_room(seq, seq.num_computed_tokens + n, allotted, out):
                 continue  # seq itself was preempted
             self.blocks.grow(seq, seq.num_computed_tokens + n)
@@ -250,6 +279,14 @@ class Scheduler:
             match = self.blocks.match_prefix(seq, found[0])
         return match, found[1]
 
+    def _proposals_that_fit(self, seq: Sequence, budget: int, share: int) -> int:
+        """How many of a decoding sequence's proposals to verify: as many as the budget and its
+        group's share leave room for, and the free blocks hold without preempting anyone."""
+        k = min(len(seq.spec_token_ids), budget, share)
+        while k > 0 and not self.blocks.can_grow(seq, seq.num_computed_tokens + 1 + k):
+            k -= 1
+        return max(k, 0)
+
     @staticmethod
     def _next_waiting(queues: dict[str, deque[Sequence]], admitted: Counter[str],
                       room: Callable[[str], int]) -> Sequence | None:
@@ -298,16 +335,27 @@ class Scheduler:
         if self.state_slots is not None:
             self.state_slots.free(seq)  # recompute restarts the state from zero
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self._waiting_groups[seq.group] += 1
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Record that the scheduled tokens are now in the KV cache (call after the forward)."""
+    def update(self, out: SchedulerOutput, accepted: dict[Sequence, int] | None = None) -> None:
+        """Record that the scheduled tokens are now in the KV cache (call after the forward).
+        `accepted`: per verifying sequence, how many of its proposals were kept; the KV of the
+        rejected ones is dropped and their blocks freed."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.blocks.register_full_blocks(item.seq)
+            seq = item.seq
+            if item.draft:
+                seq.num_computed_tokens += 1 + (accepted or {}).get(seq, 0)
+                seq.spec_token_ids = []
+                self.blocks.trim(seq, seq.num_computed_tokens + 1)
+            else:
+                seq.num_computed_tokens += item.num_tokens
+                if seq.spec_token_ids:  # proposed, but no room to verify them this step
+                    seq.spec_token_ids = []
+            self.blocks.register_full_blocks(seq)
         if self.checkpoints is not None:
             self.checkpoints.commit()
 

@@ -7,10 +7,13 @@ UtilizationMeter, a benchmark's timer) attaches as an observer and reads the rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from tuili.engine.block_manager import CacheStats
+
+if TYPE_CHECKING:
+    from tuili.engine.spec.speculator import SpecStats
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,16 @@ class StepRecord:
     # Whether `seconds` includes the device finishing its work: always on a CPU; on a GPU only
     # while an observer wants device time (a step that samples nothing returns earlier).
     synchronized: bool
+    # Speculative decoding: verification chunks as (tokens already in the KV cache, positions
+    # computed: the decode token and the proposals), and the draft model's forwards this step.
+    verify_chunks: list[tuple[int, int]] = field(default_factory=list)
+    num_accepted: int = 0  # proposals kept (each verification also yields the target's own token)
+    draft_forwards: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return sum(length for _, length in self.prefill_chunks) + len(self.decode_context_lens)
+        return (sum(length for _, length in self.prefill_chunks) + len(self.decode_context_lens)
+                + sum(length for _, length in self.verify_chunks))
 
 
 class StepObserver(Protocol):
@@ -61,3 +70,4 @@ class EngineStats:
     generation_tokens: int  # tokens sampled, over all sequences
     num_steps: int  # forward steps run
     num_preemptions: int  # sequences preempted (each time counted)
+    spec: SpecStats | None = None  # speculative decoding's counters, when it is on

@@ -104,15 +104,7 @@ class Sampler:
             masks.apply(logits)
         if self.platform.native_kernels and _native_greedy(logits, rows):
             return _results(kernels.argmax_rows(logits), rows, [], None)
-        # A float32 copy: everything below edits it in place.
-        logits = logits.to(torch.float32, copy=True)
-        _apply_repetition_penalty(logits, rows)
-        _apply_presence_frequency_penalties(logits, rows)
-        _suppress(logits, rows)
-        # Extreme penalties can overflow a logit to +inf; keep it the largest finite value so
-        # that softmax stays defined.
-        torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
-
+        logits = self.process(logits, rows)
         want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
@@ -129,6 +121,33 @@ class Sampler:
             filtered = _apply_temperature_and_filters(sub, random_rows)
             token_ids[random] = _inverse_cdf_draw(filtered, random_rows)
 
+        return _results(token_ids, rows, want_logprobs, logprobs)
+
+
+    @staticmethod
+    def process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Steps 1-2 on a float32 copy of ``logits``: the distribution each row's penalties and
+        suppression define, what greedy rows take the arg-max of and logprobs report."""
+        logits = logits.to(torch.float32, copy=True)  # everything below edits it in place
+        _apply_repetition_penalty(logits, rows)
+        _apply_presence_frequency_penalties(logits, rows)
+        _suppress(logits, rows)
+        # Extreme penalties can overflow a logit to +inf; keep it the largest finite value so
+        # that softmax stays defined.
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
+        return logits
+
+    @staticmethod
+    def draw_probabilities(processed: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Steps 5-8 on rows of `process`'s output (edited in place): the float32 probabilities
+        a non-greedy row draws from (speculative decoding's target distribution)."""
+        return torch.softmax(_apply_temperature_and_filters(processed, rows), dim=-1)
+
+    @staticmethod
+    def results(token_ids: torch.Tensor, rows: list[SamplingRow], processed: torch.Tensor) -> list[SampledToken]:
+        """The chosen tokens with their logprobs (step 3) where a row asks for them."""
+        want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprobs = torch.log_softmax(processed[want_logprobs], dim=-1) if want_logprobs else None
         return _results(token_ids, rows, want_logprobs, logprobs)
 
 

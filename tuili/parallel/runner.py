@@ -15,7 +15,6 @@ from tuili.engine.block_manager import BlockCopies
 from tuili.engine.pool import PoolPlan
 from tuili.engine.runner import CausalLM, ModelRunner, RunnerConfig
 from tuili.engine.scheduler import ScheduledSeq
-from tuili.layers.sampler import SampledToken
 from tuili.parallel.group import TensorParallelGroup
 
 _EXECUTE, _LOGITS, _COPY, _WEIGHTS, _STOP = "execute", "logits", "copy", "weights", "stop"
@@ -33,14 +32,13 @@ class ParallelModelRunner(ModelRunner):
         super().copy_blocks(copies)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> list[SampledToken]:
+    def sample_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """ModelRunner's forward, on every rank: rank 0 broadcasts the inputs, all run their
+        shard, the logits of the sampling rows come back to rank 0 (which samples, in execute)."""
         inputs = self._prepare(batch)
-        sampling = [item.seq for item in batch if item.samples]
-        self.group.broadcast((_EXECUTE, inputs, len(sampling)))
-        logits = self._forward(inputs, len(sampling))
-        if logits is None:
-            return []
-        return self.sampler(logits, [self._row(seq) for seq in sampling])
+        num_sampling = len(inputs[3])
+        self.group.broadcast((_EXECUTE, inputs, num_sampling))
+        return self._forward(inputs, num_sampling)
 
     @torch.inference_mode()
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:

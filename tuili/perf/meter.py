@@ -121,7 +121,7 @@ class UtilizationMeter:
     def __init__(
         self, cost: ModelCost, hardware: HardwareSpec, weight_bytes: int, kv_bytes_per_token: int,
         *, compute_dtype: str = "bf16", state_bytes_per_sequence: int | None = None, devices: int = 1,
-        decode_weight_bytes: int | None = None,
+        decode_weight_bytes: int | None = None, draft_weight_bytes: int = 0,
     ) -> None:
         if weight_bytes <= 0 or kv_bytes_per_token < 0:
             raise TuiliError(
@@ -132,6 +132,7 @@ class UtilizationMeter:
         self.hardware = hardware
         self.weight_bytes = weight_bytes
         self.decode_weight_bytes = decode_weight_bytes
+        self.draft_weight_bytes = draft_weight_bytes  # a speculative draft model's, read once per draft forward
         self.kv_bytes_per_token = kv_bytes_per_token
         self.state_bytes_per_sequence = (
             cost.state_bytes_per_sequence() if state_bytes_per_sequence is None else state_bytes_per_sequence
@@ -162,10 +163,12 @@ class UtilizationMeter:
             # the state slots as the engine holds them (the conv state in the working dtype)
             state_bytes_per_sequence=engine.pool.state_bytes_per_slot,
             decode_weight_bytes=engine.decode_weight_bytes() if engine.weights_quantized else None,
+            draft_weight_bytes=engine.draft_weight_bytes(),
         )
 
     def on_step(self, record: StepRecord) -> None:
-        self.record_step(record.prefill_chunks, record.decode_context_lens, record.seconds)
+        self.record_step(record.prefill_chunks, record.decode_context_lens, record.seconds,
+                         record.verify_chunks, record.num_accepted, record.draft_forwards)
 
     def step_decode_bytes(self, decode_context_lens: Sequence[int]) -> int:
         """Bytes a decode step over these sequences must read."""
@@ -185,13 +188,23 @@ class UtilizationMeter:
 
     def record_step(
         self, prefill_chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int], seconds: float,
+        verify_chunks: Sequence[tuple[int, int]] = (), num_accepted: int = 0, draft_forwards: int = 0,
     ) -> None:
         """One forward step: prefill chunks as (tokens already cached, chunk length), decodes as
-        context lengths including the new token, and the step's wall time in seconds."""
+        context lengths including the new token, and the step's wall time in seconds.
+
+        Speculative decoding: a verification chunk (tokens cached, positions) is decode work: it
+        reads the weights with the step's decodes and its context's KV once, and computes every
+        position (each with its logits); it yields its kept proposals (`num_accepted` in all)
+        plus one token. Each of the step's `draft_forwards` reads the draft model's weights."""
         p_flops = sum(self.cost.prefill_flops(start, length) for start, length in prefill_chunks)
-        d_bytes = self.step_decode_bytes(decode_context_lens)
+        contexts = [*decode_context_lens, *(start + length for start, length in verify_chunks)]
+        d_bytes = self.step_decode_bytes(contexts) + draft_forwards * self.draft_weight_bytes
         d_flops = self.cost.decode_flops(decode_context_lens) if decode_context_lens else 0
-        if prefill_chunks and decode_context_lens:
+        for start, length in verify_chunks:
+            d_flops += self.cost.decode_flops(range(start + 1, start + length + 1))
+        decode_tokens = len(decode_context_lens) + len(verify_chunks) + num_accepted
+        if prefill_chunks and contexts:
             t_prefill = p_flops / self.peak_flops
             t_decode = d_bytes / self.memory_bandwidth
             prefill_share = t_prefill / (t_prefill + t_decode)
@@ -201,7 +214,7 @@ class UtilizationMeter:
             self.prefill_tokens += sum(length for _, length in prefill_chunks)
             self.prefill_flops += p_flops
             self.prefill_seconds += seconds * prefill_share
-            self.decode_tokens += len(decode_context_lens)
+            self.decode_tokens += decode_tokens
             self.decode_flops += d_flops
             self.decode_bytes += d_bytes
             self.decode_seconds += seconds * (1.0 - prefill_share)

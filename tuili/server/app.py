@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tuili.engine.block_manager import CacheStats
 from tuili.engine.core import LLMEngine
+from tuili.engine.spec.speculator import SpecStats
 from tuili.perf.meter import UtilizationMeter
 from tuili.server.driver import EngineDriver
 from tuili.server.errors import ApiError, as_api_error, install_error_handlers
@@ -103,6 +104,20 @@ def _cache_samples(stats: CacheStats) -> dict[str, float]:
     }
 
 
+def _spec_samples(stats: SpecStats | None) -> dict[str, float]:
+    """Speculative decoding's counters (vLLM's spec_decode names), when it is on."""
+    if stats is None:
+        return {}
+    return {
+        "tuili:spec_decode_num_drafts_total": float(stats.num_verifications),
+        "tuili:spec_decode_num_draft_tokens_total": float(stats.num_proposed_tokens),
+        "tuili:spec_decode_num_accepted_tokens_total": float(stats.num_accepted_tokens),
+        "tuili:spec_decode_num_emitted_tokens_total": float(stats.num_emitted_tokens),
+        "tuili:spec_decode_acceptance_rate": stats.acceptance_rate,
+        "tuili:spec_decode_tokens_per_step": stats.tokens_per_verification,
+    }
+
+
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine`; the engine thread starts with the app and stops with it."""
     meter = UtilizationMeter.for_engine(engine)
@@ -111,7 +126,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     def utilization() -> dict[str, float]:  # read at each scrape, on the HTTP side
         # Tensor parallelism: rank 0's seconds in all-reduces and the logits gather (0 on one device).
         communication = {"tuili:tensor_parallel_communication_seconds_total": engine.communication_seconds()}
-        return {**meter.summary().prometheus(), **_cache_samples(driver.stats.prefix_cache), **communication}
+        stats = driver.stats
+        return {**meter.summary().prometheus(), **_cache_samples(stats.prefix_cache), **_spec_samples(stats.spec),
+                **communication}
 
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)

@@ -1,0 +1,272 @@
+"""Speculative decoding (tuili/engine/spec/): outputs do not change.
+
+Greedy outputs are token for token those without speculation, for every method, with
+preemption and prefix-cache hits in the mix (float32, where the tiny model's products are
+batch-invariant); sampled outputs keep the target's distribution (a chi-square test against
+transformers' probabilities); no block is leaked after many rejections, aborts and errors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+from scipy import stats as scipy_stats
+
+from tuili import LLM, SamplingParams
+from tuili.config import EngineConfig
+from tuili.engine.spec.adaptive import AdaptiveK
+from tuili.errors import TuiliError
+
+# Periodic prompts (prompt lookup finds them), shared prefixes (prefix-cache hits) and noise.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12] * 4 + [5, 6, 7],
+    [1, 2, 3, 4] * 6 + [1, 2],
+    list(range(40, 80)),
+    [100 + (i * 37) % 150 for i in range(30)],
+]
+
+
+def spec_configs(draft_path) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False},
+        "draft_model": {"model": str(draft_path), "num_speculative_tokens": 3, "adaptive": False},
+        "self_int8": {"model": "self", "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False},
+    }
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    proposer = engine.speculator.proposer if engine.speculator is not None else None
+    draft_blocks = getattr(proposer, "blocks", None)
+    if draft_blocks is not None:
+        assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
+        assert not proposer._shadows
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_int8"])
+def test_greedy_output_is_unchanged_with_preemption_and_prefix_hits(method, tiny_llama, tiny_llama_draft,
+                                                                     greedy_reference):
+    # 12 blocks of 16 tokens for 4 sequences growing to 58-72 tokens: preemption is certain.
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=12 * 16 * 512, max_model_len=128, max_num_seqs=4,
+              speculative_config=spec_configs(tiny_llama_draft)[method])
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    assert token_ids(llm.generate(prompts, params)) == greedy_reference
+    assert token_ids(llm.generate(prompts[::-1], params)) == greedy_reference[::-1]  # prefix-cache hits
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache.hit_tokens > 0
+    spec = stats.spec
+    # Both paths ran many times: proposals kept and proposals rejected.
+    assert spec.num_accepted_tokens > 10
+    assert spec.num_proposed_tokens - spec.num_accepted_tokens > 3  # the int8 self-draft rarely misses
+    assert_all_blocks_free(llm)
+
+
+def test_adaptive_greedy_output_is_unchanged(tiny_llama, greedy_reference):
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)) == greedy_reference
+    assert llm.engine.stats().spec.num_verifications > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_llama(tmp_path_factory, real_tokenizer_dirs):
+    """A tiny random Llama with Llama 3's real tokenizer (stop strings need text)."""
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=128001,
+    )
+    path = tmp_path_factory.mktemp("tok") / "llama"
+    transformers.AutoModelForCausalLM.from_config(config).float().eval().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real_tokenizer_dirs["llama3"] / name, path / name)
+    return path
+
+
+def test_sampling_parameters_behave_as_without_speculation(tokenizer_llama):
+    """Penalties, logprobs, min_tokens, stop ids, stop strings and max_tokens landing inside a
+    proposal: the same tokens, text, logprobs and finish as without speculation (greedy)."""
+    base = LLM(str(tokenizer_llama), dtype="float32")
+    spec = LLM(str(tokenizer_llama), dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
+                                   "adaptive": False})
+    prompt = "one two three four one two three four one two three four one two three"
+    reference = base.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    stop_text = base.get_tokenizer().decode(reference.token_ids[9:11])
+    cases = [
+        SamplingParams(temperature=0, max_tokens=23, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5,
+                       frequency_penalty=0.3),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=7, stop_token_ids=[reference.token_ids[3]]),
+        SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=30, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=30, stop=[stop_text], include_stop_str_in_output=True),
+    ]
+    for params in cases:
+        want = base.generate(prompt, params)[0].outputs[0]
+        got = spec.generate(prompt, params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason), params
+        if params.logprobs is not None:
+            for mine, theirs in zip(got.logprobs, want.logprobs, strict=True):
+                assert mine.keys() == theirs.keys()
+                assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+    assert spec.engine.stats().spec.num_accepted_tokens > 0
+    assert_all_blocks_free(spec)
+
+
+def exact_pair_probabilities(path, prompt: list[int], temperature: float, top_k: int) -> dict[tuple[int, int], float]:
+    """P(first two generated tokens) under temperature and top_k, from transformers' logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def next_probs(ids_batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(ids_batch).logits[:, -1].double() / temperature
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+
+    first = next_probs(torch.tensor([prompt]))[0]
+    firsts = first.nonzero().flatten().tolist()
+    second = next_probs(torch.tensor([prompt + [t] for t in firsts]))
+    return {(a, b): float(first[a] * second[i, b]) for i, a in enumerate(firsts) for b in second[i].nonzero().flatten().tolist()}
+
+
+def copy_prompt(path, prompt: list[int], top_k: int) -> list[int]:
+    """`prompt` after pairs "t u" for every token t the model may sample first, u the model's
+    likeliest token after t, so that prompt lookup proposes a plausible token after any t."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tail: list[int] = []
+    for _ in range(10):
+        with torch.no_grad():
+            candidates = model(torch.tensor([tail + prompt])).logits[0, -1].topk(top_k).indices.tolist()
+            new = [t for t in candidates if t not in tail[::2]]
+            if not new:
+                return tail + prompt
+            after = model(torch.tensor([tail + prompt + [t] for t in new])).logits[:, -1].argmax(-1).tolist()
+        tail += [t for pair in zip(new, after, strict=True) for t in pair]
+    raise AssertionError("no stable copy prompt")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_outputs_keep_the_target_distribution(method, tiny_llama, tiny_llama_draft):
+    """Chi-square goodness of fit of the first two sampled tokens (the second is always
+    verified) against transformers' exact pair probabilities. 3000 seeded samples; the test
+    rejects at p < 1e-4, so a correct sampler fails it for one seed set in 10,000."""
+    temperature, top_k, samples = 1.5, 5, 3000
+    prompt = copy_prompt(tiny_llama, [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6], top_k)
+    exact = exact_pair_probabilities(tiny_llama, prompt, temperature, top_k)
+    config = spec_configs(tiny_llama_draft)[method] | {"num_speculative_tokens": 2}
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=config, max_num_seqs=256)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3, seed=i, ignore_eos=True)
+              for i in range(samples)]
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * samples, params)
+    observed: dict[tuple[int, int], int] = {}
+    for out in outputs:
+        pair = tuple(out.outputs[0].token_ids[:2])
+        assert pair in exact, f"{pair} has probability 0 under the target"
+        observed[pair] = observed.get(pair, 0) + 1
+    # Cells expected fewer than 5 times are pooled into one.
+    keys = sorted(exact, key=exact.get, reverse=True)
+    big = [k for k in keys if exact[k] * samples >= 5]
+    f_obs = [observed.get(k, 0) for k in big]
+    f_exp = [exact[k] * samples for k in big]
+    if len(big) < len(keys):
+        f_obs.append(samples - sum(f_obs))
+        f_exp.append(samples - sum(f_exp))
+    f_exp = [e * samples / sum(f_exp) for e in f_exp]  # float64 rounding: the totals must agree
+    result = scipy_stats.chisquare(f_obs, f_exp)
+    assert result.pvalue > 1e-4, (result, f_obs, f_exp)
+    spec = llm.engine.stats().spec
+    assert spec.num_accepted_tokens > 200 and spec.num_proposed_tokens - spec.num_accepted_tokens > 200, spec
+    # Seeded requests are reproducible.
+    again = llm.generate([{"prompt_token_ids": prompt}] * 20, params[:20])
+    assert token_ids(again) == token_ids(outputs[:20])
+    assert_all_blocks_free(llm)
+
+
+def test_no_blocks_leak_after_aborts_mid_draft_and_errors(tiny_llama, tiny_llama_draft):
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=24 * 16 * 512, max_model_len=128,
+              speculative_config=spec_configs(tiny_llama_draft)["draft_model"])
+    engine = llm.engine
+    aborted = set()
+
+    def abort_some(outputs):
+        for out in outputs:
+            if out.request_id not in aborted and len(out.outputs[0].token_ids) >= 5 and int(out.request_id.split("-")[-1]) % 2:
+                aborted.add(out.request_id)
+                engine.abort_request(out.request_id)
+
+    params = [SamplingParams(temperature=t, max_tokens=40, ignore_eos=True, seed=s)
+              for s, t in enumerate([0, 0.8, 0, 1.0, 0.5, 0])]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params[: len(PROMPTS)], on_step=abort_some)
+    assert aborted and any(o.outputs[0].finish_reason == "abort" for o in outs)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
+                     [SamplingParams(), SamplingParams(max_tokens=0)])
+    assert engine.stats().spec.num_proposed_tokens > engine.stats().spec.num_accepted_tokens
+    assert_all_blocks_free(llm)
+    # The engine still serves after all that.
+    assert len(llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(max_tokens=5))[0].outputs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle' is not supported"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "MTP heads are not run yet"),
+    ({"method": "ngram"}, "num_speculative_tokens=None is invalid"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "not supported"),
+    ({"model": "self", "num_speculative_tokens": 2}, "needs a quantization"),
+    ({"model": "self", "quantization": "fp8", "num_speculative_tokens": 2}, "quantization='fp8'"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive='yes'"),
+    ("ngram", "expected a dict"),
+])
+def test_bad_speculative_config_is_a_clear_error(config, message):
+    with pytest.raises(TuiliError, match=message):
+        EngineConfig(speculative_config=config).validate()
+
+
+def test_vllm_spellings_are_understood():
+    config = EngineConfig(speculative_config={"model": "[ngram]", "num_speculative_tokens": 3,
+                                              "prompt_lookup_max": 4})
+    config.validate()
+    spec = config.speculative_config
+    assert (spec.method, spec.model, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", None, 4, 4)
+
+
+def test_adaptive_k_stops_speculating_when_rows_are_expensive_and_acceptance_low():
+    adaptive = AdaptiveK(max_k=4)
+    seqs = list(range(32))
+    # Steps cost 1 ms plus 1 ms per row: verifying 4 proposals quintuples a batch of 32's step.
+    for rows, verified in [(32, False), (36, True), (34, True), (32, False), (160, True)]:
+        adaptive.record_step(rows, verified, 0.001 + 0.001 * rows)
+    for s in seqs:
+        adaptive.record_acceptance(s, 4, 0)  # nothing kept
+    assert adaptive.choose(seqs, [4] * 32) == [0] * 32
+    # One sequence with cheap rows and proposals always kept: speculate, up to its limit.
+    cheap = AdaptiveK(max_k=4)
+    for rows, verified in [(1, False), (5, True), (3, True), (1, False)]:
+        cheap.record_step(rows, verified, 0.02 + 0.0005 * rows)
+    for _ in range(10):
+        cheap.record_acceptance(0, 4, 4)
+    assert cheap.choose([0], [3]) == [3]

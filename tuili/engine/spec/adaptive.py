@@ -1,0 +1,127 @@
+"""How many tokens to propose, per sequence and step, so that speculation never slows the engine.
+
+A proposal pays when the tokens it is expected to add are worth more than the time its extra
+row costs. Two things are measured as the engine runs:
+
+* acceptance: per sequence, the chance that a proposed token is kept given the ones before it
+  were (a Beta(1, 1) prior, counts halved as they grow, so a change of text is followed);
+  proposal j (1-based) then adds alpha^j expected tokens;
+* cost: the step time as a linear function of the rows computed, fitted by least squares to the
+  median time of each kind of recent step that only decoded or verified, with a separate constant for steps that verify
+  (they run eagerly and attend through gathered blocks, where plain decodes may replay a CPU
+  graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's measured time
+  per forward is added once per proposal depth of the step (`draft_forward_seconds`): its
+  forwards run whatever the number of sequences.
+
+Each step, for each depth K, the candidates (sequence, j <= K) are taken in order of alpha^j
+while the added tokens per added second beat the step's tokens per second; the plan of the
+fastest depth in tokens per second wins, or proposing nothing when that is faster. Before the fit has both kinds of steps
+at two sizes it explores, cheaply at any batch size: a plain step, then one sequence verifying
+all its proposals, then half of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+_HISTORY = 64  # steps the cost fit remembers
+_DECAY_AT = 32.0  # acceptance counts are halved when their trials reach this
+
+
+@dataclass
+class _Acceptance:
+    kept: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.kept + 1.0) / (self.trials + 2.0)
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.kept += accepted
+        self.trials += accepted + (1 if accepted < proposed else 0)
+        if self.trials >= _DECAY_AT:
+            self.kept /= 2
+            self.trials /= 2
+
+
+class AdaptiveK:
+    def __init__(self, max_k: int, adaptive: bool = True) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self._acceptance: dict[int, _Acceptance] = {}  # by seq_id
+        self._steps: deque[tuple[int, bool, float]] = deque(maxlen=_HISTORY)  # (rows, verified, seconds)
+        self.draft_forward_seconds = 0.0  # a draft model's measured time per forward (EMA)
+        self._explore = 0
+
+    def choose(self, seq_ids: list[int], limits: list[int]) -> list[int]:
+        """Proposals per decoding sequence this step, each at most its limit."""
+        if not self.adaptive or not seq_ids:
+            return [min(self.max_k, lim) for lim in limits]
+        full = [min(self.max_k, lim) for lim in limits]
+        fit = self._fit()
+        if fit is None:  # explore: plain, then one sequence with full and with half its proposals
+            self._explore += 1
+            phase = self._explore % 3
+            ks = [0] * len(full)
+            if phase:
+                i = (self._explore // 3) % len(full)
+                ks[i] = full[i] if phase == 1 else (full[i] + 1) // 2
+            return ks
+        c_plain, c_row, c_spec = fit
+        batch = len(seq_ids)
+        plain_rate = batch / max(c_plain + c_row * batch, 1e-9)
+        rates = [self._acceptance.get(s, _Acceptance()).rate for s in seq_ids]
+        # A draft model's forwards are paid per step (one per proposal position, whatever the
+        # number of sequences): each depth K is a plan of its own, the best one wins.
+        best_rate, best = plain_rate, [0] * batch
+        for depth in range(1, max(full) + 1):
+            candidates = sorted(
+                ((rates[i] ** j, i) for i in range(batch) for j in range(1, min(full[i], depth) + 1)), reverse=True,
+            )
+            tokens, seconds = float(batch), c_plain + c_spec + c_row * batch + self.draft_forward_seconds * depth
+            ks = [0] * batch
+            for gain, i in candidates:
+                if gain * seconds < c_row * tokens:  # adds fewer tokens per second than the step makes
+                    break
+                ks[i] += 1
+                tokens += gain
+                seconds += c_row
+            if any(ks) and tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, ks
+        return best
+
+    def record_step(self, rows: int, verified: bool, seconds: float) -> None:
+        """A step that only decoded or verified: `rows` positions computed in `seconds`."""
+        self._steps.append((rows, verified, seconds))
+
+    def record_acceptance(self, seq_id: int, proposed: int, accepted: int) -> None:
+        self._acceptance.setdefault(seq_id, _Acceptance()).add(proposed, accepted)
+
+    def record_draft_forward(self, seconds: float) -> None:
+        self.draft_forward_seconds = seconds if not self.draft_forward_seconds else (
+            0.9 * self.draft_forward_seconds + 0.1 * seconds
+        )
+
+    def release(self, seq_id: int) -> None:
+        self._acceptance.pop(seq_id, None)
+
+    def _fit(self) -> tuple[float, float, float] | None:
+        """(c_plain, c_row, c_spec) from the recent steps, or None until they determine it. Each
+        kind of step (rows, verified) enters once, as the median of its times weighted by its
+        count: a step that captured a CPU graph, or met another process on the core, is an
+        outlier that must not move the fit."""
+        groups: dict[tuple[int, bool], list[float]] = {}
+        for rows, verified, seconds in self._steps:
+            groups.setdefault((rows, verified), []).append(seconds)
+        if not any(not verified for _, verified in groups) or len({r for r, v in groups if v}) < 2:
+            return None
+        keys = list(groups)
+        weights = np.sqrt([len(groups[k]) for k in keys])
+        x = np.array([[1.0, rows, 1.0 if verified else 0.0] for rows, verified in keys]) * weights[:, None]
+        y = np.array([float(np.median(groups[k])) for k in keys]) * weights
+        (c_plain, c_row, c_spec), *_ = np.linalg.lstsq(x, y, rcond=None)
+        return max(float(c_plain), 0.0), max(float(c_row), 0.0), max(float(c_spec), 0.0)

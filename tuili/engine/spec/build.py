@@ -1,0 +1,34 @@
+"""Builds the engine's Speculator from its validated SpeculativeConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tuili.config import EngineConfig, ModelConfig, SpeculativeConfig
+from tuili.engine.pool import PoolPlan
+from tuili.engine.spec.draft import DraftModel
+from tuili.engine.spec.speculator import PromptLookup, Proposer, Speculator
+from tuili.engine.stopping import StopTokens
+from tuili.errors import TuiliError
+from tuili.platform import Platform
+
+
+def build_speculator(
+    config: EngineConfig, target: ModelConfig, target_path: Path, pool: PoolPlan, platform: Platform,
+    dtype: torch.dtype, stop_tokens: StopTokens,
+) -> Speculator:  # fmt: skip
+    spec = config.speculative_config
+    assert isinstance(spec, SpeculativeConfig)  # EngineConfig.validate parsed it
+    if target.is_hybrid:
+        raise TuiliError(
+            f"speculative_config is not supported for {target.architecture} yet: rejected tokens would need "
+            "its linear-attention state restored per proposal position"
+        )
+    proposer: Proposer
+    if spec.method == "ngram":
+        proposer = PromptLookup(spec)
+    else:
+        proposer = DraftModel(spec, config, str(target_path), target.vocab_size, pool, platform, dtype, stop_tokens)
+    return Speculator(spec, proposer, pool.max_model_len)

@@ -1,0 +1,176 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary guesses k tokens.
+
+The draft runs in the same engine, on its own ModelRunner with its own KV pool (as many tokens
+as the target's pool, in the draft's bytes) and BlockManager (no prefix cache). Each target
+sequence has a shadow sequence on the draft's side; before proposing, the shadow is synced to
+the target's tokens: its KV stays valid up to the first token where the target's text and the
+shadow's (which ended with the last proposals) differ, and the blocks after that are freed.
+Then one batched forward computes each shadow's missing tokens (the whole prompt the first
+time) and draws the first proposal; k-1 batched decode forwards draw the others.
+
+A proposal is drawn with the target request's own sampling rules (penalties, suppression before
+min_tokens, temperature, top-k/p, min-p) from the draft's logits: greedy requests take the
+arg-max, others draw from q and hand q to the rejection sampler. A seeded request's draft draws
+come from a generator of its own, derived from the seed but distinct from the target's stream.
+A shadow that cannot get blocks proposes nothing this step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from tuili.config import SELF_DRAFT, EngineConfig, SpeculativeConfig, packed_compute_dtype
+from tuili.engine.block_manager import BlockManager
+from tuili.engine.pool import PoolPlan, kv_bytes_per_block
+from tuili.engine.request import Sequence
+from tuili.engine.runner import ModelRunner, RunnerConfig
+from tuili.engine.scheduler import ScheduledSeq
+from tuili.engine.spec.verify import Proposal
+from tuili.engine.stopping import StopTokens
+from tuili.errors import TuiliError
+from tuili.layers.sampler import Sampler, SamplingRow
+from tuili.models.loader import load_model
+from tuili.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+_DRAFT_SEED_SALT = 0x5DEECE66D  # keeps a seeded request's draft stream apart from its target stream
+
+
+class DraftModel:
+    def __init__(
+        self, spec: SpeculativeConfig, config: EngineConfig, target_path: str, target_vocab: int, pool: PoolPlan,
+        platform: Platform, dtype: torch.dtype, stop_tokens: StopTokens,
+    ) -> None:  # fmt: skip
+        path = target_path if spec.model == SELF_DRAFT else spec.model
+        loaded = load_model(
+            path, dtype, platform, pool.max_model_len, spec.quantization,
+            packed_compute_dtype(config.dtype, platform.device, dtype),
+        )
+        cfg = loaded.config
+        if cfg.is_hybrid:
+            raise TuiliError(f"speculative_config model={spec.model!r} is a hybrid model: a draft model must be "
+                             "full attention (its KV is rolled back on rejection)")
+        if cfg.vocab_size > target_vocab:
+            raise TuiliError(f"speculative_config model={spec.model!r} has vocab_size={cfg.vocab_size}, more than "
+                             f"the target's {target_vocab}: a draft must share the target's tokenizer")
+        self.vocab_size = target_vocab
+        self.stop_tokens = stop_tokens
+        block_bytes = kv_bytes_per_block(cfg, pool.block_size, dtype)
+        self.pool = PoolPlan(pool.num_blocks, pool.block_size, 0, dtype, pool.max_model_len, block_bytes)
+        logger.info(
+            "draft model %s%s: its own KV pool of %d blocks (%.1f MiB)", path,
+            f" ({spec.quantization})" if spec.quantization else "", pool.num_blocks,
+            pool.num_blocks * block_bytes / 2**20,
+        )  # fmt: skip
+        self.runner = ModelRunner(loaded.model, self.pool, RunnerConfig(platform.device, dtype, stop_tokens,
+                                                                         config.enforce_eager))
+        self.blocks = BlockManager(pool.num_blocks, pool.block_size, enable_prefix_caching=False)
+        self.device = platform.device
+        self._shadows: dict[int, Sequence] = {}  # by the target sequence's seq_id
+        self._generators: dict[int, torch.Generator] = {}
+        self._synced: dict[int, int] = {}  # by seq_id: target tokens the shadow's tokens equalled at the last sync
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one draft forward of one sequence reads."""
+        return self.runner.decode_weight_bytes()
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
+        active: list[tuple[int, Sequence, int]] = []  # (index, shadow, k)
+        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
+            shadow = self._sync(seq)
+            if self.blocks.can_grow(shadow, shadow.num_tokens + k - 1):
+                self.blocks.grow(shadow, shadow.num_tokens + k - 1)
+                active.append((i, shadow, k))
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
+        while active:
+            # A shadow a few tokens behind (the target kept all proposals: the last one and the
+            # bonus token) catches up one token per forward, so that every forward is a pure
+            # decode step that replays a CPU graph; one far behind (its prompt) in one chunk.
+            batch = []
+            for _, shadow, k in active:
+                missing = shadow.num_tokens - shadow.num_computed_tokens
+                n = missing if missing > k + 1 else 1
+                batch.append(ScheduledSeq(shadow, shadow.num_computed_tokens, n, n == missing))
+            logits = self.runner.sample_logits(batch)
+            for item in batch:
+                item.seq.num_computed_tokens += item.num_tokens
+            drawing = [entry for entry, item in zip(active, batch, strict=True) if item.samples]
+            if drawing:
+                assert logits is not None
+                tokens, probs = self._draw(logits, [self._row(seqs[i], shadow) for i, shadow, _ in drawing])
+                for (i, shadow, _), token, q in zip(drawing, tokens, probs, strict=True):
+                    shadow.token_ids.append(token)
+                    proposals[i].token_ids.append(token)
+                    if q is not None:
+                        q_rows[i].append(q)
+            active = [(i, shadow, k) for i, shadow, k in active if len(proposals[i].token_ids) < k]
+        for i, rows in q_rows.items():
+            if rows:
+                proposals[i].probs = torch.stack(rows)
+        return proposals
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self._shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            self.blocks.free(shadow)
+            self.runner.release(shadow)
+        self._generators.pop(seq.seq_id, None)
+        self._synced.pop(seq.seq_id, None)
+
+    def _sync(self, seq: Sequence) -> Sequence:
+        """The shadow of `seq` holding its tokens, its KV valid up to where they differ."""
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            shadow = dataclasses.replace(seq, token_ids=[], block_table=[], block_digests=[], num_computed_tokens=0,
+                                         spec_token_ids=[], state_slot=None)
+            self._shadows[seq.seq_id] = shadow
+        # The shadow's tokens are the target's as of the last sync, then that step's proposals:
+        # only those can differ from the target's tokens now.
+        # At least the last token is computed again: its logits draw the first proposal (the
+        # shadow may be ahead when its proposals were not verified: the target was preempted).
+        limit = min(shadow.num_computed_tokens, seq.num_tokens - 1)
+        valid = min(self._synced.get(seq.seq_id, 0), limit)
+        old, new = shadow.token_ids, seq.token_ids
+        while valid < limit and old[valid] == new[valid]:
+            valid += 1
+        shadow.token_ids = list(new)
+        shadow.num_computed_tokens = valid
+        self._synced[seq.seq_id] = seq.num_tokens
+        self.blocks.trim(shadow, valid)
+        return shadow
+
+    def _row(self, seq: Sequence, shadow: Sequence) -> SamplingRow:
+        params = seq.params
+        generator = None
+        if params.seed is not None:
+            generator = self._generators.get(seq.seq_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed((params.seed + seq.index * 1_000_003 + _DRAFT_SEED_SALT) % 2**64)
+                self._generators[seq.seq_id] = generator
+        return SamplingRow(params, shadow.token_ids, seq.prompt_len, generator,
+                           self.stop_tokens.suppressed(params, shadow.num_tokens - seq.prompt_len))
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's proposal, and the distribution it was drawn from (None: greedy, arg-max)."""
+        if logits.shape[1] < self.vocab_size:  # a draft with fewer ids never proposes the others
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
+        processed = Sampler.process(logits, rows)
+        tokens = processed.argmax(dim=-1).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(rows)
+        sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
+        if sampled:
+            table = Sampler.draw_probabilities(processed[sampled], [rows[r] for r in sampled])
+            cdf = table.to(torch.float64).cumsum(dim=-1)
+            for i, r in enumerate(sampled):
+                u = torch.rand(1, dtype=torch.float64, device=logits.device, generator=rows[r].generator)
+                total = cdf[i, -1:]
+                target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+                tokens[r] = int(torch.searchsorted(cdf[i], target, right=True))
+                probs[r] = table[i]
+        return tokens, probs
