@@ -290,8 +290,9 @@ def test_qwen35_file_holds_the_checkpoint_tensors(arch, tmp_path, real_tokenizer
             assert torch.equal(ours + 1, tensor + 1), name  # stored as 1 + w
         else:
             torch.testing.assert_close(ours, tensor, atol=1e-7, rtol=1e-6, msg=name)  # A_log: log(exp(x))
-    # ... and tuili's Qwen3.5 network on the file gives transformers' logits.
-    assert_logits_match(prompt_logits(_llm(tmp_path / "f32.gguf"), PROMPTS), model, PROMPTS)
+    # ... and tuili's Qwen3.5 network on the file gives transformers' logits (to 1e-4: the file's
+    # A_log is log(exp(x)), a few ulps off, and the perturbed norms above amplify rounding).
+    assert_logits_match(prompt_logits(_llm(tmp_path / "f32.gguf"), PROMPTS), model, PROMPTS, atol=1e-4, rtol=1e-4)
     if arch == "qwen35":
         # q8_0: the reordered projections run packed, their blocks moved whole (Dv = 32, one block)
         packed = open_gguf(llama_cpp_convert(hf_dir, tmp_path / "q8_0.gguf", "q8_0", "--no-mtp"))
