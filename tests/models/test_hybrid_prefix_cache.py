@@ -164,7 +164,7 @@ def test_everything_is_returned_after_preemption_abort_and_a_failed_step(hybrid,
     request_id = engine.add_request({"prompt_token_ids": [8] + BASE}, PARAMS)
     runner_execute = engine.runner.execute
 
-    def fail(batch):
+    def fail(batch, proposals=None):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(engine.runner, "execute", fail)

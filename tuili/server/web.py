@@ -115,7 +115,11 @@ class StepLog:
         flops = sum(cost.prefill_flops(start, length) for start, length in record.prefill_chunks)
         if record.decode_context_lens:
             flops += cost.decode_flops(record.decode_context_lens)
-        lens = [*chunk_ends, *record.decode_context_lens]
+        # A speculative verification chunk is decode work, as the meter counts it: every
+        # position's FLOPs, its context's KV read once.
+        for start, length in record.verify_chunks:
+            flops += cost.decode_flops(range(start + 1, start + length + 1))
+        lens = [*chunk_ends, *record.decode_context_lens, *(start + length for start, length in record.verify_chunks)]
         point = StepPoint(now, kind, float(flops),
                           float(self.meter.step_decode_bytes(lens)), record.seconds, len(lens), round(sum(lens) / len(lens)))
         with self._lock:
