@@ -133,8 +133,10 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def async_client(server) -> openai.AsyncOpenAI:
+    # One per test: a test drives it in its own asyncio.run(), and a client's pooled connections
+    # belong to the loop that opened them (a shared one failed with "Event loop is closed").
     return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
