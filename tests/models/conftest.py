@@ -1,4 +1,4 @@
-"""What the model tests share: transformers' side of each comparison."""
+"""What the model tests share: transformers' side of each comparison, and a step observer."""
 
 from __future__ import annotations
 
@@ -37,3 +37,23 @@ def hf_greedy():
 def assert_logits_match():
     """`assert_logits_match(ours, hf, prompts, **tolerance)`."""
     return _assert_logits_match
+
+
+class _MixedSteps:
+    """An engine observer counting steps that hold a prefill chunk and decodes together, and
+    chunks that end a prompt's piece at an odd position."""
+
+    wants_device_time = False
+
+    def __init__(self) -> None:
+        self.count = self.odd_splits = 0
+
+    def on_step(self, record) -> None:
+        self.count += bool(record.prefill_chunks and record.decode_context_lens)
+        self.odd_splits += sum((start + n) % 2 for start, n in record.prefill_chunks)
+
+
+@pytest.fixture(scope="session")
+def mixed_steps():
+    """`mixed_steps()`: a new _MixedSteps observer."""
+    return _MixedSteps

@@ -112,22 +112,8 @@ def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_matc
     assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
 
 
-class _MixedSteps:
-    """Counts steps that hold a prefill chunk and decodes together, and chunks that end a
-    prompt's piece at an odd position."""
-
-    wants_device_time = False
-
-    def __init__(self) -> None:
-        self.count = self.odd_splits = 0
-
-    def on_step(self, record) -> None:
-        self.count += bool(record.prefill_chunks and record.decode_context_lens)
-        self.odd_splits += sum((start + n) % 2 for start, n in record.prefill_chunks)
-
-
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_greedy_matches_transformers_generate_with_split_prompts(checkpoint, path, monkeypatch):
+def test_greedy_matches_transformers_generate_with_split_prompts(checkpoint, path, monkeypatch, mixed_steps):
     """A 7-token budget: the prompts are split at odd positions (7, 14, ...) and most steps mix
     one sequence's prefill chunk with the others' decodes."""
     from tuili import kernels
@@ -138,7 +124,7 @@ def test_greedy_matches_transformers_generate_with_split_prompts(checkpoint, pat
     llm = _llm(checkpoint_path, max_num_batched_tokens=7)
     assert llm.engine.runner.native_attention == (path == "native" and kernels.available())
     assert llm.engine.runner.graphs is None
-    mixed = _MixedSteps()
+    mixed = mixed_steps()
     llm.engine.add_observer(mixed)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
