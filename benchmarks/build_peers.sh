@@ -35,6 +35,9 @@ PY
   cmake --build "$dest/build" -j "$(nproc)" \
         --target llama-bench llama-batched-bench llama-quantize
   echo "llama.cpp built in $dest/build/bin"
+  # convert_hf_to_gguf.py (run by benchmarks/common.py with this Python) imports sentencepiece
+  # before it falls back to a tokenizer.json
+  python -m pip install -q sentencepiece
 }
 
 build_vllm() {

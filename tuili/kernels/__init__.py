@@ -61,7 +61,8 @@ linear_int4(x, packed, scale_zero, out, copies=1, exact=False)
     bfloat16), K' = copies * K: copies 2 reads an Int8GroupLinear's two nibble halves (GGUF
     Q8_0) as q = 16h + l - 128 with the low half's scales. out [M, n], n <= N (the padding rows are not written), float32 or
     bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding. On
-    AVX512-VNNI CPUs x is first rounded to int8 per group (as llama.cpp does) unless `exact`.
+    AVX512-VNNI CPUs x is first written per group as two int8 parts (integer dot products; error
+    at most max |x| / 64516 per value) unless `exact`.
     Any number of rows up to 64; a row's result does not depend on the other rows.
 
 linear_small(x, weight, bias, out)

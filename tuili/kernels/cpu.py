@@ -32,6 +32,7 @@ _CACHE_DTYPES = tuple(_DTYPE_CODES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
 LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is faster
+LINEAR_INT4_MAX_GROUP = 256  # inputs per group: 256 x 255 x 127 x 254 < 2^31 (csrc/linear_int4.c, VNNI)
 
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
@@ -427,6 +428,8 @@ def linear_int4(
     if copies not in (1, 2):
         raise ValueError(f"copies={copies!r}; expected 1 (int4) or 2 (the halves of a Q8_0 weight)")
     packed, scale_zero, group_size = _int4_layout(packed, scale_zero, (torch.bfloat16,), copies)
+    if group_size > LINEAR_INT4_MAX_GROUP:  # the integer sums of a group must fit in int32
+        raise ValueError(f"groups of {group_size} inputs; linear_int4 takes groups of up to {LINEAR_INT4_MAX_GROUP}")
     tiles, packed_k, _ = packed.shape
     if packed_k != copies * k:
         raise ValueError(f"packed has {packed_k} inputs; expected {copies} x {k} (x has {k} columns)")

@@ -13,17 +13,26 @@
  * The inner sums run over the 64 rows of a tile at once (a tile row of 32 bytes is 64 codes, one
  * per output row). Two ways, by what the CPU has:
  *
- * - AVX512-VNNI and VBMI (Ice Lake, Sapphire Rapids, Zen 4), as llama.cpp: x is quantized per
- *   group to int8 (x ~ sx * xq, sx = max |x| / 127, round to nearest), and VPDPBUSD adds four
- *   code x xq products per 32-bit lane. One byte permute (VPERMT2B) turns four tile rows (k..k+3)
- *   into 16 lanes of four consecutive k each; a mask and a shift split the nibbles. The sum of
- *   x over a group stays exact (float32); the products carry x's int8 rounding, at most
- *   sx / 2 per value, as in llama.cpp's Q8_0 x Q4_0 and Q8_0 x Q8_0 dot products.
+ * - AVX512-VNNI and VBMI (Ice Lake, Sapphire Rapids, Zen 4 and 5): x is written per group as
+ *   two int8 parts, x ~ sx * (254 xq + xq_low) with xq = round(x * 127 / max |x|) and xq_low the
+ *   rounded rest in steps of 1/254, and VPDPBUSD adds four code x part products per 32-bit lane,
+ *   one accumulator per part, folded once per group (254 acc + rest, exact in int32). One byte
+ *   permute (VPERMT2B) turns four tile rows (k..k+3) into 16 lanes of four consecutive k each; a
+ *   mask and a shift split the nibbles. The sum of x over a group stays exact (float32); the
+ *   products carry x's rounding, at most max |x| / 64516 per value: below bf16's own rounding of
+ *   x (2^-9 relative) for every value within 1/128 of its group's largest. llama.cpp rounds x
+ *   to one int8 part (error up to max |x| / 254); on SmolLM2 that part alone raised prompt
+ *   perplexity 1.4% over float32 sums, the two parts keep it within the tests' 1%. The second
+ *   part doubles the dot products, which a decode row never waits for (it waits for memory);
+ *   four rows at once pay ~20% (two accumulator sets fill the registers at two rows).
  * - other AVX-512 CPUs: float32 throughout, exact up to float32 rounding: each k broadcasts x[k]
  *   into four 16-lane multiply-adds, a code becoming q - 8 by one permute from a 16-entry table.
  *
- * `exact` takes the second way on every CPU (the batch-invariant mode asks it for prompts and
- * decodes alike: x's int8 rounding costs a prompt a few times the error of the tiled matmul).
+ * Either way a row's result depends on that row alone (x is rounded per row and group, the int32
+ * sums are exact, the float32 epilogue runs in one order), so the batch-invariant mode runs the
+ * first way at every row count, prompts included: on Zen 5 the float32 way is bound by its
+ * permutes (29 against 44 GB/s at one row; docs/kernels.md, Measured crossovers). `exact` takes
+ * the second way on every CPU, for tests of the float32 sums on VNNI machines.
  *
  * The output is stored as float32 or rounded once to bfloat16.
  *
@@ -46,9 +55,10 @@
 typedef struct {
     const float *x;       /* [M, K] float32 */
     const float *xsum;    /* [M, groups]: sum of x over each group */
-    const int8_t *xq;     /* x quantized per group (VNNI path only), as x */
-    const float *sx;      /* [M, groups] its scales */
-    const int32_t *xqsum; /* [M, groups] sum of xq over each group */
+    const int8_t *xq;     /* x / sx rounded, per group (VNNI path only), as x */
+    const int8_t *xq_low; /* the rest, (x / sx - xq) * LOW_STEPS rounded, as x */
+    const float *sx;      /* [M, groups] the scales of x / (sx * LOW_STEPS) ~ LOW_STEPS xq + xq_low */
+    const int32_t *xqsum; /* [M, groups] sum of LOW_STEPS xq + xq_low over each group */
     const uint8_t *packed;
     const uint16_t *scale_zero;
     void *out;
@@ -125,6 +135,8 @@ KERNEL tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define VNNI 1
+#define VNNI_ROWS 2    /* rows of x at a time: two accumulator sets each fill the registers */
+#define LOW_STEPS 254 /* x / sx ~ high + low / LOW_STEPS, both int8 */
 /* Byte 4j + l of the permuted vector: tile row k + l, column j (+ 16 for the second half), from
  * the two 64-byte loads A = rows k, k+1 and B = rows k+2, k+3 (indices 64.. select from B). */
 static inline __m512i transpose_index(int first_column) {
@@ -151,6 +163,16 @@ static inline void prefetch_scales(const uint16_t *pairs) {
     for (int line = 0; line < 4; line++) __builtin_prefetch(pairs + line * 32, 0, 2);
 }
 
+/* acc = LOW_STEPS * acc + rest: the group's sums of codes x (x / sx), exact in int32 (|acc| < 2^31
+ * for groups of up to 256: the caller checks). */
+static inline __attribute__((always_inline)) void fold_low(__m512i acc[VNNI_ROWS][4], __m512i rest[VNNI_ROWS][4],
+                                                           const int R) {
+    const __m512i steps = _mm512_set1_epi32(LOW_STEPS);
+    UNROLLED for (int i = 0; i < R; i++)
+        UNROLLED for (int v = 0; v < 4; v++)
+            acc[i][v] = _mm512_add_epi32(_mm512_mullo_epi32(acc[i][v], steps), rest[i][v]);
+}
+
 KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE], const int R) {
     const uint8_t *codes = a->packed + tile * a->kp * HALF;
     const int64_t groups = a->kp / a->group;
@@ -158,9 +180,9 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
     const __m512i nibble = _mm512_set1_epi8(0x0F), low_half = _mm512_set1_epi32(0xFFFF);
     for (int64_t g = 0; g < groups; g++) {
         if (g + 2 < groups) prefetch_scales(a->scale_zero + ((g + 2) * a->n_pad + tile * TILE) * 2);
-        __m512i acc[ROWS_AT_ONCE][4];
+        __m512i acc[VNNI_ROWS][4], rest[VNNI_ROWS][4]; /* sums of codes x xq and x xq_low */
         UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
+            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = rest[i][v] = _mm512_setzero_si512();
         for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
             __m512i first, second;
             four_rows(codes, k, first_half, second_half, &first, &second);
@@ -172,12 +194,17 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
                 _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble),
             };
             UNROLLED for (int i = 0; i < R; i++) {
-                int32_t four;
-                memcpy(&four, a->xq + (i0 + i) * a->kp + k, sizeof four);
-                const __m512i xv = _mm512_set1_epi32(four);
-                UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xv);
+                int32_t four_high, four_low;
+                memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
+                memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
+                const __m512i xh = _mm512_set1_epi32(four_high), xl = _mm512_set1_epi32(four_low);
+                UNROLLED for (int v = 0; v < 4; v++) {
+                    acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xh);
+                    rest[i][v] = _mm512_dpbusd_epi32(rest[i][v], w[v], xl);
+                }
             }
         }
+        fold_low(acc, rest, R);
         const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
         UNROLLED for (int v = 0; v < 4; v++) {
             const __m512i pairs = _mm512_loadu_si512(sz + v * 32);
@@ -248,9 +275,9 @@ KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float tot
     const __m512i low_nibble = _mm512_set1_epi8(0x0F), high_nibble = _mm512_set1_epi8((char)0xF0);
     for (int64_t g = 0; g < groups; g++) {
         if (g + 2 < groups) prefetch_scales(q8_scales(a, tile, g + 2));
-        __m512i acc[ROWS_AT_ONCE][4];
+        __m512i acc[VNNI_ROWS][4], rest[VNNI_ROWS][4]; /* sums of codes x xq and x xq_low */
         UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
+            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = rest[i][v] = _mm512_setzero_si512();
         for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
             __m512i h1, h2, l1, l2;
             four_rows(high, k, first_half, second_half, &h1, &h2);
@@ -263,12 +290,17 @@ KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float tot
                 _mm512_or_si512(_mm512_and_si512(h2, high_nibble), _mm512_and_si512(_mm512_srli_epi16(l2, 4), low_nibble)),
             };
             UNROLLED for (int i = 0; i < R; i++) {
-                int32_t four;
-                memcpy(&four, a->xq + (i0 + i) * a->kp + k, sizeof four);
-                const __m512i xv = _mm512_set1_epi32(four);
-                UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xv);
+                int32_t four_high, four_low;
+                memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
+                memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
+                const __m512i xh = _mm512_set1_epi32(four_high), xl = _mm512_set1_epi32(four_low);
+                UNROLLED for (int v = 0; v < 4; v++) {
+                    acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xh);
+                    rest[i][v] = _mm512_dpbusd_epi32(rest[i][v], w[v], xl);
+                }
             }
         }
+        fold_low(acc, rest, R);
         const uint16_t *sz = q8_scales(a, tile, g);
         UNROLLED for (int v = 0; v < 4; v++) {
             const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(sz + v * 32), 16));
@@ -283,8 +315,15 @@ KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float tot
     }
 }
 #define Q8_TILE_ROWS q8_tile_rows_vnni
+/* The VNNI kernels take up to VNNI_ROWS rows: R rows run as blocks of that many. */
+#define SPLIT_ROWS(KERNEL_NAME, a, t, i0, tot, R)                                                    \
+    do {                                                                                          \
+        KERNEL_NAME(a, t, i0, tot, (R) < VNNI_ROWS ? (R) : VNNI_ROWS);                            \
+        if ((R) > VNNI_ROWS) KERNEL_NAME(a, t, (i0) + VNNI_ROWS, (tot) + VNNI_ROWS, (R) - VNNI_ROWS); \
+    } while (0)
 #else
 #define Q8_TILE_ROWS q8_tile_rows
+#define SPLIT_ROWS(KERNEL_NAME, a, t, i0, tot, R) KERNEL_NAME(a, t, i0, tot, R)
 #endif
 
 #define SPECIALIZE(R)                                                                                   \
@@ -292,11 +331,11 @@ KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float tot
         if (a->q8 && a->exact)                                                                          \
             q8_tile_rows(a, t, i0, tot, R);                                                             \
         else if (a->q8)                                                                                 \
-            Q8_TILE_ROWS(a, t, i0, tot, R);                                                             \
+            SPLIT_ROWS(Q8_TILE_ROWS, a, t, i0, tot, R);                                                 \
         else if (a->exact)                                                                              \
             tile_rows(a, t, i0, tot, R);                                                                \
         else                                                                                            \
-            TILE_ROWS(a, t, i0, tot, R);                                                                \
+            SPLIT_ROWS(TILE_ROWS, a, t, i0, tot, R);                                                    \
     }
 SPECIALIZE(1)
 SPECIALIZE(2)
@@ -379,11 +418,11 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side. */
     const int64_t groups = k / group;
     float *xf = malloc((size_t)(m * k + 2 * m * groups) * sizeof(float) + (size_t)(m * groups) * sizeof(int32_t) +
-                       (size_t)(m * k));
+                       (size_t)(2 * m * k));
     if (xf == NULL) return TUILI_NO_MEMORY;
     float *xsum = xf + m * k, *sx = xsum + m * groups;
     int32_t *xqsum = (int32_t *)(sx + m * groups);
-    int8_t *xq = (int8_t *)(xqsum + m * groups);
+    int8_t *xq = (int8_t *)(xqsum + m * groups), *xq_low = xq + m * k;
     for (int64_t i = 0; i < m * k; i++)
         xf[i] = x_dtype == TUILI_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
     for (int64_t at = 0; at < m * groups; at++) { /* row at / groups, group at % groups */
@@ -394,19 +433,22 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
             largest = fmaxf(largest, fabsf(xg[j]));
         }
         xsum[at] = sum;
-#ifdef VNNI /* x ~ sx * xq, only where VPDPBUSD reads it */
+#ifdef VNNI /* x ~ sx * (LOW_STEPS xq + xq_low), only where VPDPBUSD reads it */
         if (exact) continue;
         const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
         int32_t qsum = 0;
         for (int64_t j = 0; j < group; j++) {
-            xq[at * group + j] = (int8_t)lrintf(xg[j] * inverse);
-            qsum += xq[at * group + j];
+            const float scaled = xg[j] * inverse; /* in [-127, 127] */
+            const float high = rintf(scaled);
+            xq[at * group + j] = (int8_t)high;
+            xq_low[at * group + j] = (int8_t)lrintf((scaled - high) * LOW_STEPS); /* |.| <= 127 */
+            qsum += LOW_STEPS * xq[at * group + j] + xq_low[at * group + j];
         }
-        sx[at] = largest / 127.0f;
+        sx[at] = largest / (127.0f * LOW_STEPS);
         xqsum[at] = qsum;
 #endif
     }
-    const int4_args a = {xf, xsum, xq, sx, xqsum, packed, scale_zero, out, out_dtype, copies == 2, exact != 0,
+    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, packed, scale_zero, out, out_dtype, copies == 2, exact != 0,
                          m, k, group, tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)

@@ -8,8 +8,8 @@ and thresholds"):
 
 * "gemv": tuili's native kernel (tuili/kernels, csrc/linear_int4.c) reads the int4 layout below
   as stored, for Int4Linear and Int8GroupLinear where the platform has the native kernels:
-  faster than PyTorch's op from one row to a few dozen. On CPUs with AVX512-VNNI it quantizes
-  the input rows to int8 per group, as llama.cpp does.
+  faster than PyTorch's op from one row to a few dozen. On CPUs with AVX512-VNNI it writes the
+  input rows per group as two int8 parts and runs integer dot products.
 * "op": PyTorch's CPU weight-only kernels read the packed bytes directly
   (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`). They are the fastest way
   to read weights at one or a few rows (decode), but their cost grows linearly with the rows.
@@ -22,7 +22,9 @@ Batch invariance (`Platform.batch_invariant`, the default). The three kernels ro
 and the tiled one's matmul also by row count, so a row's bits would depend on its step's rows.
 In that mode every row count takes one kernel whose result for a row depends on that row alone:
 the "gemv" (Int4Linear, Int8GroupLinear: blocks of up to `kernels.LINEAR_INT4_MAX_ROWS` rows, its
-arithmetic per row independent of the block), else the "op" (Int8Linear: blocks of up to
+arithmetic per row independent of the block; on AVX512-VNNI CPUs integer dot products over two
+int8 parts of each row's input, as close to the input as its bf16 rounding: csrc/linear_int4.c),
+else the "op" (Int8Linear: blocks of up to
 `max_op_rows`, each row reduced alone). Where neither runs (float32 compute, no native kernels,
 a GPU) "tiled" runs and the output is as batch invariant as the matmul under it (docs/engine.md).
 
@@ -260,7 +262,7 @@ class Int4Linear(QuantizedLinear):
             x = x.to(self.compute_dtype)
         direct = out_dtype in _GEMV_DTYPES
         out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
-        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies, self.platform.batch_invariant)
+        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies)
         return out if direct else out.to(out_dtype)
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:
