@@ -163,6 +163,23 @@ static inline void prefetch_scales(const uint16_t *pairs) {
     for (int line = 0; line < 4; line++) __builtin_prefetch(pairs + line * 32, 0, 2);
 }
 
+/* The products of four k of 64 codes (w: rows 0-15, 16-31, 32-47, 48-63) with rows i0.. of x,
+ * its xq part into acc and its xq_low part into rest. */
+static inline __attribute__((always_inline)) void add_products(const int4_args *a, int64_t i0, int64_t k,
+                                                               const __m512i w[4], __m512i acc[VNNI_ROWS][4],
+                                                               __m512i rest[VNNI_ROWS][4], const int R) {
+    UNROLLED for (int i = 0; i < R; i++) {
+        int32_t four_high, four_low;
+        memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
+        memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
+        const __m512i xh = _mm512_set1_epi32(four_high), xl = _mm512_set1_epi32(four_low);
+        UNROLLED for (int v = 0; v < 4; v++) {
+            acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xh);
+            rest[i][v] = _mm512_dpbusd_epi32(rest[i][v], w[v], xl);
+        }
+    }
+}
+
 /* acc = LOW_STEPS * acc + rest: the group's sums of codes x (x / sx), exact in int32 (|acc| < 2^31
  * for groups of up to 256: the caller checks). */
 static inline __attribute__((always_inline)) void fold_low(__m512i acc[VNNI_ROWS][4], __m512i rest[VNNI_ROWS][4],
@@ -193,16 +210,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
                 _mm512_and_si512(_mm512_srli_epi16(first, 4), nibble),
                 _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble),
             };
-            UNROLLED for (int i = 0; i < R; i++) {
-                int32_t four_high, four_low;
-                memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
-                memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
-                const __m512i xh = _mm512_set1_epi32(four_high), xl = _mm512_set1_epi32(four_low);
-                UNROLLED for (int v = 0; v < 4; v++) {
-                    acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xh);
-                    rest[i][v] = _mm512_dpbusd_epi32(rest[i][v], w[v], xl);
-                }
-            }
+            add_products(a, i0, k, w, acc, rest, R);
         }
         fold_low(acc, rest, R);
         const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
@@ -289,16 +297,7 @@ KERNEL q8_tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float tot
                 _mm512_or_si512(_mm512_and_si512(h1, high_nibble), _mm512_and_si512(_mm512_srli_epi16(l1, 4), low_nibble)),
                 _mm512_or_si512(_mm512_and_si512(h2, high_nibble), _mm512_and_si512(_mm512_srli_epi16(l2, 4), low_nibble)),
             };
-            UNROLLED for (int i = 0; i < R; i++) {
-                int32_t four_high, four_low;
-                memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
-                memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
-                const __m512i xh = _mm512_set1_epi32(four_high), xl = _mm512_set1_epi32(four_low);
-                UNROLLED for (int v = 0; v < 4; v++) {
-                    acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], w[v], xh);
-                    rest[i][v] = _mm512_dpbusd_epi32(rest[i][v], w[v], xl);
-                }
-            }
+            add_products(a, i0, k, w, acc, rest, R);
         }
         fold_low(acc, rest, R);
         const uint16_t *sz = q8_scales(a, tile, g);
