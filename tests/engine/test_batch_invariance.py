@@ -136,6 +136,7 @@ def test_outputs_do_not_depend_on_the_batch_and_the_cache_or_the_chunks(tiny_mod
 # Kernel builds for other x86 CPUs (TUILI_KERNEL_CFLAGS, as tests/kernels/test_cpu_kernels.py).
 OTHER_CPUS = {
     "no AMX": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8",
+    "AVX-512 without BF16 and VNNI": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8 -mno-avx512bf16 -mno-avx512vnni",
     "AVX2 only": "-march=x86-64-v3",
 }
 

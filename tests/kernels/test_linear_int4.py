@@ -176,3 +176,15 @@ def test_exact_sums_match_float64_and_never_depend_on_the_rows(q8):
     for rows in (1, 3, 5, 17):
         assert torch.equal(run(module, x[:rows].contiguous(), torch.float32, exact=True), every[:rows]), rows
 
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["int4", "q8_0"])
+def test_default_sums_never_depend_on_the_rows(q8):
+    """The arithmetic the batch-invariant mode runs (two int8 parts of x on VNNI CPUs, else float32
+    sums): a row's bits are the same alone, at any place in a block and in blocks of any size."""
+    module = q8_module(192, 128, seed=10) if q8 else int4_module(192, 128, 32, seed=10)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(10)).bfloat16()
+    every = run(module, x, torch.float32)
+    for first, rows in ((0, 1), (0, 2), (0, 3), (1, 5), (3, 17), (7, 33)):
+        part = run(module, x[first : first + rows].contiguous(), torch.float32)
+        assert torch.equal(part, every[first : first + rows]), (first, rows)
