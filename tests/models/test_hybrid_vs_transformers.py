@@ -22,13 +22,24 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tuili import LLM, SamplingParams
+from tests.models.hybrid_models import (
+    GREEDY,
+    PROMPTS,
+    Checkpoint,
+    assert_all_state_free,
+    check_greedy_with_split_prompts,
+    check_preemption_recomputes_state,
+    check_slots_freed_on_abort_and_reused,
+    randomise_norms,
+    tuili_llm,
+    write_checkpoint,
+)
+from tuili import SamplingParams
 from tuili.config import EngineConfig, ModelConfig
 from tuili.engine.pool import kv_bytes_per_block, plan_pool, state_bytes_per_slot
 from tuili.errors import TuiliError
 from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.moe import SparseMoE
-from tuili.perf.meter import UtilizationMeter
 
 COMMON = dict(
     vocab_size=320,
@@ -57,159 +68,69 @@ CASES = {
                               tie_word_embeddings=True, partial_rotary_factor=0.5),
 }  # fmt: skip
 
-PROMPTS = [
-    [5, 17, 250, 3, 99, 100, 101, 7, 8, 9, 10, 11, 12, 13],
-    [42],
-    list(range(30, 53)),
-    [7, 7, 7, 200, 201],
-]
-STEPS = 32
-
-
 def _hf_model(name: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     config = transformers.Qwen3NextConfig(**COMMON, **CASES[name])
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # transformers starts every norm at its identity: a norm loaded wrong would not show
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if ".linear_attn.norm" in param_name else 0.0))
+    randomise_norms(model)
     return model
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def checkpoint(request, tmp_path_factory):
-    model = _hf_model(request.param)
-    path = tmp_path_factory.mktemp("ckpt") / request.param
-    model.save_pretrained(path)
-    greedy = {}
-    with torch.no_grad():
-        for ids in PROMPTS:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS)
-            greedy[tuple(ids)] = out[0, len(ids) :].tolist()
-    return path, model, greedy
-
-
-def _llm(path, **options) -> LLM:
-    options = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20) | options
-    return LLM(model=str(path), **options)
-
-
-def _assert_all_state_free(llm: LLM) -> None:
-    slots = llm.engine.scheduler.state_slots
-    assert slots is not None and slots.num_free == slots.num_slots
-    stats = llm.engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks
+def checkpoint(request, tmp_path_factory) -> Checkpoint:
+    return write_checkpoint(_hf_model(request.param), tmp_path_factory.mktemp("ckpt") / request.param)
 
 
 def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_match):
-    path, hf, _ = checkpoint
-    llm = _llm(path)
+    llm = tuili_llm(checkpoint.path)
     layers = llm.engine.runner.model.model.layers
     assert [isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet) for layer in layers] == [True, True, True, False]
-    expect_sparse = [i not in hf.config.mlp_only_layers for i in range(4)]
+    expect_sparse = [i not in checkpoint.hf.config.mlp_only_layers for i in range(4)]
     assert [isinstance(layer.mlp, SparseMoE) for layer in layers] == expect_sparse
-    assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
+    assert_logits_match(prompt_logits(llm, PROMPTS), checkpoint.hf, PROMPTS)
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_greedy_matches_transformers_generate_with_split_prompts(checkpoint, path, monkeypatch, mixed_steps):
-    """A 7-token budget: the prompts are split at odd positions (7, 14, ...) and most steps mix
-    one sequence's prefill chunk with the others' decodes."""
-    from tuili import kernels
-
     if path == "torch":
         monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
-    checkpoint_path, _, greedy = checkpoint
-    llm = _llm(checkpoint_path, max_num_batched_tokens=7)
-    assert llm.engine.runner.native_attention == (path == "native" and kernels.available())
-    assert llm.engine.runner.graphs is None
-    mixed = mixed_steps()
-    llm.engine.add_observer(mixed)
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert mixed.count > 0 and mixed.odd_splits > 0
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        assert out.outputs[0].token_ids == greedy[tuple(ids)]
-        assert out.outputs[0].finish_reason == "length"
-    _assert_all_state_free(llm)
+    check_greedy_with_split_prompts(checkpoint, path == "native", mixed_steps)
 
 
 def test_preemption_recomputes_state_from_zero(checkpoint):
-    """Room for 16 KV blocks (64 tokens) while the four sequences need 171 tokens in all: the
-    newest running ones are preempted, their slots freed, and they restart from position 0."""
-    path, hf, greedy = checkpoint
-    cfg = ModelConfig.from_hf_config(hf.config.to_dict() | {"architectures": ["Qwen3NextForCausalLM"]})
-    budget = 16 * kv_bytes_per_block(cfg, 4, torch.float32) + 4 * state_bytes_per_slot(cfg, torch.float32)
-    llm = _llm(path, kv_cache_memory=budget, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=9)
-    assert llm.engine.pool.num_blocks == 16 and llm.engine.pool.num_state_slots == 4
-    # live MBU counts each decoding sequence's state as the engine holds it, read and written
-    meter = UtilizationMeter.for_engine(llm.engine, "h100")
-    assert meter.state_bytes_per_sequence == state_bytes_per_slot(cfg, torch.float32) > 0
-    assert meter.step_decode_bytes([5, 9]) - meter.step_decode_bytes([5]) >= 2 * meter.state_bytes_per_sequence
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert llm.engine.stats().num_preemptions > 0
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        assert out.outputs[0].token_ids == greedy[tuple(ids)]
-    _assert_all_state_free(llm)
+    check_preemption_recomputes_state(checkpoint)
 
 
 def test_slots_are_freed_on_abort_and_reused(checkpoint):
-    path, _, greedy = checkpoint
-    llm = _llm(path, max_num_batched_tokens=5, max_num_seqs=2)
-    engine = llm.engine
-    assert engine.scheduler.state_slots.num_slots == 2
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in PROMPTS[:3]]
-    for _ in range(3):  # the first two are running (one mid-prefill), the third waits for a slot
-        engine.step()
-    assert engine.scheduler.state_slots.num_free == 0 and len(engine.scheduler.waiting) == 1
-    engine.abort_request(ids[0])
-    engine.abort_request(ids[2])
-    assert engine.scheduler.state_slots.num_free == 1
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    assert finished[ids[1]].outputs[0].token_ids == greedy[tuple(PROMPTS[1])]
-    _assert_all_state_free(llm)
-    # The freed slots carry the old sequences' state; a new sequence must not see it.
-    out = llm.generate([{"prompt_token_ids": PROMPTS[3]}], params)[0]
-    assert out.outputs[0].token_ids == greedy[tuple(PROMPTS[3])]
-    _assert_all_state_free(llm)
+    check_slots_freed_on_abort_and_reused(checkpoint)
 
 
 def test_prefix_caching_is_off_without_room_for_a_checkpoint(checkpoint, caplog):
     """The KV floor of max_model_len and four state slots take the whole budget: no state
     checkpoint fits, so a cached prefix could not be restored and prefix caching is off."""
-    path, hf, greedy = checkpoint
-    cfg = ModelConfig.from_hf_config(hf.config.to_dict() | {"architectures": ["Qwen3NextForCausalLM"]})
+    cfg = checkpoint.model_config()
     budget = 16 * kv_bytes_per_block(cfg, 4, torch.float32) + 4 * state_bytes_per_slot(cfg, torch.float32)
     with caplog.at_level(logging.INFO, logger="tuili.engine.core"):
-        llm = _llm(path, enable_prefix_caching=True, kv_offload_memory=1 << 16, kv_cache_memory=budget,
+        llm = tuili_llm(checkpoint.path, enable_prefix_caching=True, kv_offload_memory=1 << 16, kv_cache_memory=budget,
                    max_model_len=64, max_num_seqs=4)  # fmt: skip
     assert "prefix caching is off" in caplog.text and "linear-attention state checkpoint" in caplog.text
     assert llm.engine.pool.num_state_checkpoints == 0 and llm.engine.scheduler.checkpoints is None
     assert not llm.engine.block_manager.enable_prefix_caching and llm.engine.pool.num_host_blocks == 0
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     for _ in range(2):  # the same prompt twice: the second is computed again, never a cache hit
-        out = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params)[0]
-        assert out.outputs[0].token_ids == greedy[tuple(PROMPTS[2])]
+        out = llm.generate([{"prompt_token_ids": PROMPTS[2]}], GREEDY)[0]
+        assert out.outputs[0].token_ids == checkpoint.greedy[tuple(PROMPTS[2])]
     assert llm.engine.stats().prefix_cache.hit_tokens == 0
 
 
 def test_bf16_runs_close_to_transformers_bf16(checkpoint, prompt_logits, assert_logits_match):
-    path, hf, _ = checkpoint
-    llm = _llm(path, dtype="bfloat16")
+    llm = tuili_llm(checkpoint.path, dtype="bfloat16")
     assert llm.engine.runner.model.model.layers[0].linear_attn.state.recurrent.dtype == torch.float32
-    hf_bf16 = _hf_model(next(n for n in CASES if n in str(path))).to(torch.bfloat16)
+    hf_bf16 = _hf_model(checkpoint.path.name).to(torch.bfloat16)
     assert_logits_match(prompt_logits(llm, PROMPTS), hf_bf16, PROMPTS, atol=0.1, rtol=0.05)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    _assert_all_state_free(llm)
+    assert_all_state_free(llm)
 
 
 def test_mtp_tensors_are_held_as_stored_and_not_run(tmp_path, caplog, prompt_logits, assert_logits_match):
@@ -226,7 +147,7 @@ def test_mtp_tensors_are_held_as_stored_and_not_run(tmp_path, caplog, prompt_log
     }
     save_file(tensors | mtp, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="tuili.models.loader"):
-        llm = _llm(tmp_path)
+        llm = tuili_llm(tmp_path)
     assert "holding 3 multi-token-prediction tensors (mtp.*)" in caplog.text
     model = llm.engine.runner.model
     held = dict(model.named_buffers())

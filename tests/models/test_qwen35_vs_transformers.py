@@ -24,9 +24,21 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tuili import LLM, SamplingParams
+from tests.models.hybrid_models import (
+    GREEDY,
+    PROMPTS,
+    Checkpoint,
+    assert_all_state_free,
+    check_greedy_with_split_prompts,
+    check_preemption_recomputes_state,
+    check_slots_freed_on_abort_and_reused,
+    greedy_answers,
+    randomise_norms,
+    tuili_llm,
+    write_checkpoint,
+)
+from tuili import SamplingParams
 from tuili.config import ModelConfig
-from tuili.engine.pool import kv_bytes_per_block, state_bytes_per_slot
 from tuili.errors import TuiliError
 from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.moe import SparseMoE
@@ -67,22 +79,7 @@ CASES = {
 TEXT_CONFIGS = {"qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig}
 ARCHITECTURES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
-PROMPTS = [
-    [5, 17, 250, 3, 99, 100, 101, 7, 8, 9, 10, 11, 12, 13],
-    [42],
-    list(range(30, 53)),
-    [7, 7, 7, 200, 201],
-]
 LONG_PROMPT = [(7 * i + 3) % 320 for i in range(71)]  # two DeltaNet chunks (64 + 7) in one prefill
-STEPS = 32
-
-
-def _randomise_norms(model: transformers.PreTrainedModel) -> None:
-    """transformers starts every norm at its identity: a norm loaded wrong would not show."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.randn_like(param) * 0.2 + (1.0 if ".linear_attn.norm" in name else 0.0))
 
 
 def _hf_model(name: str) -> transformers.PreTrainedModel:
@@ -91,42 +88,18 @@ def _hf_model(name: str) -> transformers.PreTrainedModel:
     config = TEXT_CONFIGS[family](**COMMON, **fields)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     assert type(model).__name__ == ARCHITECTURES[family]
-    _randomise_norms(model)
+    randomise_norms(model)
     return model
 
 
-def _greedy(model: transformers.PreTrainedModel, prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
-    out = {}
-    with torch.no_grad():
-        for ids in prompts:
-            tokens = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS)
-            out[tuple(ids)] = tokens[0, len(ids) :].tolist()
-    return out
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def checkpoint(request, tmp_path_factory):
-    model = _hf_model(request.param)
-    path = tmp_path_factory.mktemp("ckpt") / request.param
-    model.save_pretrained(path)
-    return path, model, _greedy(model, PROMPTS)
-
-
-def _llm(path, **options) -> LLM:
-    options = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory=1 << 20) | options
-    return LLM(model=str(path), **options)
-
-
-def _assert_all_state_free(llm: LLM) -> None:
-    slots = llm.engine.scheduler.state_slots
-    assert slots is not None and slots.num_free == slots.num_slots
-    stats = llm.engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks
+def checkpoint(request, tmp_path_factory) -> Checkpoint:
+    return write_checkpoint(_hf_model(request.param), tmp_path_factory.mktemp("ckpt") / request.param)
 
 
 def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_match):
-    path, hf, _ = checkpoint
-    llm = _llm(path)
+    hf = checkpoint.hf
+    llm = tuili_llm(checkpoint.path)
     model = llm.engine.runner.model
     layers = model.model.layers
     assert [isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet) for layer in layers] == [True, True, True, False]
@@ -142,61 +115,17 @@ def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_matc
 
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_greedy_matches_transformers_generate_with_split_prompts(checkpoint, path, monkeypatch, mixed_steps):
-    """A 7-token budget: the prompts are split at odd positions (7, 14, ...) and most steps mix
-    one sequence's prefill chunk with the others' decodes."""
     if path == "torch":
         monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
-    checkpoint_path, _, greedy = checkpoint
-    llm = _llm(checkpoint_path, max_num_batched_tokens=7)
-    mixed = mixed_steps()
-    llm.engine.add_observer(mixed)
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert mixed.count > 0 and mixed.odd_splits > 0
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        assert out.outputs[0].token_ids == greedy[tuple(ids)]
-        assert out.outputs[0].finish_reason == "length"
-    _assert_all_state_free(llm)
+    check_greedy_with_split_prompts(checkpoint, path == "native", mixed_steps)
 
 
 def test_preemption_recomputes_state_from_zero(checkpoint):
-    """Room for 16 KV blocks (64 tokens) while the four sequences need 171 tokens in all: the
-    newest running ones are preempted, their slots freed, and they restart from position 0."""
-    path, hf, greedy = checkpoint
-    cfg = ModelConfig.from_hf_config(hf.config.to_dict() | {"architectures": hf.config.architectures})
-    budget = 16 * kv_bytes_per_block(cfg, 4, torch.float32) + 4 * state_bytes_per_slot(cfg, torch.float32)
-    llm = _llm(path, kv_cache_memory=budget, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=9)
-    assert llm.engine.pool.num_blocks == 16 and llm.engine.pool.num_state_slots == 4
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert llm.engine.stats().num_preemptions > 0
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        assert out.outputs[0].token_ids == greedy[tuple(ids)]
-    _assert_all_state_free(llm)
+    check_preemption_recomputes_state(checkpoint)
 
 
 def test_slots_are_freed_on_abort_and_reused(checkpoint):
-    path, _, greedy = checkpoint
-    llm = _llm(path, max_num_batched_tokens=5, max_num_seqs=2)
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in PROMPTS[:3]]
-    for _ in range(3):  # the first two are running (one mid-prefill), the third waits for a slot
-        engine.step()
-    assert engine.scheduler.state_slots.num_free == 0 and len(engine.scheduler.waiting) == 1
-    engine.abort_request(ids[0])
-    engine.abort_request(ids[2])
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    assert finished[ids[1]].outputs[0].token_ids == greedy[tuple(PROMPTS[1])]
-    _assert_all_state_free(llm)
-    # The freed slots carry the old sequences' state; a new sequence must not see it.
-    out = llm.generate([{"prompt_token_ids": PROMPTS[3]}], params)[0]
-    assert out.outputs[0].token_ids == greedy[tuple(PROMPTS[3])]
-    _assert_all_state_free(llm)
+    check_slots_freed_on_abort_and_reused(checkpoint)
 
 
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
@@ -234,7 +163,7 @@ def test_multimodal_checkpoint_loads_its_language_model_and_keeps_mtp(case, tmp_
     text = TEXT_CONFIGS[family](**COMMON, **fields).to_dict()
     config = WRAPPERS[family](text_config=text, vision_config=VISION, tie_word_embeddings=text["tie_word_embeddings"])
     hf = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").float().eval()
-    _randomise_norms(hf)
+    randomise_norms(hf)
     hf.save_pretrained(tmp_path)
     file = tmp_path / "model.safetensors"
     tensors = load_file(str(file))
@@ -242,7 +171,7 @@ def test_multimodal_checkpoint_loads_its_language_model_and_keeps_mtp(case, tmp_
     mtp = _mtp_tensors(COMMON["hidden_size"])
     save_file(tensors | mtp, str(file), metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="tuili.models.loader"):
-        llm = _llm(tmp_path, max_num_batched_tokens=7)
+        llm = tuili_llm(tmp_path, max_num_batched_tokens=7)
     assert "ignoring" in caplog.text and "vision-encoder tensors (model.visual.*)" in caplog.text
     assert f"holding {len(mtp)} multi-token-prediction tensors" in caplog.text
     model = llm.engine.runner.model
@@ -257,12 +186,11 @@ def test_multimodal_checkpoint_loads_its_language_model_and_keeps_mtp(case, tmp_
     meter = UtilizationMeter.for_engine(llm.engine, "h100")
     assert meter.state_bytes_per_sequence == llm.engine.pool.state_bytes_per_slot > 0
     assert_logits_match(prompt_logits(llm, PROMPTS), hf, PROMPTS)
-    greedy = _greedy(hf, PROMPTS[:2])
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS[:2]], params)
+    greedy = greedy_answers(hf, PROMPTS[:2])
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS[:2]], GREEDY)
     for ids, out in zip(PROMPTS[:2], outs, strict=True):
         assert out.outputs[0].token_ids == greedy[tuple(ids)]
-    _assert_all_state_free(llm)
+    assert_all_state_free(llm)
 
 
 def _text_config(case: str, **changes) -> dict:
@@ -311,10 +239,10 @@ def test_bf16_runs_close_to_transformers_bf16(tmp_path, prompt_logits, assert_lo
     """bf16 weights and activations, float32 recurrent state: close to transformers' own bf16 run."""
     hf = _hf_model("moe-top1-hv2")
     hf.save_pretrained(tmp_path)
-    llm = _llm(tmp_path, dtype="bfloat16", max_num_batched_tokens=7)
+    llm = tuili_llm(tmp_path, dtype="bfloat16", max_num_batched_tokens=7)
     assert llm.engine.runner.model.model.layers[0].linear_attn.state.recurrent.dtype == torch.float32
     assert_logits_match(prompt_logits(llm, PROMPTS), hf.to(torch.bfloat16), PROMPTS, atol=0.1, rtol=0.05)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    _assert_all_state_free(llm)
+    assert_all_state_free(llm)
