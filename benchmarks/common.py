@@ -37,6 +37,32 @@ def qwen3_06b_checkpoint() -> Path:
     return path
 
 
+# A Qwen3.5 hybrid of ~0.8B parameters (issue 19's benchmark shape: hidden 1024, 24 layers, three
+# Gated DeltaNet layers per full-attention layer), as Qwen3.5-0.8B's published config lays it out.
+QWEN35_08B = dict(
+    vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def qwen35_08b_checkpoint() -> Path:
+    """A random bf16 Qwen3.5 checkpoint of QWEN35_08B's shape, written once by transformers
+    (`Qwen3_5ForCausalLM`, the text model)."""
+    import transformers
+
+    path = CACHE / "qwen3.5-0.8b-shape-bf16"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        config = transformers.Qwen3_5TextConfig(**QWEN35_08B)
+        config.architectures = ["Qwen3_5ForCausalLM"]
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+    return path
+
+
 def smollm2_bf16_checkpoint() -> Path:
     """The embedded SmolLM2 GGUF dequantized to a bf16 safetensors directory (config.json from
     the GGUF header, the tokenizer saved beside it), so transformers and tuili run the very same
@@ -113,14 +139,25 @@ LLAMA_CPP = CACHE / "llama.cpp"  # built by benchmarks/build_peers.sh llama
 
 
 def qwen3_06b_gguf(ftype: str) -> Path:
-    """The Qwen3-0.6B-shape checkpoint as GGUF, written once: "bf16" and "f16" by llama.cpp's
-    convert_hf_to_gguf.py, "Q8_0" and "Q4_0" by its llama-quantize from the bf16 file (with
-    llama-quantize's usual choice for the tied embedding / output matrix).
+    """The Qwen3-0.6B-shape checkpoint as GGUF (see converted_gguf)."""
+    return converted_gguf("qwen3-0.6b-shape", qwen3_06b_checkpoint, ftype)
 
-    The converter wants a tokenizer and the random checkpoint has none: it is given SmolLM2's
-    (from the embedded GGUF), which it pads to the 151,936-entry vocabulary with unused tokens.
+
+def qwen35_08b_gguf(ftype: str) -> Path:
+    """The Qwen3.5-0.8B-shape checkpoint as GGUF (see converted_gguf)."""
+    # --no-mtp: the random checkpoint has no MTP block, which the converter otherwise insists on
+    return converted_gguf("qwen3.5-0.8b-shape", qwen35_08b_checkpoint, ftype, ("--no-mtp",))
+
+
+def converted_gguf(name: str, checkpoint: Callable[[], Path], ftype: str, convert_options: tuple[str, ...] = ()) -> Path:
+    """`checkpoint()` as GGUF, written once: "bf16" and "f16" by llama.cpp's convert_hf_to_gguf.py,
+    "Q8_0" and "Q4_0" by its llama-quantize from the bf16 file (with llama-quantize's usual choice
+    for the tied embedding / output matrix).
+
+    The converter wants a tokenizer and the random checkpoints have none: it is given SmolLM2's
+    (from the embedded GGUF), which it pads to the checkpoint's vocabulary with unused tokens.
     The benchmarks feed token ids, so the tokenizer only has to exist."""
-    out = CACHE / "gguf" / f"qwen3-0.6b-shape-{ftype}.gguf"
+    out = CACHE / "gguf" / f"{name}-{ftype}.gguf"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,18 +166,18 @@ def qwen3_06b_gguf(ftype: str) -> Path:
         from tuili.models.default_model import default_model_path
         from tuili.models.gguf import open_gguf
 
-        source = qwen3_06b_checkpoint()
-        stage = CACHE / "qwen3-0.6b-shape-convert"
+        source = checkpoint()
+        stage = CACHE / f"{name}-convert"
         stage.mkdir(exist_ok=True)
-        for name in ("config.json", "model.safetensors"):
-            if not (stage / name).exists():
-                (stage / name).symlink_to(source / name)
+        for file in ("config.json", "model.safetensors"):
+            if not (stage / file).exists():
+                (stage / file).symlink_to(source / file)
         if not (stage / "tokenizer.json").exists():
             open_gguf(default_model_path()).load_tokenizer().save_pretrained(stage)
         command = [sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(stage),
-                   "--outtype", ftype, "--outfile", str(partial)]
+                   "--outtype", ftype, "--outfile", str(partial), *convert_options]
     else:
-        command = [str(LLAMA_CPP / "build" / "bin" / "llama-quantize"), str(qwen3_06b_gguf("bf16")),
+        command = [str(LLAMA_CPP / "build" / "bin" / "llama-quantize"), str(converted_gguf(name, checkpoint, "bf16", convert_options)),
                    str(partial), ftype, str(os.cpu_count() or 1)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
