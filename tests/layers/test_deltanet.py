@@ -92,18 +92,25 @@ def test_conv_with_carried_state_matches_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_match_reference(dtype):
+@pytest.mark.parametrize("platform", [Platform.portable(), Platform.detect()], ids=["torch", "here"])
+def test_norms_match_reference(dtype, platform):
+    """The offset norm on this machine runs the native kernel (the `offset` form of rms_norm),
+    with and without the residual add."""
     gen = torch.Generator().manual_seed(2)
     x, gate = torch.randn(5, 16, generator=gen).to(dtype), torch.randn(5, 16, generator=gen).to(dtype)
     weight = torch.randn(16, generator=gen).to(dtype)
     gated, want_gated = GatedRMSNorm(16, 1e-6), ref.Qwen3NextRMSNormGated(16, eps=1e-6)
-    offset, want_offset = OffsetRMSNorm(16, 1e-6), ref.Qwen3NextRMSNorm(16, eps=1e-6)
+    offset, want_offset = OffsetRMSNorm(16, 1e-6, platform), ref.Qwen3NextRMSNorm(16, eps=1e-6)
     with torch.no_grad():
         for module in (gated, want_gated, offset, want_offset):
             module.to(dtype).weight.copy_(weight)
     exact = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else TOL
     torch.testing.assert_close(gated(x, gate), want_gated(x, gate), **exact)
     torch.testing.assert_close(offset(x), want_offset(x), **exact)
+    residual = gate.clone()
+    normed, residual = offset(x, residual)
+    torch.testing.assert_close(residual, x + gate, atol=0, rtol=0)
+    torch.testing.assert_close(normed, want_offset(x + gate), **exact)
 
 
 def _mixer_pair(hk: int, hv: int) -> tuple[GatedDeltaNet, ref.Qwen3NextGatedDeltaNet]:

@@ -118,6 +118,12 @@ silu_mul(gate_up, out)
     per-head RMSNorm of q and k (Qwen3; skipped when the weights are None) and the rotary
     embedding (cos, sin float32 [T, D / 2]); SiLU(gate) * up from gate_up [rows, 2 I]. float32 or
     bfloat16, rounding where tuili/layers' torch code rounds.
+deltanet_decode(mixed, z, b, a, conv_weight, conv_state, recurrent, rows, slots, a_log, dt_bias,
+                norm_weight, num_k_heads, eps, out)
+    Gated DeltaNet's decode step in one call (csrc/deltanet.c): for each single-token row, the
+    causal conv step, the gated delta rule on the sequence's float32 state slot (in place) and
+    the gated RMSNorm, rounding where tuili/layers/deltanet.py rounds; each (row, head) computed
+    alone in a fixed order, so a sequence's bits do not depend on the batch.
 """
 
 from tuili.kernels.cpu import (
@@ -126,6 +132,7 @@ from tuili.kernels.cpu import (
     amx_available,
     argmax_rows,
     available,
+    deltanet_decode,
     dequantize_int4_tiles,
     dequantize_int8_group_tiles,
     kv_store,
@@ -150,6 +157,7 @@ __all__ = [
     "amx_available",
     "argmax_rows",
     "available",
+    "deltanet_decode",
     "dequantize_int4_tiles",
     "dequantize_int8_group_tiles",
     "kv_store",

@@ -36,6 +36,7 @@ LINEAR_INT4_MAX_GROUP = 256  # inputs per group: 256 x 255 x 127 x 254 < 2^31 (c
 
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
+_BAD_SLOT = 8
 _PROMPT_ATTENTION_MAX_HEAD_DIM = 256  # MAX_HEAD_DIM of csrc/prompt_attention.c
 
 
@@ -95,7 +96,7 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i32,  # M, N, K, threads
     ]  # fmt: skip
     library.tuili_linear_small.restype = i32
-    library.tuili_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]  # x, residual, weight, out, rows, dim, eps
+    library.tuili_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32, i32]  # x, residual, weight, out, rows, dim, eps, offset
     library.tuili_qk_norm_rope.argtypes = [
         p, p, p, p, p,  # qkv, q weight, k weight, cos, sin
         i64, i64, i64, i64, f32, i32, i32,  # tokens, q heads, kv heads, head dim, eps, dtype, threads
@@ -108,6 +109,13 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i64, i64, i64, i32, i32,  # M, K, copies, tiles, group, n out, exact, threads
     ]  # fmt: skip
     library.tuili_linear_int4.restype = i32
+    library.tuili_deltanet_decode.argtypes = [
+        p, i64, p, i64, p, p, i64,  # mixed, its row stride, z, its row stride, b, a, their row stride
+        p, p, p, i64, p, p, i64, i64,  # conv weight, conv/recurrent state, slots held, rows, slots, decode rows, tokens
+        p, p, p,  # A_log, dt_bias, norm weight
+        i64, i64, i64, i64, i64, f32, i32, p, i64, i32, p,  # Hk, Hv, Dk, Dv, conv width, eps, dtype, out, its row stride, threads, error
+    ]  # fmt: skip
+    library.tuili_deltanet_decode.restype = i32
     library.tuili_argmax_rows.argtypes = [p, i64, i64, p, i32]  # x, rows, n, out, threads
     library.tuili_argmax_rows.restype = i32
     library.tuili_amx_init.argtypes = []
@@ -637,14 +645,18 @@ def _check_amx_status(status: int, repacked: str) -> None:
 
 
 _MAX_NORM_DIM = 16384  # MAX_DIM of csrc/elementwise.c
+_MAX_DELTANET_HEAD_DIM = 1024  # MAX_HEAD_DIM of csrc/deltanet.c
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, residual: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> torch.Tensor:
     """out = weight * round(x * rsqrt(mean(x^2) + eps)) row by row over the last dimension of
-    x [rows, dim]; with `residual` ([rows, dim]), x + residual (rounded) is normalized instead and
-    also written to residual. All float32 or all bfloat16; writes and returns `out`."""
+    x [rows, dim]; with `offset` (weights stored centred on zero, Qwen3-Next's norms),
+    out = round(x * rsqrt(mean(x^2) + eps) * (1 + weight)) with one rounding. With `residual`
+    ([rows, dim]), x + residual (rounded) is normalized instead and also written to residual. All
+    float32 or all bfloat16; writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
     rows, dim = x.shape
     if dim > _MAX_NORM_DIM:
@@ -656,7 +668,7 @@ def rms_norm(
     _call(
         "tuili_rms_norm",
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        rows, dim, eps, _DTYPE_CODES[x.dtype], torch.get_num_threads(),
+        rows, dim, eps, int(offset), _DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -709,6 +721,83 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         "tuili_silu_mul",
         gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPE_CODES[gate_up.dtype], torch.get_num_threads()
     )
+    return out
+
+
+def _check_rows_view(name: str, value: object, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """`value` as a CPU tensor [rows, width] of `dtype` whose rows may lie any distance apart (a
+    view into a fused projection's output) but whose values within a row are contiguous."""
+    if (
+        isinstance(value, torch.Tensor) and value.dtype == dtype and value.is_cpu and value.dim() == 2
+        and value.shape[1] == width and (value.stride(1) == 1 or width == 1) and value.stride(0) >= width
+    ):  # fmt: skip
+        return value
+    raise ValueError(
+        f"{name} must be a CPU {dtype} tensor of rows of {width} contiguous values; got "
+        + (f"{value.dtype} {list(value.shape)} with strides {value.stride()}" if isinstance(value, torch.Tensor)
+           else type(value).__name__)
+    )  # fmt: skip
+
+
+def deltanet_decode(
+    mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+    conv_state: torch.Tensor, recurrent: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int, eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Gated DeltaNet's decode step (csrc/deltanet.c) for the single-token rows `rows` (int64 [D])
+    of a step, sequence d's state in slot slots[d] (int64 [D]): the conv over mixed [T, C] (q, k,
+    v channels; C = 2 Hk Dk + Hv Dv), the gated delta rule on recurrent [S, Hv, Dk, Dv] (float32,
+    in place) and conv_state [S, C, K-1] (in place), the gated RMSNorm with z [T, Hv * Dv]; writes
+    rows `rows` of out [T, Hv * Dv] and leaves the others. b and a [T, Hv] are the write-strength
+    and decay inputs. mixed, z, b, a may be views with a row stride. Everything but the float32
+    state has mixed's dtype (float32 or bfloat16); conv_weight is [C, 1, K] or [C, K], A_log and
+    dt_bias [Hv], norm_weight [Dv]. A row outside the inputs or a slot outside the state raises
+    ValueError and nothing is written. Returns out."""
+    slots_held, v_heads, dk, dv = _check("recurrent", recurrent, (torch.float32,), 4).shape
+    dtype = mixed.dtype if isinstance(mixed, torch.Tensor) and mixed.dtype in _FLOAT_DTYPES else torch.float32
+    conv_state = _check("conv_state", conv_state, (dtype,), 3)
+    channels, kernel = conv_state.shape[1], conv_state.shape[2] + 1
+    mixed = _check_rows_view("mixed", mixed, dtype, channels)
+    key_dim = (channels - v_heads * dv) // 2
+    if num_k_heads < 1 or v_heads % num_k_heads or key_dim != num_k_heads * dk:
+        raise ValueError(
+            f"conv_state has {channels} channels and recurrent {v_heads} value heads of [{dk}, {dv}]; expected "
+            f"2 x {num_k_heads} key heads x {dk} + {v_heads} x {dv} channels, Hv a multiple of Hk"
+        )
+    if max(dk, dv) > _MAX_DELTANET_HEAD_DIM:
+        raise ValueError(f"heads of [{dk}, {dv}]; deltanet_decode takes at most {_MAX_DELTANET_HEAD_DIM}")
+    if conv_state.shape[0] != slots_held:
+        raise ValueError(f"conv_state has {conv_state.shape[0]} slots; recurrent has {slots_held}")
+    conv_weight = _check("conv_weight", conv_weight.reshape(channels, -1) if isinstance(conv_weight, torch.Tensor)
+                         else conv_weight, (dtype,), (channels, kernel))  # fmt: skip
+    z = _check_rows_view("z", z, dtype, v_heads * dv)
+    b, a = _check_rows_view("b", b, dtype, v_heads), _check_rows_view("a", a, dtype, v_heads)
+    if b.stride(0) != a.stride(0):
+        raise ValueError(f"b and a have row strides {b.stride(0)} and {a.stride(0)}; expected one stride")
+    rows = _check("rows", rows, (torch.int64,), 1)
+    slots = _check("slots", slots, (torch.int64,), rows.shape)
+    a_log, dt_bias = _check("a_log", a_log, (dtype,), (v_heads,)), _check("dt_bias", dt_bias, (dtype,), (v_heads,))
+    norm_weight = _check("norm_weight", norm_weight, (dtype,), (dv,))
+    out = _check_rows_view("out", out, dtype, v_heads * dv)
+    tokens = min(t.shape[0] for t in (mixed, z, b, a, out))
+    error = (ctypes.c_int64 * 3)()
+    status = _call(
+        "tuili_deltanet_decode",
+        mixed.data_ptr(), mixed.stride(0), z.data_ptr(), z.stride(0), b.data_ptr(), a.data_ptr(), b.stride(0),
+        conv_weight.data_ptr(), conv_state.data_ptr(), recurrent.data_ptr(), slots_held, rows.data_ptr(),
+        slots.data_ptr(), rows.numel(), tokens, a_log.data_ptr(), dt_bias.data_ptr(), norm_weight.data_ptr(),
+        num_k_heads, v_heads, dk, dv, kernel, eps, _DTYPE_CODES[dtype], out.data_ptr(), out.stride(0),
+        torch.get_num_threads(), error,
+    )  # fmt: skip
+    if status == _BAD_SEQ_ROWS:
+        raise ValueError(f"rows: decode row {error[1]} is row {error[2]}, outside the inputs' [0, {tokens})")
+    if status == _BAD_SLOT:
+        raise ValueError(f"slots: decode row {error[1]} has slot {error[2]}, outside the state's [0, {slots_held})")
+    if status == _NO_MEMORY:
+        raise MemoryError("the DeltaNet decode kernel could not allocate its scratch memory")
+    if status != 0:
+        raise RuntimeError(f"the DeltaNet decode kernel failed with status {status}")
     return out
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tuili import kernels
 from tuili.layers.norm import GatedRMSNorm
 from tuili.platform import Platform
 
@@ -306,10 +307,11 @@ class GatedDeltaNet(nn.Module):
             q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
             b, a = self.in_proj_ba(x).view(tokens, hk, 2 * r).split([r, r], dim=-1)
             mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+            # rows of contiguous values, as the flat layout's views have
+            z, b, a = (t.reshape(tokens, -1).contiguous() for t in (z, b, a))
         else:
             mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
             b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
-        z, b, a = z.reshape(tokens, hv, dv), b.reshape(tokens, hv), a.reshape(tokens, hv)
 
         if batch.fresh.numel():  # a sequence starting at position 0 starts from zero state
             state.conv.index_fill_(0, batch.fresh, 0)
@@ -317,50 +319,84 @@ class GatedDeltaNet(nn.Module):
         if batch.restore_slots.numel():  # a prefix-cache hit starts from the checkpoint's state
             state.conv[batch.restore_slots] = state.conv[batch.restore_rows]
             state.recurrent[batch.restore_slots] = state.recurrent[batch.restore_rows]
-        weight = self.conv1d.weight[:, 0]
-        conv = torch.empty_like(mixed)
-        decodes = batch.decode_rows.numel() > 0
-        if decodes:
-            rows, slots = batch.decode_rows, batch.decode_slots
-            conv[rows], state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], weight)
+        # Rows [tokens, Hv * Dv] of the gated norm's output, the out projection's input.
+        normed = torch.empty(tokens, self.value_dim, dtype=x.dtype, device=x.device)
+        if batch.decode_rows.numel():
+            self._decode(mixed, z, b, a, batch.decode_rows, batch.decode_slots, normed)
         for first, n, slot in batch.chunks:
-            before = state.conv[slot]  # a view: read before the slot is overwritten below
-            if first in batch.cuts:  # the conv state after o tokens: the K-1 inputs before token o
-                window = torch.cat([before.to(x.dtype), mixed[first : first + n].transpose(0, 1)], dim=-1)
-                for offset, row in batch.cuts[first]:
-                    state.conv[row] = window[:, offset : offset + before.shape[1]]
-            conv[first : first + n], state.conv[slot] = causal_conv1d(mixed[first : first + n], before, weight)
-        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k, v = q.view(tokens, hk, dk), k.view(tokens, hk, dk), v.view(tokens, hv, dv)
-
-        beta = b.sigmoid()
-        # float32 as the reference: in fp16/bf16 exp(A_log) and the softplus would lose the decay
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = torch.empty(tokens, hv, dv, dtype=x.dtype, device=x.device)
-        if decodes:
-            o, state.recurrent[slots] = recurrent_gated_delta_rule(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slots]
-            )
-            out[rows] = o.to(x.dtype)
-        for first, n, slot in batch.chunks:
-            carried = state.recurrent[slot]
-            for begin, end, emits, row in _pieces(first, n, batch.cuts.get(first, ())):
-                span = slice(begin, end)
-                o, carried, emitted = chunk_gated_delta_rule_states(
-                    q[span], k[span], v[span], g[span], beta[span], carried, tuple(e for e, _ in emits),
-                )  # fmt: skip
-                out[span] = o.to(x.dtype)
-                for (_, emit_row), emitted_state in zip(emits, emitted, strict=True):
-                    state.recurrent[emit_row] = emitted_state
-                if row is not None:
-                    state.recurrent[row] = carried
-            state.recurrent[slot] = carried
+            rows = slice(first, first + n)
+            out = self._chunk(mixed[rows], b[rows], a[rows], first, n, slot, batch.cuts.get(first, ()))
+            normed[rows] = self.norm(out.to(x.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(n, -1)
         if batch.save_slots.numel():  # checkpoints at the end of an item: the slot's new state
             state.conv[batch.save_rows] = state.conv[batch.save_slots]
             state.recurrent[batch.save_rows] = state.recurrent[batch.save_slots]
-        normed = self.norm(out.reshape(-1, dv), z.reshape(-1, dv))
-        return self.out_proj(normed.view(tokens, hv * dv))
+        return self.out_proj(normed)
 
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta, g): the write strength and the log decay of each row and value head."""
+        # float32 as the reference: in fp16/bf16 exp(A_log) and the softplus would lose the decay
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def _split_heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [T, C] as q, k [T, Hk, Dk] and v [T, Hv, Dv]."""
+        tokens = conv.shape[0]
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.view(tokens, self.num_k_heads, self.head_k_dim), k.view(tokens, self.num_k_heads, self.head_k_dim),
+                v.view(tokens, self.num_v_heads, self.head_v_dim))  # fmt: skip
+
+    def _decode(
+        self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, rows: torch.Tensor,
+        slots: torch.Tensor, normed: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """The single-token rows `rows` (state in `slots`): conv step, recurrent rule and gated
+        norm, written to those rows of `normed`. One native call where the kernels run (it
+        rounds where this torch code rounds)."""
+        state = self.state
+        assert state is not None
+        if self.platform.native(mixed, state.conv):
+            kernels.deltanet_decode(
+                mixed, z, b, a, self.conv1d.weight, state.conv, state.recurrent, rows, slots, self.A_log,
+                self.dt_bias, self.norm.weight, self.num_k_heads, self.norm.eps, normed,
+            )  # fmt: skip
+            return
+        conv, state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], self.conv1d.weight[:, 0])
+        q, k, v = self._split_heads(conv)
+        beta, g = self._gates(b[rows], a[rows])
+        o, state.recurrent[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent[slots])
+        dv = self.head_v_dim
+        normed[rows] = self.norm(o.to(mixed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(len(rows), -1)
+
+    def _chunk(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, first: int, n: int, slot: int,
+        cuts: list[tuple[int, int]],
+    ) -> torch.Tensor:  # fmt: skip
+        """One sequence's chunk of n >= 2 tokens (step rows first .. first + n) from the state in
+        `slot`, left there after it: the conv, then the chunked rule, with state checkpoints
+        taken at `cuts` (tokens into the chunk, checkpoint row). Returns the rule's float32
+        output [n, Hv, Dv]."""
+        state = self.state
+        assert state is not None
+        before = state.conv[slot]  # a view: read before the slot is overwritten below
+        if cuts:  # the conv state after o tokens: the K-1 inputs before token o
+            window = torch.cat([before.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)
+            for offset, row in cuts:
+                state.conv[row] = window[:, offset : offset + before.shape[1]]
+        conv, state.conv[slot] = causal_conv1d(mixed, before, self.conv1d.weight[:, 0])
+        q, k, v = self._split_heads(conv)
+        beta, g = self._gates(b, a)
+        out = torch.empty(n, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
+        carried = state.recurrent[slot]
+        for begin, end, emits, row in _pieces(0, n, cuts):
+            span = slice(begin, end)
+            out[span], carried, emitted = chunk_gated_delta_rule_states(
+                q[span], k[span], v[span], g[span], beta[span], carried, tuple(e for e, _ in emits),
+            )  # fmt: skip
+            for (_, emit_row), emitted_state in zip(emits, emitted, strict=True):
+                state.recurrent[emit_row] = emitted_state
+            if row is not None:
+                state.recurrent[row] = carried
+        state.recurrent[slot] = carried
+        return out
 
 
 def _pieces(

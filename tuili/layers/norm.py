@@ -21,11 +21,13 @@ def fused_elementwise(platform: Platform, x: torch.Tensor, weight: torch.Tensor 
 
 
 class RMSNorm(nn.Module):
+    offset = False  # weights stored centred on zero, scaling by (1 + weight): OffsetRMSNorm
+
     def __init__(self, dim: int, eps: float, platform: Platform) -> None:
         super().__init__()
         self.eps = eps
         self.platform = platform
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if self.offset else torch.ones(dim))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -37,9 +39,9 @@ class RMSNorm(nn.Module):
             flat = x.reshape(-1, dim).contiguous()
             out = torch.empty_like(flat)
             if residual is None:
-                return kernels.rms_norm(flat, self.weight, self.eps, out).view(x.shape)
+                return kernels.rms_norm(flat, self.weight, self.eps, out, offset=self.offset).view(x.shape)
             residual = residual.reshape(-1, dim).contiguous()
-            kernels.rms_norm(flat, self.weight, self.eps, out, residual)
+            kernels.rms_norm(flat, self.weight, self.eps, out, residual, offset=self.offset)
             return out.view(x.shape), residual.view(x.shape)
         if residual is None:
             return self._norm(x)
@@ -52,26 +54,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Qwen3-Next's RMSNorm: the weight is stored centred on zero and scales by (1 + weight),
     applied in float32 before the one rounding to the working dtype (the reference's
-    `(x * w).to(dtype)` order, unlike Llama's `w * x.to(dtype)`). Torch ops: the native fused
-    kernel computes the Llama order. The residual add is folded in as in RMSNorm."""
+    `(x * w).to(dtype)` order, unlike Llama's `w * x.to(dtype)`; the native kernel takes both).
+    The residual add is folded in as in RMSNorm, in the working dtype as the reference adds."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm(x) over the last dimension; or, given the residual stream, (RMSNorm(x +
-        residual), x + residual), the add in the working dtype as the reference adds."""
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+    offset = True
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())

@@ -49,8 +49,8 @@ class GatedAttention(nn.Module):
         # q_proj (2 * q_size rows: per head its query, then its gate), k_proj, v_proj as one matmul.
         self.qkv_proj = plan.linear(f"{prefix}.qkv_proj", cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, False)
         self.o_proj = plan.linear(f"{prefix}.o_proj", self.q_size, cfg.hidden_size, False)
-        self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps, plan.platform)
+        self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps, plan.platform)
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
         # Bound by the runner once the KV pool exists.
@@ -90,13 +90,13 @@ class HybridDecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.linear = cfg.layer_types[index] == "linear_attention"
-        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
         # Exactly one token mixer, under the checkpoint's name for it.
         if self.linear:
             self.linear_attn = gated_deltanet(cfg, plan, f"{prefix}.linear_attn")
         else:
             self.self_attn = GatedAttention(cfg, plan, backend, f"{prefix}.self_attn")
-        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.sparse_layers[index]:
             self.mlp = sparse_moe(cfg, plan, f"{prefix}.mlp")
@@ -126,7 +126,7 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, plan, backend, i) for i in range(cfg.num_layers))
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         return self.embed_tokens(input_ids), self.rotary.tables(positions)

@@ -6,7 +6,9 @@
  * where the torch code rounds, so that float32 and bfloat16 models get the same values up to
  * the order of a float32 sum and the last bits of exp and sqrt:
  *
- *   rms_norm:      y = w * round(x * r),  r = 1 / sqrt(mean(x^2) + eps)  (x and r in float32)
+ *   rms_norm:      y = w * round(x * r),  r = 1 / sqrt(mean(x^2) + eps)  (x and r in float32);
+ *                  with `offset` (Qwen3-Next's norms, weights stored centred on zero):
+ *                  y = round((x * r) * (1 + w)), all in float32 before the one rounding
  *   add_rms_norm:  s = round(x + residual) is written back to residual; y = rms_norm(s)
  *   qk_norm_rope:  per head of q and k, optionally rms_norm with that head kind's weight, then
  *                  the rotate-half rotation in float32 (x1 cos - x2 sin, x2 cos + x1 sin), round
@@ -51,11 +53,12 @@ static void row_round(float *v, int dtype, int64_t n) {
         for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
 }
 
-/* buf[0..dim) = w * round(buf * r): one row of RMSNorm in place, w already in float32. */
-static void norm_row(float *buf, const float *w, int64_t dim, float eps, int dtype) {
+/* buf[0..dim) = w * round(buf * r): one row of RMSNorm in place, w already in float32; with
+ * `offset`, buf * r * w unrounded (w then holds 1 + the stored weight). */
+static void norm_row(float *buf, const float *w, int64_t dim, float eps, int offset, int dtype) {
     const float r = 1.0f / sqrtf(dot_lanes16(buf, buf, dim) / (float)dim + eps);
     for (int64_t d = 0; d < dim; d++) buf[d] *= r;
-    row_round(buf, dtype, dim);
+    if (!offset) row_round(buf, dtype, dim);
     for (int64_t d = 0; d < dim; d++) buf[d] *= w[d];
 }
 
@@ -81,7 +84,7 @@ static inline float lanes_in_order(__m512 lanes) {
 
 /* One row of tuili_rms_norm in bf16, dim a multiple of 16; buf holds dim floats. */
 static void rms_norm_row_bf16(const uint16_t *x, uint16_t *res, const float *w, uint16_t *out, int64_t dim,
-                              float eps, float *buf) {
+                              float eps, int offset, float *buf) {
     __m512 lanes = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 16) {
         __m512 v = widen_bf16(x + d);
@@ -95,7 +98,8 @@ static void rms_norm_row_bf16(const uint16_t *x, uint16_t *res, const float *w, 
     }
     const __m512 r = _mm512_set1_ps(1.0f / sqrtf(lanes_in_order(lanes) / (float)dim + eps));
     for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 v = widen_narrowed(narrow_bf16(_mm512_mul_ps(_mm512_loadu_ps(buf + d), r)));
+        const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(buf + d), r);
+        const __m512 v = offset ? scaled : widen_narrowed(narrow_bf16(scaled));
         _mm256_storeu_si256((__m256i *)(out + d), narrow_bf16(_mm512_mul_ps(v, _mm512_loadu_ps(w + d))));
     }
 }
@@ -126,19 +130,21 @@ static void qk_head_bf16(uint16_t *row, const float *w, const float *c, const fl
 #endif
 
 int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
-                   int dtype, int num_threads) {
+                   int offset, int dtype, int num_threads) {
     if (dim > MAX_DIM) return TUILI_BAD_SHAPE;
     const size_t size = dtype == TUILI_BF16 ? 2 : 4;
 #pragma omp parallel num_threads(num_threads)
     {
         float buf[dim], res[dim], w[dim]; /* a few KiB: rows of one hidden state */
         row_load(w, weight, dtype, dim);
+        if (offset)
+            for (int64_t d = 0; d < dim; d++) w[d] += 1.0f;
 #ifdef FAST_BF16
         if (dtype == TUILI_BF16 && dim % 16 == 0) {
 #pragma omp for schedule(dynamic, ROWS_PER_GRAB)
             for (int64_t row = 0; row < rows; row++)
                 rms_norm_row_bf16((const uint16_t *)x + row * dim, residual ? (uint16_t *)residual + row * dim : NULL,
-                                  w, (uint16_t *)out + row * dim, dim, eps, buf);
+                                  w, (uint16_t *)out + row * dim, dim, eps, offset, buf);
         } else
 #endif
 #pragma omp for schedule(dynamic, ROWS_PER_GRAB)
@@ -151,7 +157,7 @@ int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out,
                 row_store(rr, buf, dtype, dim);
                 row_round(buf, dtype, dim);
             }
-            norm_row(buf, w, dim, eps, dtype);
+            norm_row(buf, w, dim, eps, offset, dtype);
             row_store((char *)out + row * dim * size, buf, dtype, dim);
         }
     }
@@ -190,7 +196,7 @@ int tuili_qk_norm_rope(void *qkv, const void *q_weight, const void *k_weight, co
                 char *row = (char *)qkv + (t * heads + h) * head_dim * size;
                 row_load(buf, row, dtype, head_dim);
                 if (q_weight) {
-                    norm_row(buf, h < q_heads ? qw : kw, head_dim, eps, dtype);
+                    norm_row(buf, h < q_heads ? qw : kw, head_dim, eps, 0, dtype);
                     row_round(buf, dtype, head_dim);
                 }
                 for (int64_t d = 0; d < half; d++) {

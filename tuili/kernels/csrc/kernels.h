@@ -37,11 +37,17 @@ int tuili_dequant_int8_group(const uint8_t *packed, int64_t k, const void *scale
                              int64_t group_size, int64_t first_tile, int64_t num_tiles, void *out, int out_dtype,
                              int num_threads);
 int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
-                   int dtype, int num_threads);
+                   int offset, int dtype, int num_threads);
 int tuili_qk_norm_rope(void *qkv, const void *q_weight, const void *k_weight, const float *cos, const float *sin,
                        int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float eps, int dtype,
                        int num_threads);
 int tuili_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype, int num_threads);
+int tuili_deltanet_decode(const void *mixed, int64_t mixed_stride, const void *z, int64_t z_stride, const void *b,
+                          const void *a, int64_t ba_stride, const void *conv_weight, void *conv_state,
+                          float *recurrent, int64_t num_slots, const int64_t *rows, const int64_t *slots,
+                          int64_t num_rows, int64_t num_tokens, const void *a_log, const void *dt_bias, const void *norm_weight,
+                          int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv, int64_t kernel, float eps,
+                          int dtype, void *out, int64_t out_stride, int num_threads, int64_t *error);
 int tuili_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
 
 #endif
