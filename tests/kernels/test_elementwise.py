@@ -15,8 +15,8 @@ import torch
 
 from tuili import kernels
 from tuili.layers.activation import silu_and_mul
-from tuili.layers.norm import RMSNorm
-from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
+from tuili.layers.norm import OffsetRMSNorm, RMSNorm
+from tuili.layers.rotary import RotaryEmbedding, apply_partial_rotary, norm_and_rotate
 from tuili.platform import Platform
 
 HERE = Platform.detect()
@@ -88,6 +88,35 @@ def test_qk_norm_and_rotary(dtype, qk_norm, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [256, 24], ids=["fast", "generic"])
+def test_gated_attention_qk_norm_partial_rotary_and_output_gate(dtype, head_dim):
+    """Qwen3-Next's form: q heads interleaved with their output gates ([q0, g0, q1, g1, ..., k, v]),
+    offset norms, a quarter of each head rotated, q written apart; then x * sigmoid(gate). Against
+    the torch code the model runs off the native kernels."""
+    generator = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, tokens, rotary_dim = 4, 2, 5, head_dim // 4
+    norms = [OffsetRMSNorm(head_dim, 1e-6, Platform.portable()).to(dtype) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (torch.randn(head_dim, generator=generator) * 0.3).to(dtype)
+    tables = RotaryEmbedding(rotary_dim, 4096, 1e7, None).tables(torch.randint(0, 4096, (tokens,), generator=generator))
+    qkv = (torch.randn(tokens, 2 * heads + 2 * kv_heads, head_dim, generator=generator) * 3).to(dtype)
+    q_gate = qkv[:, : 2 * heads].reshape(tokens, heads, 2, head_dim)
+    expected_q = apply_partial_rotary(norms[0](q_gate[:, :, 0]), tables)
+    expected_k = apply_partial_rotary(norms[1](qkv[:, 2 * heads : 2 * heads + kv_heads]), tables)
+    got, q = qkv.clone(), qkv.new_empty(tokens, heads, head_dim)
+    cos, sin = (t.view(tokens, -1) for t in tables)
+    kernels.qk_norm_rope(got, heads, norms[0].weight, norms[1].weight, cos, sin, 1e-6, offset=True, q_step=2, q_out=q)
+    assert_close_to_torch(q, expected_q)
+    assert_close_to_torch(got[:, 2 * heads : 2 * heads + kv_heads], expected_k)
+    untouched = torch.ones(2 * heads + 2 * kv_heads, dtype=torch.bool)
+    untouched[[*range(0, 2 * heads, 2), *range(2 * heads, 2 * heads + kv_heads)]] = False
+    assert torch.equal(got[:, untouched], qkv[:, untouched])  # the gates, v, and q where it was
+    out = (torch.randn(tokens, heads, head_dim, generator=generator) * 2).to(dtype)
+    expected_out = out * torch.sigmoid(q_gate[:, :, 1])
+    assert_close_to_torch(kernels.sigmoid_gate(out, q_gate[:, :, 1]), expected_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype, monkeypatch):
     generator = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(4, 3, 2 * 1500, generator=generator) * 6).to(dtype)  # both signs, past exp's range
@@ -103,7 +132,11 @@ def test_elementwise_kernels_reject_bad_input_naming_the_argument():
         kernels.rms_norm(x, torch.ones(8), 1e-6, torch.empty(2, 8), torch.zeros(2, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="qkv has 5 heads; expected 2 q heads"):
         kernels.qk_norm_rope(torch.randn(3, 5, 8), 2, None, None, torch.ones(3, 4), torch.ones(3, 4), 1e-6)
-    with pytest.raises(ValueError, match=r"cos has shape \[3, 3\]; expected \[3, 4\]"):
+    with pytest.raises(ValueError, match=r"cos has shape \[3, 5\]; expected \[3, rotary_dim / 2 <= 4\]"):
+        kernels.qk_norm_rope(torch.randn(3, 4, 8), 2, None, None, torch.ones(3, 5), torch.ones(3, 5), 1e-6)
+    with pytest.raises(ValueError, match=r"sin has shape \[3, 4\]; expected \[3, 3\]"):
         kernels.qk_norm_rope(torch.randn(3, 4, 8), 2, None, None, torch.ones(3, 3), torch.ones(3, 4), 1e-6)
+    with pytest.raises(ValueError, match="gate must be a CPU torch.float32 tensor"):
+        kernels.sigmoid_gate(torch.randn(3, 2, 8), torch.randn(3, 2, 16)[..., ::2])
     with pytest.raises(ValueError, match="gate_up has 7 columns"):
         kernels.silu_mul(torch.randn(2, 7), torch.empty(2, 3))

@@ -111,13 +111,16 @@ argmax_rows(x)
     Greedy decoding's pick (csrc/argmax.c): the first index of each float32 row's largest value,
     NaN read as -inf and +inf as the largest finite float, in one pass over the row.
 rms_norm(x, weight, eps, out, residual=None)
-qk_norm_rope(qkv, num_q_heads, q_weight, k_weight, cos, sin, eps)
+qk_norm_rope(qkv, num_q_heads, q_weight, k_weight, cos, sin, eps, offset=False, q_step=1, q_out=None)
 silu_mul(gate_up, out)
+sigmoid_gate(x, gate)
     The elementwise work of a decoder layer, fused (csrc/elementwise.c): RMSNorm over rows of
     x [rows, dim], after adding x into `residual` when given; in place on qkv [T, Hq + 2 Hkv, D],
-    per-head RMSNorm of q and k (Qwen3; skipped when the weights are None) and the rotary
-    embedding (cos, sin float32 [T, D / 2]); SiLU(gate) * up from gate_up [rows, 2 I]. float32 or
-    bfloat16, rounding where tuili/layers' torch code rounds.
+    per-head RMSNorm of q and k (Qwen3; skipped when the weights are None; Qwen3-Next's offset
+    form, q heads interleaved with output gates, q written apart) and the rotary embedding of the
+    first 2 * cos.shape[1] values (cos, sin float32 [T, rotary_dim / 2]); SiLU(gate) * up from
+    gate_up [rows, 2 I]; x *= sigmoid(gate) per head (Qwen3-Next's attention output gate).
+    float32 or bfloat16, rounding where tuili/layers' torch code rounds.
 deltanet_decode(mixed, z, b, a, conv_weight, conv_state, recurrent, rows, slots, a_log, dt_bias,
                 norm_weight, num_k_heads, eps, out)
     Gated DeltaNet's decode step in one call (csrc/deltanet.c): for each single-token row, the
@@ -146,6 +149,7 @@ from tuili.kernels.cpu import (
     prompt_attention,
     qk_norm_rope,
     rms_norm,
+    sigmoid_gate,
     silu_mul,
     unavailable_reason,
     unpack_weight,
@@ -171,6 +175,7 @@ __all__ = [
     "prompt_attention",
     "qk_norm_rope",
     "rms_norm",
+    "sigmoid_gate",
     "silu_mul",
     "unpack_weight",
     "unavailable_reason",

@@ -99,10 +99,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tuili_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32, i32]  # x, residual, weight, out, rows, dim, eps, offset
     library.tuili_qk_norm_rope.argtypes = [
         p, p, p, p, p,  # qkv, q weight, k weight, cos, sin
-        i64, i64, i64, i64, f32, i32, i32,  # tokens, q heads, kv heads, head dim, eps, dtype, threads
+        i64, i64, i64, i64, i64, i64, i32, p,  # tokens, q heads, kv heads, head dim, rotary dim, q step, offset, q out
+        f32, i32, i32,  # eps, dtype, threads
     ]  # fmt: skip
+    library.tuili_sigmoid_gate.argtypes = [p, p, i64, i64, i64, i64, i64, i32, i32]  # x, gate, rows, heads, dim, strides
     library.tuili_silu_mul.argtypes = [p, p, i64, i64, i32, i32]  # gate_up, out, rows, inter, dtype, threads
-    for name in ("tuili_rms_norm", "tuili_qk_norm_rope", "tuili_silu_mul"):
+    for name in ("tuili_rms_norm", "tuili_qk_norm_rope", "tuili_silu_mul", "tuili_sigmoid_gate"):
         getattr(library, name).restype = i32
     library.tuili_linear_int4.argtypes = [
         p, i32, p, p, p, i32,  # x, dtype, packed, scale_zero, out, out dtype
@@ -681,16 +683,24 @@ def qk_norm_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     eps: float,
+    offset: bool = False,
+    q_step: int = 1,
+    q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """In place on qkv [tokens, num_q_heads + 2 * kv_heads, head_dim] (float32 or bfloat16): each
-    q and k head RMS-normalized with q_weight / k_weight ([head_dim], or both None for none), then
-    rotated by cos / sin (float32 [tokens, head_dim / 2], rotate-half layout); v untouched.
-    Returns qkv."""
+    """On qkv [tokens, num_q_heads * q_step + 2 * kv_heads, head_dim] (float32 or bfloat16): each
+    q head (every q_step-th head from the first; the heads between, Qwen3-Next's output gates, are
+    left alone) and each k head after them RMS-normalized with q_weight / k_weight ([head_dim], or
+    both None for none; `offset` as in rms_norm), then its first rotary_dim = 2 * cos.shape[1]
+    values rotated by cos / sin (float32 [tokens, rotary_dim / 2], rotate-half layout); v untouched.
+    k in place; q in place, or written to q_out [tokens, num_q_heads, head_dim] when given. Returns
+    qkv."""
     qkv = _check("qkv", qkv, _FLOAT_DTYPES, 3)
     tokens, heads, head_dim = qkv.shape
-    kv_heads = (heads - num_q_heads) // 2
-    if num_q_heads < 1 or kv_heads < 1 or num_q_heads + 2 * kv_heads != heads:
-        raise ValueError(f"qkv has {heads} heads; expected {num_q_heads} q heads and two equal groups of k and v heads")
+    kv_heads = (heads - num_q_heads * q_step) // 2
+    if num_q_heads < 1 or q_step < 1 or kv_heads < 1 or num_q_heads * q_step + 2 * kv_heads != heads:
+        raise ValueError(
+            f"qkv has {heads} heads; expected {num_q_heads} q heads every {q_step} and two equal groups of k and v heads"
+        )
     if head_dim % 2 or head_dim > _MAX_NORM_DIM:
         raise ValueError(f"qkv has heads of {head_dim} values; expected an even number up to {_MAX_NORM_DIM}")
     if (q_weight is None) != (k_weight is None):
@@ -698,15 +708,42 @@ def qk_norm_rope(
     if q_weight is not None:
         q_weight = _check("q_weight", q_weight, (qkv.dtype,), (head_dim,))
         k_weight = _check("k_weight", k_weight, (qkv.dtype,), (head_dim,))
-    cos = _check("cos", cos, (torch.float32,), (tokens, head_dim // 2))
-    sin = _check("sin", sin, (torch.float32,), (tokens, head_dim // 2))
+    cos = _check("cos", cos, (torch.float32,), 2)
+    half = cos.shape[1]
+    if cos.shape[0] != tokens or not 0 < half <= head_dim // 2:
+        raise ValueError(f"cos has shape {list(cos.shape)}; expected [{tokens}, rotary_dim / 2 <= {head_dim // 2}]")
+    sin = _check("sin", sin, (torch.float32,), cos.shape)
+    if q_out is not None:
+        q_out = _check("q_out", q_out, (qkv.dtype,), (tokens, num_q_heads, head_dim))
     _call(
         "tuili_qk_norm_rope",
         qkv.data_ptr(), None if q_weight is None else q_weight.data_ptr(),
         None if k_weight is None else k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        tokens, num_q_heads, kv_heads, head_dim, eps, _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+        tokens, num_q_heads, kv_heads, head_dim, 2 * half, q_step, int(offset),
+        None if q_out is None else q_out.data_ptr(), eps, _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return qkv
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_dim] *= sigmoid(gate) in place, the sigmoid rounded to x's dtype and so
+    the product (float32 or bfloat16): Qwen3-Next's gated attention output. gate [rows, heads,
+    head_dim] may be a view whose rows and heads lie any distance apart (the per-head gates
+    interleaved with q in the fused projection's output). Returns x."""
+    x = _check("x", x, _FLOAT_DTYPES, 3)
+    rows, heads, head_dim = x.shape
+    if not (isinstance(gate, torch.Tensor) and gate.dtype == x.dtype and gate.is_cpu and gate.shape == x.shape
+            and gate.stride(2) == 1):  # fmt: skip
+        got = f"{gate.dtype} {list(gate.shape)} strides {gate.stride()}" if isinstance(gate, torch.Tensor) else gate
+        raise ValueError(f"gate must be a CPU {x.dtype} tensor {list(x.shape)} with each head's values contiguous; "
+                         f"got {got}")  # fmt: skip
+    if head_dim > _MAX_NORM_DIM:
+        raise ValueError(f"x has heads of {head_dim} values; sigmoid_gate takes at most {_MAX_NORM_DIM}")
+    _call(
+        "tuili_sigmoid_gate", x.data_ptr(), gate.data_ptr(), rows, heads, head_dim, gate.stride(0), gate.stride(1),
+        _DTYPE_CODES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return x
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuili import kernels
 from tuili.config import ModelConfig
 from tuili.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from tuili.layers.deltanet import GatedDeltaNet
-from tuili.layers.norm import OffsetRMSNorm
+from tuili.layers.norm import OffsetRMSNorm, fused_elementwise
 from tuili.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from tuili.models.llama import MLP, Rope, sparse_moe
 from tuili.models.mtp import multi_token_prediction_weights
@@ -52,19 +53,36 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps, plan.platform)
         self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps, plan.platform)
         self.backend = backend
+        self.platform = plan.platform
         self.scale = cfg.head_dim**-0.5
         # Bound by the runner once the KV pool exists.
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        query_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        assert self.kv_cache is not None, "the runner binds the KV cache before the first forward"
+        if fused_elementwise(self.platform, qkv, self.q_norm.weight):
+            # One native pass: q normed and rotated into a tensor of its own (its heads sit between
+            # the gates), k in place; k, v and the gates stay views of qkv.
+            heads = qkv.view(tokens, 2 * self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            q = qkv.new_empty(tokens, self.num_heads, self.head_dim)
+            cos, sin = rope
+            kernels.qk_norm_rope(
+                heads, self.num_heads, self.q_norm.weight, self.k_norm.weight, cos.view(tokens, -1),
+                sin.view(tokens, -1), self.q_norm.eps, offset=True, q_step=2, q_out=q,
+            )  # fmt: skip
+            k, v = heads[:, 2 * self.num_heads :].split([self.num_kv_heads, self.num_kv_heads], dim=1)
+            self.backend.store(self.kv_cache, k, v, meta.slot_mapping)
+            out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale).contiguous()
+            kernels.sigmoid_gate(out, heads[:, 1 : 2 * self.num_heads : 2])
+            return self.o_proj(out.view(tokens, self.q_size))
+        query_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = query_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_partial_rotary(self.q_norm(q), rope)
         k = apply_partial_rotary(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), rope)
         # Contiguous like k (normed and rotated, so a new tensor): backends store k and v a token apart alike.
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()
-        assert self.kv_cache is not None, "the runner binds the KV cache before the first forward"
         self.backend.store(self.kv_cache, k, v, meta.slot_mapping)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale).reshape(tokens, self.q_size)
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, self.q_size)))

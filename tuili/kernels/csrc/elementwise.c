@@ -11,7 +11,9 @@
  *                  y = round((x * r) * (1 + w)), all in float32 before the one rounding
  *   add_rms_norm:  s = round(x + residual) is written back to residual; y = rms_norm(s)
  *   qk_norm_rope:  per head of q and k, optionally rms_norm with that head kind's weight, then
- *                  the rotate-half rotation in float32 (x1 cos - x2 sin, x2 cos + x1 sin), round
+ *                  the rotate-half rotation in float32 (x1 cos - x2 sin, x2 cos + x1 sin) of the
+ *                  first rotary_dim values, round
+ *   sigmoid_gate:  x = round(x * round(sigmoid(g)))
  *   silu_mul:      y = round(silu(g)) * u   (silu(g) = g / (1 + exp(-g)) in float32)
  *
  * where round is to the tensor's dtype (nothing for float32) and products of two stored values
@@ -104,28 +106,30 @@ static void rms_norm_row_bf16(const uint16_t *x, uint16_t *res, const float *w, 
     }
 }
 
-/* One head of tuili_qk_norm_rope in bf16, in registers: head_dim a multiple of 32, at most 256. */
-static void qk_head_bf16(uint16_t *row, const float *w, const float *c, const float *s, int64_t head_dim,
-                         float eps) {
+/* One head of tuili_qk_norm_rope in bf16, in registers: head_dim a multiple of 32, at most 256,
+ * rotary_dim a multiple of 32; read at src, written at dst (the same place, or q_out). */
+static void qk_head_bf16(const uint16_t *src, uint16_t *dst, const float *w, const float *c, const float *s,
+                         int64_t head_dim, int64_t rotary_dim, int offset, float eps) {
     __m512 v[16];
-    const int64_t n = head_dim / 16, half = n / 2;
-    for (int64_t i = 0; i < n; i++) v[i] = widen_bf16(row + 16 * i);
+    const int64_t n = head_dim / 16, half = rotary_dim / 32;
+    for (int64_t i = 0; i < n; i++) v[i] = widen_bf16(src + 16 * i);
     if (w) {
         __m512 lanes = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i++) lanes = _mm512_fmadd_ps(v[i], v[i], lanes);
         const __m512 r = _mm512_set1_ps(1.0f / sqrtf(lanes_in_order(lanes) / (float)head_dim + eps));
         for (int64_t i = 0; i < n; i++) {
-            const __m512 normed = widen_narrowed(narrow_bf16(_mm512_mul_ps(v[i], r)));
+            const __m512 scaled = _mm512_mul_ps(v[i], r);
+            const __m512 normed = offset ? scaled : widen_narrowed(narrow_bf16(scaled));
             v[i] = widen_narrowed(narrow_bf16(_mm512_mul_ps(normed, _mm512_loadu_ps(w + 16 * i))));
         }
     }
     for (int64_t i = 0; i < half; i++) {
         const __m512 a = v[i], b = v[i + half];
         const __m512 cos = _mm512_loadu_ps(c + 16 * i), sin = _mm512_loadu_ps(s + 16 * i);
-        _mm256_storeu_si256((__m256i *)(row + 16 * i), narrow_bf16(_mm512_sub_ps(_mm512_mul_ps(a, cos), _mm512_mul_ps(b, sin))));
-        _mm256_storeu_si256((__m256i *)(row + 16 * (i + half)),
-                            narrow_bf16(_mm512_add_ps(_mm512_mul_ps(b, cos), _mm512_mul_ps(a, sin))));
+        v[i] = _mm512_sub_ps(_mm512_mul_ps(a, cos), _mm512_mul_ps(b, sin));
+        v[i + half] = _mm512_add_ps(_mm512_mul_ps(b, cos), _mm512_mul_ps(a, sin));
     }
+    for (int64_t i = 0; i < n; i++) _mm256_storeu_si256((__m256i *)(dst + 16 * i), narrow_bf16(v[i]));
 }
 #endif
 
@@ -164,47 +168,77 @@ int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out,
     return TUILI_OK;
 }
 
-/* In place on qkv [tokens, q_heads + 2 kv_heads, head_dim]: the q and k heads of each token
- * normalized (when q_weight / k_weight are given) and rotated; v untouched. cos and sin are
- * float32 [tokens, head_dim / 2]. */
+/* On qkv [tokens, q_heads * q_step + 2 kv_heads, head_dim]: the q heads (at every q_step-th head,
+ * the ones between them untouched: Qwen3-Next's output gates) and the k heads after them normalized
+ * (when q_weight / k_weight are given; `offset` as in tuili_rms_norm) and their first rotary_dim
+ * values rotated (rotate-half within them); v untouched. k in place; q in place, or written to
+ * q_out [tokens, q_heads, head_dim] when given. cos and sin are float32 [tokens, rotary_dim / 2]. */
 int tuili_qk_norm_rope(void *qkv, const void *q_weight, const void *k_weight, const float *cos, const float *sin,
-                       int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float eps, int dtype,
-                       int num_threads) {
-    if (head_dim > MAX_DIM || head_dim % 2) return TUILI_BAD_SHAPE;
+                       int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim,
+                       int64_t q_step, int offset, void *q_out, float eps, int dtype, int num_threads) {
+    if (head_dim > MAX_DIM || rotary_dim % 2 || rotary_dim > head_dim || q_step < 1) return TUILI_BAD_SHAPE;
     const size_t size = dtype == TUILI_BF16 ? 2 : 4;
-    const int64_t heads = q_heads + 2 * kv_heads, rotated = q_heads + kv_heads, half = head_dim / 2;
+    const int64_t heads = q_heads * q_step + 2 * kv_heads, rotated = q_heads + kv_heads, half = rotary_dim / 2;
 #pragma omp parallel num_threads(num_threads)
     {
         float buf[head_dim], out[head_dim], qw[head_dim], kw[head_dim];
         if (q_weight) {
             row_load(qw, q_weight, dtype, head_dim);
             row_load(kw, k_weight, dtype, head_dim);
+            if (offset)
+                for (int64_t d = 0; d < head_dim; d++) {
+                    qw[d] += 1.0f;
+                    kw[d] += 1.0f;
+                }
         }
-#ifdef FAST_BF16
-        if (dtype == TUILI_BF16 && head_dim % 32 == 0 && head_dim <= 256) {
-#pragma omp for schedule(dynamic, ROWS_PER_GRAB)
-            for (int64_t t = 0; t < tokens; t++)
-                for (int64_t h = 0; h < rotated; h++)
-                    qk_head_bf16((uint16_t *)qkv + (t * heads + h) * head_dim, q_weight ? (h < q_heads ? qw : kw) : NULL,
-                                 cos + t * half, sin + t * half, head_dim, eps);
-        } else
-#endif
 #pragma omp for schedule(dynamic, ROWS_PER_GRAB)
         for (int64_t t = 0; t < tokens; t++) {
             const float *c = cos + t * half, *s = sin + t * half;
             for (int64_t h = 0; h < rotated; h++) {
-                char *row = (char *)qkv + (t * heads + h) * head_dim * size;
-                row_load(buf, row, dtype, head_dim);
-                if (q_weight) {
-                    norm_row(buf, h < q_heads ? qw : kw, head_dim, eps, 0, dtype);
+                const int64_t slot = h < q_heads ? h * q_step : q_heads * q_step + (h - q_heads);
+                char *src = (char *)qkv + (t * heads + slot) * head_dim * size;
+                char *dst = h < q_heads && q_out ? (char *)q_out + (t * q_heads + h) * head_dim * size : src;
+                const float *w = q_weight ? (h < q_heads ? qw : kw) : NULL;
+#ifdef FAST_BF16
+                if (dtype == TUILI_BF16 && head_dim % 32 == 0 && head_dim <= 256 && rotary_dim % 32 == 0) {
+                    qk_head_bf16((const uint16_t *)src, (uint16_t *)dst, w, c, s, head_dim, rotary_dim, offset, eps);
+                    continue;
+                }
+#endif
+                row_load(buf, src, dtype, head_dim);
+                if (w) {
+                    norm_row(buf, w, head_dim, eps, offset, dtype);
                     row_round(buf, dtype, head_dim);
                 }
                 for (int64_t d = 0; d < half; d++) {
                     out[d] = buf[d] * c[d] - buf[d + half] * s[d];
                     out[d + half] = buf[d + half] * c[d] + buf[d] * s[d];
                 }
-                row_store(row, out, dtype, head_dim);
+                for (int64_t d = rotary_dim; d < head_dim; d++) out[d] = buf[d];
+                row_store(dst, out, dtype, head_dim);
             }
+        }
+    }
+    return TUILI_OK;
+}
+
+/* x [rows, heads * head_dim] *= round(sigmoid(gate)) in place, rounded, gate head h of row r at
+ * gate + r * gate_stride + h * gate_head_stride (elements): Qwen3-Next's gated attention output. */
+int tuili_sigmoid_gate(void *x, const void *gate, int64_t rows, int64_t heads, int64_t head_dim, int64_t gate_stride,
+                       int64_t gate_head_stride, int dtype, int num_threads) {
+    if (head_dim > MAX_DIM) return TUILI_BAD_SHAPE;
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, ROWS_PER_GRAB) collapse(2)
+    for (int64_t row = 0; row < rows; row++) {
+        for (int64_t h = 0; h < heads; h++) {
+            float v[head_dim], g[head_dim];
+            char *xr = (char *)x + (row * heads + h) * head_dim * size;
+            row_load(v, xr, dtype, head_dim);
+            row_load(g, (const char *)gate + (row * gate_stride + h * gate_head_stride) * size, dtype, head_dim);
+            for (int64_t d = 0; d < head_dim; d++) g[d] = 1.0f / (1.0f + expf(-g[d]));
+            row_round(g, dtype, head_dim);
+            for (int64_t d = 0; d < head_dim; d++) v[d] *= g[d];
+            row_store(xr, v, dtype, head_dim);
         }
     }
     return TUILI_OK;

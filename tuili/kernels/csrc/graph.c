@@ -20,6 +20,7 @@ enum graph_op {
     OP_SILU_MUL,
     OP_LINEAR_PACKED,
     OP_DELTANET_DECODE,
+    OP_SIGMOID_GATE,
     OP_COUNT
 };
 
@@ -33,10 +34,11 @@ static const struct {
     [OP_LINEAR_AMX] = {"tuili_linear_amx", 9},
     [OP_LINEAR_INT4] = {"tuili_linear_int4", 14},
     [OP_RMS_NORM] = {"tuili_rms_norm", 10},
-    [OP_QK_NORM_ROPE] = {"tuili_qk_norm_rope", 12},
+    [OP_QK_NORM_ROPE] = {"tuili_qk_norm_rope", 16},
     [OP_SILU_MUL] = {"tuili_silu_mul", 6},
     [OP_LINEAR_PACKED] = {"tuili_linear_packed", 10},
     [OP_DELTANET_DECODE] = {"tuili_deltanet_decode", 29},
+    [OP_SIGMOID_GATE] = {"tuili_sigmoid_gate", 9},
 };
 
 /* The name and argument count of graph op `op`, or NULL past the last one: how Python learns
@@ -67,7 +69,8 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
     case OP_RMS_NORM:
         return tuili_rms_norm(P(0), P(1), P(2), P(3), a[4], a[5], F(6), I(7), I(8), I(9));
     case OP_QK_NORM_ROPE:
-        return tuili_qk_norm_rope(P(0), P(1), P(2), P(3), P(4), a[5], a[6], a[7], a[8], F(9), I(10), I(11));
+        return tuili_qk_norm_rope(P(0), P(1), P(2), P(3), P(4), a[5], a[6], a[7], a[8], a[9], a[10], I(11), P(12), F(13),
+                                  I(14), I(15));
     case OP_SILU_MUL:
         return tuili_silu_mul(P(0), P(1), a[2], a[3], I(4), I(5));
     case OP_LINEAR_PACKED:
@@ -76,6 +79,8 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
         return tuili_deltanet_decode(P(0), a[1], P(2), a[3], P(4), P(5), a[6], P(7), P(8), P(9), a[10], P(11), P(12),
                                      a[13], a[14], P(15), P(16), P(17), a[18], a[19], a[20], a[21], a[22], F(23), I(24),
                                      P(25), a[26], I(27), error);
+    case OP_SIGMOID_GATE:
+        return tuili_sigmoid_gate(P(0), P(1), a[2], a[3], a[4], a[5], a[6], I(7), I(8));
     default:
         return TUILI_BAD_PROGRAM;
     }

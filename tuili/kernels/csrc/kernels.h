@@ -39,8 +39,10 @@ int tuili_dequant_int8_group(const uint8_t *packed, int64_t k, const void *scale
 int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
                    int offset, int dtype, int num_threads);
 int tuili_qk_norm_rope(void *qkv, const void *q_weight, const void *k_weight, const float *cos, const float *sin,
-                       int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float eps, int dtype,
-                       int num_threads);
+                       int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim,
+                       int64_t q_step, int offset, void *q_out, float eps, int dtype, int num_threads);
+int tuili_sigmoid_gate(void *x, const void *gate, int64_t rows, int64_t heads, int64_t head_dim, int64_t gate_stride,
+                       int64_t gate_head_stride, int dtype, int num_threads);
 int tuili_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype, int num_threads);
 int tuili_deltanet_decode(const void *mixed, int64_t mixed_stride, const void *z, int64_t z_stride, const void *b,
                           const void *a, int64_t ba_stride, const void *conv_weight, void *conv_state,
