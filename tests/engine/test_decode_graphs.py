@@ -57,6 +57,38 @@ def test_graph_steps_equal_eager_steps(tiny_qwen3, quantization):
         assert graphs.captured_batch_sizes() == [1, 2, 3, 4] and not graphs.refused
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen35(tmp_path_factory):
+    """A Qwen3.5 hybrid (three Gated DeltaNet layers, then gated full attention), bfloat16."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=32, max_position_embeddings=256, initializer_range=0.1,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    path = tmp_path_factory.mktemp("qwen35") / "bf16"
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_hybrid_graph_steps_equal_eager_steps(tiny_qwen35, quantization):
+    """The DeltaNet layers' states step on in their slots inside the replay. int4: the tied output
+    matrix runs torch's int8 op, so the first capture (with the logits) is refused after every
+    layer has stepped the states: they must be put back, or the tokens drift from the eager run's."""
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + 5 * i, logprobs=3) for i in range(4)]
+    options = dict(dtype="bfloat16", quantization=quantization)
+    llm, replayed = generate(tiny_qwen35, PROMPTS, params, **options)
+    _, eager = generate(tiny_qwen35, PROMPTS, params, enforce_eager=True, **options)
+    assert replayed == eager
+    graphs = llm.engine.runner.graphs
+    assert graphs.captured_batch_sizes() == [1, 2, 3, 4] and not graphs.refused
+    slots = llm.engine.scheduler.state_slots
+    assert slots.num_free == slots.num_slots
+
+
 def test_a_batch_the_native_kernels_do_not_cover_runs_eagerly_and_says_why(tiny_llama):
     # Kernels picked by row count: float32 linears of more than 8 rows run torch's F.linear,
     # which a replay would skip. (The batch-invariant mode, the default, runs linear_small in

@@ -16,6 +16,13 @@ each sequence (1 for a decode, 1 + proposals for a verification): their rows go 
 kernel as a few causal queries per sequence, and the graph returns every row's logits. Only
 steps of at most MAX_VERIFY_BATCH sequences, and at most MAX_VERIFY_SHAPES shapes, are captured;
 others run eagerly.
+
+Hybrid models (Gated DeltaNet layers) are captured too, for pure decodes only: each sequence's
+linear-attention state lives in its slot, which the step's buffers name (`state_slots`) and the
+decode kernel updates in place. A step that zeroes a slot (a sequence's first token), restores a
+prefix-cache checkpoint or saves one runs eagerly. Because a replay moves the state on, the
+capture's check first puts back the slots' state the eager run changed, and a refused capture
+leaves them as they were before the step, for the eager run that follows.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from tuili.engine.block_manager import slot
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.kernels.graph import Arena, Graph, GraphCaptureError, GraphReplayError, capture
 from tuili.layers.attention import AttentionMetadata, PagedBatch
+from tuili.layers.deltanet import StateBatch
 from tuili.models.llama import LlamaForCausalLM
+from tuili.models.qwen3_next import Qwen3NextForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +64,7 @@ class _StepBuffers:
     slot_mapping: torch.Tensor  # [R] int64
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32; only each row's used prefix is read
     seq_info: torch.Tensor  # [B, 3] int32: first row, query rows, first position
+    state_slots: torch.Tensor  # [B] int64: each sequence's linear-attention state slot (hybrid models)
     meta: AttentionMetadata
 
 
@@ -74,13 +84,14 @@ class DecodeGraphs:
     kernels available, KV caches of the model's dtype, sequences of at most max_blocks_per_seq
     blocks."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, model: LlamaForCausalLM | Qwen3NextForCausalLM, block_size: int, max_blocks_per_seq: int) -> None:
         # Capturing runs the step under a TorchDispatchMode, whose first use imports
         # torch._dynamo (about a second): pay it here, when the engine is built, not inside
         # the first request's first decode step (where `tuili generate`'s meter would count it).
         import torch._dynamo  # noqa: F401
 
         self.model = model
+        self.hybrid = model.config.is_hybrid
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self._arena = Arena()
@@ -104,6 +115,9 @@ class DecodeGraphs:
                 and all(item.num_tokens == 1 or (item.samples and item.draft) for item in batch)
                 and all(len(item.seq.block_table) <= self.max_blocks_per_seq for item in batch)):
             return False
+        if self.hybrid and not all(item.num_tokens == 1 and item.start > 0 and item.restore_checkpoint is None
+                                   and not item.save_checkpoints for item in batch):
+            return False  # the graph steps states on; it neither zeroes, restores nor saves them
         shape = self.shape(batch)
         if shape in self.refused:
             return False
@@ -136,6 +150,7 @@ class DecodeGraphs:
         buffers = self._buffers([item.num_tokens for item in batch])
         model = self.model
         reasons = []
+        before = self._states(batch)
         for logits_in_graph in (True, False):
 
             def step(logits_in_graph: bool = logits_in_graph) -> list[torch.Tensor]:
@@ -146,10 +161,12 @@ class DecodeGraphs:
             try:
                 (eager,), graph = capture(step, self._arena)
                 self._write_inputs(buffers, batch)  # the capture overwrote x; the KV writes repeat
+                self._put_back(before)  # the replay steps the states on from where the eager run did
                 (replayed,) = graph.replay()
                 if not torch.equal(replayed.view(torch.uint8), eager.view(torch.uint8)):
                     raise GraphCaptureError("its replay's result differs from the eager run's")
             except GraphCaptureError as error:
+                self._put_back(before)
                 reasons.append(str(error))
                 continue
             self._graphs[key] = _Captured(graph, buffers, logits_in_graph)
@@ -161,6 +178,20 @@ class DecodeGraphs:
         self.refused[shape] = reasons[-1]
         self._say("step", "decode steps of %s run eagerly: %s", shape, reasons[-1])
         return None
+
+    def _states(self, batch: list[ScheduledSeq]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Copies of the batch's state slots in every linear-attention layer (none for a
+        transformer): (slots, conv, recurrent) per layer."""
+        if not self.hybrid:
+            return []
+        slots = torch.tensor([item.seq.state_slot for item in batch], dtype=torch.long)
+        return [(slots, layer.state.conv[slots], layer.state.recurrent[slots])
+                for layer in self.model.linear_attention_layers()]  # fmt: skip
+
+    def _put_back(self, states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (slots, conv, recurrent) in zip(self.model.linear_attention_layers(), states, strict=True):
+            layer.state.conv[slots] = conv
+            layer.state.recurrent[slots] = recurrent
 
     def _say(self, what: str, message: str, size: Shape, reason: str) -> None:
         """Log `message` at info once per batch size, at debug after that: a server under load
@@ -180,6 +211,12 @@ class DecodeGraphs:
         seq_info[:, 0] = torch.cumsum(counts, 0) - counts
         seq_info[:, 1] = counts
         slot_mapping = torch.zeros(rows, dtype=torch.int64)
+        state_slots = torch.zeros(batch_size, dtype=torch.int64)
+        meta = AttentionMetadata(slot_mapping, [], [], PagedBatch(block_tables, seq_info))
+        if self.hybrid:  # pure decodes: row b is sequence b's one token, stepping the state in its slot
+            nothing = torch.zeros(0, dtype=torch.int64)
+            meta.states = StateBatch(nothing, torch.arange(batch_size), state_slots, [], nothing, nothing, {}, nothing,
+                                     nothing)  # fmt: skip
         return _StepBuffers(
             x=hidden.new_empty(rows, hidden.shape[1]),
             cos=torch.empty(rows, 1, half_dim),
@@ -187,7 +224,8 @@ class DecodeGraphs:
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_info=seq_info,
-            meta=AttentionMetadata(slot_mapping, [], [], PagedBatch(block_tables, seq_info)),
+            state_slots=state_slots,
+            meta=meta,
         )
 
     def _write_inputs(self, buffers: _StepBuffers, batch: list[ScheduledSeq]) -> None:
@@ -214,3 +252,5 @@ class DecodeGraphs:
             tables[row, : len(table)] = table
         buffers.slot_mapping.numpy()[:] = slots
         buffers.seq_info.numpy()[:, 2] = starts
+        if self.hybrid:
+            buffers.state_slots.numpy()[:] = [item.seq.state_slot for item in batch]

@@ -68,12 +68,8 @@ class ModelRunner:
         # a mixture of experts, whose routing (softmax, top-k, sort by expert) is torch ops and
         # whose products depend on the step's routing, which a graph cannot replay.
         self.graphs: DecodeGraphs | None = None
-        # Nor a hybrid model: its linear layers' state slots are indexed per step.
         self.hybrid = cfg.is_hybrid
-        if (
-            self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None
-            and not self.hybrid
-        ):  # fmt: skip
+        if self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
             max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (pool.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
