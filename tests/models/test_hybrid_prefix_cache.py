@@ -114,9 +114,14 @@ def test_hits_at_several_depths_give_the_cold_output(hybrid, budget):
         tokens = out.outputs[0].token_ids
         assert tokens == greedy[tuple(prompt)] == _run(cold, prompt).outputs[0].token_ids
         hits += cached
-    stats = llm.engine.stats().prefix_cache
-    assert stats.hit_tokens == hits and stats.device_hit_tokens == hits
-    assert llm.engine.scheduler.checkpoints.stats.restored == sum(1 for _, c in FOLLOWERS if c)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache.hit_tokens == hits and stats.prefix_cache.device_hit_tokens == hits
+    # the counters the server exports (tuili:state_checkpoints_* in /metrics)
+    checkpoints = llm.engine.scheduler.checkpoints
+    assert stats.state_checkpoints.restored == sum(1 for _, c in FOLLOWERS if c)
+    assert stats.state_checkpoints.saved >= 7 and stats.state_checkpoints.filed == checkpoints.num_filed
+    assert stats.state_checkpoints.capacity == llm.engine.pool.num_state_checkpoints
+    assert cold.engine.stats().state_checkpoints is None
     _assert_all_returned(llm)
 
 

@@ -206,6 +206,7 @@ class LLMEngine:
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
             spec=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None,
+            state_checkpoints=checkpoints.snapshot() if (checkpoints := self.scheduler.checkpoints) else None,
         )
 
     # ---- requests -------------------------------------------------------------------

@@ -26,7 +26,7 @@ Invariant: every id is exactly one of free, pending (this step), or filed under 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tuili.engine.request import Sequence
 
@@ -36,6 +36,8 @@ class CheckpointStats:
     saved: int = 0  # checkpoints filed
     restored: int = 0  # admissions that started from a checkpoint
     evicted: int = 0  # filed checkpoints dropped to make room
+    filed: int = 0  # checkpoints held now (set when a snapshot is taken)
+    capacity: int = 0  # checkpoints the pool holds at most
 
 
 class StateCheckpoints:
@@ -48,7 +50,11 @@ class StateCheckpoints:
         self._free = list(range(num_checkpoints - 1, -1, -1))  # pop() hands out id 0 first
         self._filed: OrderedDict[bytes, int] = OrderedDict()  # prefix digest -> id, least recent first
         self._pending: list[tuple[Sequence, int, int]] = []  # (sequence, depth in tokens, id)
-        self.stats = CheckpointStats()
+        self.stats = CheckpointStats(capacity=num_checkpoints)
+
+    def snapshot(self) -> CheckpointStats:
+        """The counters now, with the number of checkpoints filed."""
+        return replace(self.stats, filed=len(self._filed))
 
     @property
     def num_free(self) -> int:

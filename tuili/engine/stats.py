@@ -14,6 +14,7 @@ from tuili.engine.block_manager import CacheStats
 
 if TYPE_CHECKING:
     from tuili.engine.spec.speculator import SpecStats
+    from tuili.engine.state_checkpoints import CheckpointStats
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,5 @@ class EngineStats:
     num_steps: int  # forward steps run
     num_preemptions: int  # sequences preempted (each time counted)
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on
+    # a hybrid model's linear-attention state checkpoints (its prefix cache), when it has them
+    state_checkpoints: CheckpointStats | None = None

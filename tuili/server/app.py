@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tuili.engine.block_manager import CacheStats
 from tuili.engine.core import LLMEngine
 from tuili.engine.spec.speculator import SpecStats
+from tuili.engine.state_checkpoints import CheckpointStats
 from tuili.perf.meter import UtilizationMeter
 from tuili.server.driver import EngineDriver
 from tuili.server.errors import ApiError, as_api_error, install_error_handlers
@@ -104,6 +105,19 @@ def _cache_samples(stats: CacheStats) -> dict[str, float]:
     }
 
 
+def _checkpoint_samples(stats: CheckpointStats | None) -> dict[str, float]:
+    """A hybrid model's state checkpoints (its prefix cache for the linear-attention layers)."""
+    if stats is None:
+        return {}
+    return {
+        "tuili:state_checkpoints_saved_total": float(stats.saved),
+        "tuili:state_checkpoints_restored_total": float(stats.restored),
+        "tuili:state_checkpoints_evicted_total": float(stats.evicted),
+        "tuili:state_checkpoints_filed": float(stats.filed),
+        "tuili:state_checkpoints_capacity": float(stats.capacity),
+    }
+
+
 def _spec_samples(stats: SpecStats | None) -> dict[str, float]:
     """Speculative decoding's counters (vLLM's spec_decode names), when it is on."""
     if stats is None:
@@ -128,7 +142,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         communication = {"tuili:tensor_parallel_communication_seconds_total": engine.communication_seconds()}
         stats = driver.stats
         return {**meter.summary().prometheus(), **_cache_samples(stats.prefix_cache), **_spec_samples(stats.spec),
-                **communication}
+                **_checkpoint_samples(stats.state_checkpoints), **communication}
 
     metrics = ServerMetrics(settings.model_name, utilization)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
