@@ -325,7 +325,7 @@ class GatedDeltaNet(nn.Module):
             self._decode(mixed, z, b, a, batch.decode_rows, batch.decode_slots, normed)
         for first, n, slot in batch.chunks:
             rows = slice(first, first + n)
-            out = self._chunk(mixed[rows], b[rows], a[rows], first, n, slot, batch.cuts.get(first, ()))
+            out = self._chunk(mixed[rows], b[rows], a[rows], slot, batch.cuts.get(first, ()))
             normed[rows] = self.norm(out.to(x.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(n, -1)
         if batch.save_slots.numel():  # checkpoints at the end of an item: the slot's new state
             state.conv[batch.save_rows] = state.conv[batch.save_slots]
@@ -367,13 +367,13 @@ class GatedDeltaNet(nn.Module):
         normed[rows] = self.norm(o.to(mixed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(len(rows), -1)
 
     def _chunk(
-        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, first: int, n: int, slot: int,
-        cuts: list[tuple[int, int]],
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slot: int, cuts: list[tuple[int, int]],
     ) -> torch.Tensor:  # fmt: skip
-        """One sequence's chunk of n >= 2 tokens (step rows first .. first + n) from the state in
+        """One sequence's chunk of n >= 2 tokens (the rows of mixed, b, a) from the state in
         `slot`, left there after it: the conv, then the chunked rule, with state checkpoints
         taken at `cuts` (tokens into the chunk, checkpoint row). Returns the rule's float32
         output [n, Hv, Dv]."""
+        n = mixed.shape[0]
         state = self.state
         assert state is not None
         before = state.conv[slot]  # a view: read before the slot is overwritten below
