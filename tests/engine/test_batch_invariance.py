@@ -133,6 +133,41 @@ def test_outputs_do_not_depend_on_the_batch_and_the_cache_or_the_chunks(tiny_mod
     assert _differences(runs) == []
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    """A tiny random Qwen3.5: three Gated DeltaNet layers, then one of gated full attention."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=256, initializer_range=0.1,
+    )  # fmt: skip
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    path = tmp_path_factory.mktemp("invariance") / "qwen35"
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return path
+
+
+def test_a_hybrid_models_outputs_do_not_depend_on_the_batch(tiny_hybrid):
+    """The DeltaNet layers' decode kernel computes each sequence alone and a prompt chunk runs
+    the chunked rule per sequence, so what else is in the batch changes nothing. (How a prompt is
+    split, or a cache hit's restore point, does change bits: the chunked rule's 64-token blocks
+    start where a chunk starts; not claimed, docs/engine.md.)"""
+    prompts = _prompts()
+    every = list(range(len(prompts)))
+    options = dict(kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    alone = _llm(tiny_hybrid, options)
+    runs = {"alone": {}, "batches of 3": {}}
+    for i in every:
+        runs["alone"] |= _run(alone, prompts, [i])
+    batched = _llm(tiny_hybrid, options)
+    runs["batch of 8"] = _run(batched, prompts, every)
+    for first in range(0, len(every), 3):
+        runs["batches of 3"] |= _run(batched, prompts, every[first : first + 3])
+    assert _differences(runs) == []
+    assert batched.engine.runner.graphs.captured_batch_sizes()  # decodes replayed in graphs, too
+
+
 # Kernel builds for other x86 CPUs (TUILI_KERNEL_CFLAGS, as tests/kernels/test_cpu_kernels.py).
 OTHER_CPUS = {
     "no AMX": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8",
