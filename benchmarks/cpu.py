@@ -9,8 +9,9 @@ Models (--models):
                 DeltaNet layers per full-attention layer; benchmarks/common.py QWEN35_08B): tuili
                 and transformers on the bf16 safetensors, llama.cpp on the bf16 GGUF converted from
                 it, tuili and llama.cpp (with and without repacking) on its Q8_0 GGUF. Not run by
-                default: its transformers column decodes at a few tokens/s, and the model alone
-                takes about as long as the default run (20-40 minutes on 2 cores).
+                default: with its transformers column the model alone takes as long as the default
+                run or longer (`--rows prefill b1 b16`: 67 minutes on 2 cores shared with other
+                work, 2026-12-02).
 
 Rows, all in tokens/s with `--threads` threads per engine:
   prefill 512   one prompt of 512 random token ids
