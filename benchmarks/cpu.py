@@ -1,8 +1,17 @@
-"""tuili against llama.cpp and vLLM-CPU on the same files, side by side, in one run (issues 7, 24).
+"""tuili against llama.cpp, vLLM-CPU and transformers on the same files, side by side, in one run
+(issues 7, 24; issue 19 for the hybrid model).
 
-Models: a random checkpoint with Qwen3-0.6B's shape (bf16 safetensors for tuili and vLLM; bf16,
-f16, Q8_0 and Q4_0 GGUF converted from it for llama.cpp and tuili), and the embedded
-SmolLM2-135M-Instruct Q4_1 GGUF (tuili and llama.cpp).
+Models (--models):
+  qwen3-0.6b    a random checkpoint with Qwen3-0.6B's shape (bf16 safetensors for tuili and vLLM;
+                bf16, f16, Q8_0 and Q4_0 GGUF converted from it for llama.cpp and tuili)
+  smollm2       the embedded SmolLM2-135M-Instruct Q4_1 GGUF (tuili and llama.cpp)
+  qwen3.5-0.8b  a random Qwen3.5 hybrid of ~0.8B parameters (hidden 1024, 24 layers, three Gated
+                DeltaNet layers per full-attention layer; benchmarks/common.py QWEN35_08B): tuili
+                and transformers on the bf16 safetensors, llama.cpp on the bf16 GGUF converted from
+                it, tuili and llama.cpp (with and without repacking) on its Q8_0 GGUF. Not run by
+                default: with its transformers column the model alone takes as long as the default
+                run or longer (`--rows prefill b1 b16`: 67 minutes on 2 cores shared with other
+                work, 2026-12-02).
 
 Rows, all in tokens/s with `--threads` threads per engine:
   prefill 512   one prompt of 512 random token ids
@@ -19,19 +28,24 @@ each column's best sample; ratios, MBU and MFU are medians over the steady repet
 itself, one repetition per call: `llama-bench` (prefill: -p 512 -n 0; decode b1: -p 0 -n 64
 -d 128) and `llama-batched-bench` (-npp 128 -ntg 64 -npl B: its S_TG), each file twice: without
 its CPU repacking of the weights (`--repack 0`, `--no-repack`) and with it ("repack" columns);
-tuili is held to the better of the two.
+tuili is held to the better of the two. transformers runs in a cpu_worker.py process too
+(`model.generate`, greedy, exactly N new tokens), timed by the same calls as tuili and vLLM.
 
 Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit),
 MBU of tuili's batch-1 decode and MFU of its prefill against this machine's read bandwidth and
 bf16 matmul peak (read right before and after each sample, as `tuili probe` measures them; or a
---hardware spec), and the targets of issue 24 (issue 7's, raised for CPUs without AMX) with
-PASS / MISS.
+--hardware spec), and the model's targets with PASS / MISS: issue 24's (issue 7's, raised for
+CPUs without AMX) on the Qwen3-0.6B shape, issue 19's on the Qwen3.5 shape. A decode step's
+bytes for MBU are the weights it reads, the KV of its context and, for a hybrid model, each
+sequence's linear-attention state (recurrent and conv, as tuili's pool holds it) read and
+written back once: 2 x state bytes per sequence.
 
     bash benchmarks/build_peers.sh              # once per machine: llama.cpp and the vLLM venv
     python benchmarks/cpu.py                    # everything (the better part of an hour on 2 cores)
     python benchmarks/cpu.py --quick            # tiny sizes, a smoke run of every path
     python benchmarks/cpu.py --only tuili --models smollm2 --json out.json
     python benchmarks/cpu.py --models qwen3-0.6b --rows b1 --columns "tuili Q4_0" "llama Q4_0"
+    python benchmarks/cpu.py --models qwen3.5-0.8b --rows prefill b1 b16   # issue 19's hybrid
 """
 
 from __future__ import annotations
@@ -58,10 +72,13 @@ from common import (  # noqa: E402
     CACHE,
     LLAMA_CPP,
     QWEN3_06B,
+    QWEN35_08B,
     busy_cores,
     machine,
     qwen3_06b_checkpoint,
     qwen3_06b_gguf,
+    qwen35_08b_checkpoint,
+    qwen35_08b_gguf,
 )
 
 import tuili  # noqa: E402
@@ -74,7 +91,9 @@ from tuili.perf.resolve import current_hardware  # noqa: E402
 WORKER = Path(__file__).parent / "cpu_worker.py"
 VLLM_PYTHON = CACHE / "vllm-cpu-venv" / "bin" / "python"
 LLAMA_BIN = LLAMA_CPP / "build" / "bin"
-ENGINES = ("tuili", "llama", "vllm")
+ENGINES = ("tuili", "llama", "vllm", "transformers")
+MODELS = ("qwen3-0.6b", "smollm2", "qwen3.5-0.8b")
+DEFAULT_MODELS = ("qwen3-0.6b", "smollm2")  # qwen3.5-0.8b on request: it doubles the run
 WORKER_TIMEOUT = 3600  # seconds: a full run of one engine on one file takes minutes
 BUSY_WARNING = 0.25  # cores used by others above which a column's figures are flagged
 # Readings within this fraction of each other are one state of the machine: its two states are
@@ -114,7 +133,7 @@ class Sizes:
 class Variant:
     """One engine on one file in one precision: a column of a model's table."""
 
-    engine: str  # tuili | llama | vllm
+    engine: str  # tuili | llama | vllm | transformers
     label: str
     precision: str  # the class peers are compared in: 16-bit, 8-bit, 4-bit
     source: Callable[[], Path]  # the checkpoint, made on first use
@@ -161,7 +180,8 @@ class Column:
 
 @dataclass(frozen=True)
 class Target:
-    """tuili's `label` column at `row` >= `factor` x the best `peer` column of its precision."""
+    """tuili's `label` column at `row` >= `factor` x the best column of engine `peer` ("llama",
+    "vllm", "transformers") in its precision."""
 
     row: str
     label: str
@@ -176,6 +196,9 @@ class Model:
     sizes: Sizes
     variants: list[Variant]
     targets: list[Target] = field(default_factory=list)
+    issue: str = ""  # where the targets come from, for the printout
+    mbu_goals: dict[str, float] = field(default_factory=dict)  # decode b1 MBU goal per tuili column
+    mfu_goal: float | None = None  # prefill MFU goal of the "tuili bf16" column
 
 
 def models(args: argparse.Namespace) -> list[Model]:
@@ -208,10 +231,26 @@ def models(args: argparse.Namespace) -> list[Model]:
         Variant("llama", "llama Q4_1 repack", "4-bit", default_model_path, {"repack": True}),
     ]
     smollm2_vocab = open_gguf(default_model_path()).config["vocab_size"]
+
+    def gguf35(ftype: str) -> Callable[[], Path]:
+        return lambda: qwen35_08b_gguf(ftype)
+
+    hf35 = qwen35_08b_checkpoint
+    qwen35 = [
+        Variant("tuili", "tuili bf16", "16-bit", hf35),
+        Variant("transformers", "transformers bf16", "16-bit", hf35),
+        Variant("llama", "llama bf16", "16-bit", gguf35("bf16"), needs_llama=True),
+        Variant("tuili", "tuili Q8_0", "8-bit", gguf35("Q8_0"), needs_llama=True),
+        Variant("llama", "llama Q8_0", "8-bit", gguf35("Q8_0"), needs_llama=True),
+        Variant("llama", "llama Q8_0 repack", "8-bit", gguf35("Q8_0"), {"repack": True}, needs_llama=True),
+    ]
     found = {
-        "qwen3-0.6b": Model("Qwen3-0.6B shape (random weights)", QWEN3_06B["vocab_size"], sizes, qwen, targets(sizes)),
+        "qwen3-0.6b": Model("Qwen3-0.6B shape (random weights)", QWEN3_06B["vocab_size"], sizes, qwen,
+                            targets(sizes), "issue 24", QWEN3_MBU_GOALS, 0.50),
         "smollm2": Model("SmolLM2-135M-Instruct, embedded Q4_1 GGUF", smollm2_vocab,
                          replace(sizes, batches=tuple(b for b in sizes.batches if b == 1)), smollm2),
+        "qwen3.5-0.8b": Model("Qwen3.5 hybrid, ~0.8B shape (random weights)", QWEN35_08B["vocab_size"], sizes,
+                              qwen35, hybrid_targets(sizes), "issue 19", {"tuili bf16": 0.70}),
     }
     return [found[name] for name in args.models]
 
@@ -230,9 +269,21 @@ def targets(sizes: Sizes) -> list[Target]:
     return found
 
 
-# Decode b1 MBU goals per column, and the prefill MFU goal of the bf16 column.
-MBU_GOALS = {"tuili bf16": 0.80, "tuili Q4_0": 0.70}
-MFU_GOAL = 0.50
+# Issue 24's decode b1 MBU goals on the Qwen3-0.6B shape (its prefill MFU goal: 50%).
+QWEN3_MBU_GOALS = {"tuili bf16": 0.80, "tuili Q4_0": 0.70}
+
+
+def hybrid_targets(sizes: Sizes) -> list[Target]:
+    """Issue 19's targets on the Qwen3.5 hybrid: prefill and batch-1 decode at least llama.cpp's
+    on the same converted GGUF (bf16 and Q8_0; the better of its repacking on and off), and at
+    least 3x transformers in bf16; batch-16 decode 1.5x llama.cpp's batched bench. (Its decode b1
+    MBU goal, 70% of tuili bf16 with the state bytes counted, is the model's mbu_goals.)"""
+    prefill, b1, b16 = sizes.prefill_row, sizes.decode_row(1), sizes.decode_row(16)
+    found = [Target(prefill, "tuili bf16", "transformers", 3.0), Target(b1, "tuili bf16", "transformers", 3.0)]
+    for label in ("tuili bf16", "tuili Q8_0"):
+        found += [Target(prefill, label, "llama", 1.0), Target(b1, label, "llama", 1.0),
+                  Target(b16, label, "llama", 1.5)]
+    return found
 
 
 # ---- running the engines ----------------------------------------------------------------------
@@ -280,7 +331,7 @@ class Runner:
 
 
 class WorkerRunner(Runner):
-    """tuili or vLLM, loaded once in a cpu_worker.py process. Prefill P: P / the best time of one
+    """tuili, vLLM or transformers, loaded once in a cpu_worker.py process. Prefill P: P / the best time of one
     prompt with max_tokens=1. Decode bB: B x N / (best time with N + 1 output tokens - best time
     with 1), so that the B prefills and the first token are taken out."""
 
@@ -470,7 +521,7 @@ def missing_peer(variant: Variant) -> str:
 
 
 def start_worker(variant: Variant, path: Path, model: Model, threads: int, log: IO[str]) -> subprocess.Popen:
-    """tuili or vLLM loading `path` in a cpu_worker.py process of its own."""
+    """tuili, vLLM or transformers loading `path` in a cpu_worker.py process of its own."""
     sizes = model.sizes
     longest = max(sizes.prefill, sizes.prompt + sizes.decode + 1)
     options = {
@@ -482,7 +533,7 @@ def start_worker(variant: Variant, path: Path, model: Model, threads: int, log: 
         **variant.options,
     }
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if variant.engine == "tuili":
+    if variant.engine in ("tuili", "transformers"):
         python = sys.executable
         # the worker imports the tuili this script imported
         env["PYTHONPATH"] = os.pathsep.join([str(Path(tuili.__file__).parents[1]), env.get("PYTHONPATH", "")])
@@ -573,8 +624,11 @@ def print_model(model: Model, columns: list[Column], spec: HardwareSpec | None) 
         print(f"\ntuili against the roofline ({against}; medians over the steady samples):")
         for c in tuili_cols:
             roof = roofline(c, model.sizes, spec)
+            state = c.facts["state_bytes_per_seq"]
             print(f"  {c.label:12} weights held {c.facts['weight_bytes'] / 1e9:5.2f} GB, read per step "
-                  f"{c.facts['decode_weight_bytes'] / 1e9:5.2f} GB   decode b1 MBU {percent(roof['mbu']):>6} "
+                  f"{c.facts['decode_weight_bytes'] / 1e9:5.2f} GB"
+                  + (f", state {state / 1e6:.1f} MB per sequence (read and written)" if state else "")
+                  + f"   decode b1 MBU {percent(roof['mbu']):>6} "
                   f"of {gb(roof['read_bandwidth'])} GB/s   {model.sizes.prefill_row} MFU "
                   f"{percent(roof['mfu']):>6} of {tf(roof['bf16_flops'])} TFLOP/s")
 
@@ -598,14 +652,16 @@ def tf(value: float | None) -> str:
 
 
 def roofline(column: Column, sizes: Sizes, spec: HardwareSpec | None) -> dict[str, float | None]:
-    """MBU of batch-1 decode: the bytes each step reads (every weight once, as the engine counts
-    them, plus the KV of the context, on average prompt + (decode + 1) / 2 tokens) over the step
-    time, against the read bandwidth. MFU of prefill: the cost model's FLOPs of the prompt over
+    """MBU of batch-1 decode: the bytes each step moves (every weight once, as the engine counts
+    them, plus the KV of the context, on average prompt + (decode + 1) / 2 tokens, plus a hybrid
+    model's linear-attention state of the sequence, read and written back: 2 x its bytes) over
+    the step time, against the read bandwidth (the state's write is counted at the read rate). MFU of prefill: the cost model's FLOPs of the prompt over
     its time, against the bf16 matmul peak. Each steady sample is judged against the rates read
     around it (or `spec`'s, when given), and the median counts; with no steady sample, all of them."""
     facts = column.facts
     context = sizes.prompt + (sizes.decode + 1) / 2
-    step_bytes = facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * context
+    step_bytes = (facts["decode_weight_bytes"] + facts["kv_bytes_per_token"] * context
+                  + 2 * facts["state_bytes_per_seq"])
 
     def median_use(row: str, work: float, rate_of: Callable[[Reading], float]) -> tuple[float | None, float | None]:
         """(median share of the roof, median roof) over `row`'s steady samples."""
@@ -636,18 +692,18 @@ def check_targets(model: Model, columns: list[Column], spec: HardwareSpec | None
         print(f"  {status:4}  {name:58} {shown:>8}  (goal >= {goal_shown}){detail}")
         results.append({"target": name, "value": value, "goal": goal, "status": status})
 
-    print("\nTargets (issue 24): medians over the steady repetitions")
+    print(f"\nTargets ({model.issue}): medians over the steady repetitions")
     for t in model.targets:
         mine = by_label.get(t.label)
         r = worst_ratio(columns, mine, t.row, t.peer) if mine else None
         record(f"{t.row}: {t.label} / {r.peer.label if r else t.peer + ' (same precision)'}",
                r and r.value, t.factor, "x", f"  {r.steady} steady, best samples {r.best:.2f}x" if r else "")
-    for label, goal in MBU_GOALS.items():
+    for label, goal in model.mbu_goals.items():
         column = by_label.get(label)
         roof = roofline(column, sizes, spec) if column and column.rates else None
         record(f"decode b1 MBU, {label}", roof and roof["mbu"], goal, "%")
-        if label == "tuili bf16":
-            record(f"{sizes.prefill_row} MFU, {label}", roof and roof["mfu"], MFU_GOAL, "%")
+        if label == "tuili bf16" and model.mfu_goal is not None:
+            record(f"{sizes.prefill_row} MFU, {label}", roof and roof["mfu"], model.mfu_goal, "%")
     return results
 
 
@@ -656,7 +712,8 @@ def main() -> None:
     parser.add_argument("--only", choices=ENGINES, help="run one engine only")
     parser.add_argument("--columns", nargs="+", metavar="LABEL",
                         help='run only these columns, e.g. --columns "tuili Q8_0" "llama Q8_0"')
-    parser.add_argument("--models", nargs="+", choices=("qwen3-0.6b", "smollm2"), default=["qwen3-0.6b", "smollm2"])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS),
+                        help=f"default: {' '.join(DEFAULT_MODELS)}")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and one repetition: a smoke run")
     parser.add_argument("--rows", nargs="+", choices=("prefill", "b1", "b16", "b32"),
                         help="run only these rows (default: all)")

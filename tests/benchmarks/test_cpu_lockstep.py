@@ -68,9 +68,36 @@ def test_mfu_judges_each_steady_sample_against_its_own_readings(cpu):
     sizes = cpu.Sizes(512, 128, 64, 1, 3)
     mine = column(cpu, "tuili bf16", "tuili", [(550, SLOW, SLOW), (1300, FAST, FAST), (2000, SLOW, FAST)])
     flops = 1.1e12 * 512 / 1300  # so that 1300 tokens/s is 1.1 TFLOP/s
-    mine.facts = {"decode_weight_bytes": 1.0, "kv_bytes_per_token": 0.0, "prefill_flops": flops}
+    mine.facts = {"decode_weight_bytes": 1.0, "kv_bytes_per_token": 0.0, "state_bytes_per_seq": 0, "prefill_flops": flops}
     roof = cpu.roofline(mine, sizes, None)
     per_token = flops / 512
     expected = sorted([550 * per_token / SLOW.bf16_flops, 1300 * per_token / FAST.bf16_flops])
     assert roof["mfu"] == pytest.approx(sum(expected) / 2)  # the unsteady third sample is left out
     assert roof["mbu"] is None  # no decode row sampled
+
+
+def test_mbu_counts_a_hybrids_state_read_and_written_each_step(cpu):
+    sizes = cpu.Sizes(512, 128, 64, 1, 1)
+    mine = cpu.Column("tuili", "tuili bf16", "16-bit")
+    mine.samples["decode b1"] = [cpu.Sample(20.0, FAST, FAST)]
+    mine.rates["decode b1"] = 20.0
+    weights, kv_per_token, state = 1.5e9, 8192, 19.5e6
+    mine.facts = {"decode_weight_bytes": weights, "kv_bytes_per_token": kv_per_token, "state_bytes_per_seq": state,
+                  "prefill_flops": 1.0}
+    context = 128 + (64 + 1) / 2  # the mean context of the 64 timed steps after a 128-token prompt
+    step = weights + kv_per_token * context + 2 * state
+    assert cpu.roofline(mine, sizes, None)["mbu"] == pytest.approx(step * 20.0 / FAST.read_bandwidth)
+
+
+def test_a_target_against_transformers_is_judged_against_the_transformers_column(cpu):
+    # llama.cpp is the closer peer, but a target naming transformers ignores it
+    mine = column(cpu, "tuili bf16", "tuili", [(900, FAST, FAST)])
+    hf = column(cpu, "transformers bf16", "transformers", [(250, FAST, FAST)])
+    llama = column(cpu, "llama bf16", "llama", [(800, FAST, FAST)])
+    columns = [mine, hf, llama]
+    assert cpu.worst_ratio(columns, mine, "prefill 512").peer is llama
+    r = cpu.worst_ratio(columns, mine, "prefill 512", "transformers")
+    assert r.peer is hf and r.value == pytest.approx(900 / 250)
+    targets = {(t.row, t.peer, t.factor) for t in cpu.hybrid_targets(cpu.Sizes(512, 128, 64, 1, 1))
+               if t.label == "tuili bf16"}
+    assert ("prefill 512", "transformers", 3.0) in targets and ("decode b16", "llama", 1.5) in targets
