@@ -163,11 +163,18 @@ class QuantizedExperts(RoutedExperts):
         self.platform = platform
         self._linears: dict[str, list[QuantizedLinear]] = {}
         for projection, weights in zip(PROJECTIONS, (gate_up, down), strict=True):
-            linears = [make_linear(w, None, compute_dtype, platform=platform) for w in weights]
-            for name, _ in linears[0].named_buffers():
-                self.register_buffer(f"{projection}_{name}", torch.stack([getattr(m, name) for m in linears]))
-            self._linears[projection] = linears
-        self._bind()
+            linears = self._linears[projection] = []
+            # Expert by expert into the stacked buffers: the layer's packed bytes plus one expert's
+            # are held at a time, never a second copy of them all.
+            for e, weight in enumerate(weights):
+                module = make_linear(weight, None, compute_dtype, platform=platform)
+                for name, tensor in list(module.named_buffers()):
+                    if e == 0:
+                        self.register_buffer(f"{projection}_{name}", tensor.new_empty(len(weights), *tensor.shape))
+                    stacked = getattr(self, f"{projection}_{name}")
+                    stacked[e].copy_(tensor)
+                    module._buffers[name] = stacked[e]
+                linears.append(module)
 
     def _bind(self) -> None:
         """Point every expert's linear at its slice of the stacked buffers (the invariant)."""
