@@ -15,6 +15,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from tuili.config import ModelConfig
+from tuili.errors import TuiliError
 from tuili.layers import moe as moe_module
 from tuili.layers.moe import Experts, QuantizedExperts, SparseMoE, route
 from tuili.layers.quant import (
@@ -267,3 +268,19 @@ def test_packed_experts_refuse_mixed_formats_and_shapes():
         QuantizedExperts([quantize_int8(w)] * 2, down, torch.bfloat16, HERE)
     with pytest.raises(ValueError, match=r"gate_up \(1, 64, 64\), down \(1, 64, 16\)"):
         QuantizedExperts([quantize_int8(w)], [quantize_int8(torch.randn(H, 16))], torch.bfloat16, HERE)
+
+
+def test_int4_checks_fused_expert_stacks_before_building():
+    """A fused [E, out, in] stack's input size is checked with the other linears': the error names
+    the stack, as it names a dense weight."""
+    prefix = "model.layers.0.mlp.experts"
+    tensors = {f"{prefix}.gate_up_proj": torch.randn(E, 2 * INTER, H), f"{prefix}.down_proj": torch.randn(E, H, INTER)}
+    source = {name: (lambda t=t: t) for name, t in tensors.items()}
+    with pytest.raises(TuiliError, match=rf"{prefix}\.down_proj has 32 inputs \(32 % 64 = 32\).*fit every layer: 32"):
+        WeightPlan(HERE, torch.float32, source, {}, "test", quantization="int4", group_size=64)
+    plan = WeightPlan(HERE, torch.float32, source, {}, "test", quantization="int4", quantized_dtype=torch.float32)
+    experts = plan.experts(prefix, E, H, INTER)
+    assert isinstance(experts, QuantizedExperts) and type(experts.linear("gate_up_proj", 3)) is Int4Linear
+    # expert by expert, as a dense linear of that weight is quantized
+    expected = torch.stack([quantize_int4(w, 32, torch.float32).dequantize() for w in tensors[f"{prefix}.down_proj"]])
+    torch.testing.assert_close(experts.dequantize("down_proj"), expected, atol=1e-6, rtol=1e-6)
