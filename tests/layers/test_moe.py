@@ -259,11 +259,16 @@ def test_packed_experts_are_stacked_views_that_survive_moves():
     torch.testing.assert_close(packed.dequantize("down_proj"), before, rtol=0, atol=0)
 
 
-def test_packed_experts_refuse_mixed_formats_and_shapes():
+def test_packed_experts_take_one_format_per_projection_and_check_shapes():
     w = torch.randn(2 * INTER, H)
     down = [quantize_int8(torch.randn(H, INTER))]
-    with pytest.raises(ValueError, match="one quantized format"):
-        QuantizedExperts([quantize_int4(w, 32)], down, torch.bfloat16, HERE)
+    with pytest.raises(ValueError, match=r"gate_up matrices must share one quantized format; got \['Int4Weight', 'Int8Weight'\]"):
+        QuantizedExperts([quantize_int4(w, 32), quantize_int8(w)], down * 2, torch.bfloat16, HERE)
+    # Formats may differ between the projections (as a GGUF file's stacks may): int4 gate_up, int8 down.
+    mixed = QuantizedExperts([quantize_int4(w, 32, torch.float32)], down, torch.float32, HERE)
+    x, ids, weights = torch.randn(3, H), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    reference = Experts(mixed.dequantize("gate_up_proj"), mixed.dequantize("down_proj"), Platform.portable())
+    torch.testing.assert_close(mixed(x, ids, weights), reference(x, ids, weights), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="one gate_up and one down weight per expert"):
         QuantizedExperts([quantize_int8(w)] * 2, down, torch.bfloat16, HERE)
     with pytest.raises(ValueError, match=r"gate_up \(1, 64, 64\), down \(1, 64, 16\)"):

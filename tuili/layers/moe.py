@@ -128,7 +128,8 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 
 class QuantizedExperts(RoutedExperts):
     """Experts whose matrices stay quantized: `gate_up` and `down` are one QuantizedWeight per
-    expert, all of one format, run by the module `make_linear` builds for that format.
+    expert, of one format per projection (a GGUF file may store gate/up and down in different
+    types), run by the module `make_linear` builds for that format.
 
     The stored numbers are buffers `{projection}_{buffer}` stacked [E, ...] (e.g.
     gate_up_proj_packed [E, tiles, K, 32] and gate_up_proj_scale_zero [E, K / group, N, 2] for
@@ -150,11 +151,10 @@ class QuantizedExperts(RoutedExperts):
         super().__init__()
         if len(gate_up) != len(down) or not gate_up:
             raise ValueError(f"expected one gate_up and one down weight per expert; got {len(gate_up)} and {len(down)}")
-        formats = {type(w) for w in (*gate_up, *down)}
-        if len(formats) != 1:
-            raise ValueError(f"experts must share one quantized format; got {sorted(f.__name__ for f in formats)}")
         for name, weights in (("gate_up", gate_up), ("down", down)):
-            shapes = {tuple(w.q.shape) for w in weights}
+            formats, shapes = {type(w).__name__ for w in weights}, {tuple(w.q.shape) for w in weights}
+            if len(formats) != 1:  # one stacked buffer per stored number: one layout per projection
+                raise ValueError(f"experts' {name} matrices must share one quantized format; got {sorted(formats)}")
             if len(shapes) != 1:
                 raise ValueError(f"experts' {name} matrices differ in shape: {sorted(shapes)}")
         self.num_experts, self.hidden_size, self.intermediate_size = _check_shapes(

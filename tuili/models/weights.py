@@ -143,27 +143,26 @@ class WeightPlan:
         """The routed experts under `prefix` (e.g. "model.layers.0.mlp.experts"): gate_up_proj
         [num_experts, 2 * intermediate, hidden] and down_proj [num_experts, hidden, intermediate].
 
-        Held packed (QuantizedExperts) when a GGUF file run packed stores both stacks in one
-        packed type (Q4_0, Q4_1, Q8_0: the blocks as stored, as `_gguf_linear` holds a dense
-        linear), or under `quantization`, each expert's matrices quantized as `_hold` quantizes
+        Held packed (QuantizedExperts) when a GGUF file run packed stores both stacks in packed
+        types (Q4_0, Q4_1, Q8_0, one per stack: the blocks as stored, as `_gguf_linear` holds a
+        dense linear), or under `quantization`, each expert's matrices quantized as `_hold` quantizes
         a dense linear ("int8" per row, "int4" per group of `group_size`); float otherwise."""
         paths = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
         shapes = ((num_experts, 2 * intermediate, hidden), (num_experts, hidden, intermediate))
         if self.gguf_packed is not None:
             packed = [self._gguf_experts(path, shape) for path, shape in zip(paths, shapes, strict=True)]
-            if all(p is not None for p in packed) and len({type(p[0]) for p in packed if p}) == 1:
-                gate_up, down = packed
-                assert gate_up is not None and down is not None
+            gate_up, down = packed
+            if gate_up is not None and down is not None:  # else both float: one kind of module per layer
                 return QuantizedExperts(gate_up, down, self.quantized_dtype, self.platform).to(self.device)
         floats = [self._float_experts(path, shape) for path, shape in zip(paths, shapes, strict=True)]
         if self.quantization is None:
             return Experts(*floats, self.platform)
-        if self.quantization == "int4":
-            quantize: Callable[[torch.Tensor], QuantizedWeight] = lambda w: quantize_int4(  # noqa: E731
-                w, self.group_size, self.quantized_dtype
-            )
-        else:
-            quantize = lambda w: quantize_int8(w, self.quantized_dtype)  # noqa: E731
+
+        def quantize(w: torch.Tensor) -> QuantizedWeight:
+            if self.quantization == "int4":
+                return quantize_int4(w, self.group_size, self.quantized_dtype)
+            return quantize_int8(w, self.quantized_dtype)
+
         gate_up, down = ([quantize(w) for w in stack] for stack in floats)
         del floats
         return QuantizedExperts(gate_up, down, self.quantized_dtype, self.platform).to(self.device)
