@@ -9,7 +9,7 @@ by scripts/setup.sh test) to f32 and to q8_0, and checks:
   greedy tokens equal to transformers';
 - the q8_0 file: logits equal to transformers' run on the file's weights as gguf-py's own
   quantize/dequantize makes them (Q8_0 where the file is Q8_0, F16 where it fell back to F16); its
-  split projection (qkvz) runs packed in Hugging Face row order;
+  split projection (qkvz) and its Q8_0 experts run packed in Hugging Face row order;
 - Qwen3-Next's multi-token-prediction block (converted as llama.cpp converts it by default, an extra
   block) comes back as the checkpoint's mtp.* tensors.
 """
@@ -30,8 +30,11 @@ from safetensors.torch import load_file, save_file
 
 from tuili import LLM, SamplingParams
 from tuili.layers.deltanet import GatedDeltaNet
-from tuili.layers.moe import SparseMoE
+from tuili.layers.moe import QuantizedExperts, SparseMoE
+from tuili.layers.quant import Int8GroupLinear
 from tuili.models.gguf import open_gguf
+from tuili.models.weights import WeightPlan
+from tuili.platform import Platform
 
 COMMON = dict(
     vocab_size=151936,  # the Qwen3 tokenizer's ids reach 151,668; Qwen3 checkpoints have 151,936 rows
@@ -197,7 +200,35 @@ def test_q8_0_file_matches_transformers_on_its_weights(q8_0_file, prompt_logits,
                 continue
             (qtype,) = types[name]
             tensor.copy_(_as_stored(tensor, qtype))
-    assert_logits_match(prompt_logits(_llm(files["q8_0"]), PROMPTS), reference, PROMPTS)
+    llm = _llm(files["q8_0"])  # float32 asked for by name: every weight dequantized at load
+    float_logits = prompt_logits(llm, PROMPTS)
+    assert_logits_match(float_logits, reference, PROMPTS)
+
+    # The experts as the loader holds a GGUF file run packed: the Q8_0 blocks as stored, in the
+    # int8-group layout (no float copy). With float32 compute (the exact path) the logits must
+    # still match transformers'.
+    cfg = hf.config
+    plan = WeightPlan(Platform.detect(), torch.float32, {}, {}, str(files["q8_0"]), quantized_dtype=torch.float32,
+                      gguf_packed=ckpt)  # fmt: skip
+    for i, layer in enumerate(llm.engine.runner.model.model.layers):
+        layer.mlp.experts = plan.experts(
+            f"model.layers.{i}.mlp.experts", cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        )
+        assert isinstance(layer.mlp.experts, QuantizedExperts) and not list(layer.mlp.experts.parameters())
+        assert type(layer.mlp.experts.linear("gate_up_proj", 0)) is Int8GroupLinear
+    assert_logits_match(prompt_logits(llm, PROMPTS), reference, PROMPTS)
+
+    if arch != "qwen3moe":  # the loader's default below is one path for both: checked once
+        return
+    # As `LLM` loads the file by default on a CPU: the experts packed, computing in bf16.
+    packed = LLM(model=str(files["q8_0"]), device="cpu", block_size=4, kv_cache_memory=1 << 20)
+    assert packed.engine.weights_quantized == "gguf"
+    for layer in packed.engine.runner.model.model.layers:
+        assert isinstance(layer.mlp.experts, QuantizedExperts) and layer.mlp.experts.compute_dtype == torch.bfloat16
+    packed_logits = prompt_logits(packed, PROMPTS)
+    error = (packed_logits - float_logits).abs() / float_logits.std()
+    agree = (packed_logits.argmax(-1) == float_logits.argmax(-1)).float().mean().item()
+    assert error.mean() < 0.1 and agree >= 0.9, (error.mean(), agree)  # the packed SmolLM2's bounds
 
 
 @pytest.mark.parametrize("converted", ["qwen3next"], indirect=True)  # qwen3moe splits no projection
@@ -207,8 +238,12 @@ def test_split_projection_runs_packed_in_hf_row_order(q8_0_file):
     assert ckpt.runs_packed(name)
     packed = ckpt.quantized_tensor(name)
     assert torch.equal(packed.dequantize(), ckpt.load_tensor(name))
-    # experts are dequantized at load (WeightPlan.experts holds floats)
-    assert not ckpt.runs_packed("model.layers.1.mlp.experts.gate_up_proj")
+    # A stack of experts runs packed too: its [E * 2I, H] rows, per expert the gate rows then the
+    # up rows, as the dequantized stack has them.
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert ckpt.runs_packed(name)
+    stack = ckpt.load_tensor(name)
+    assert torch.equal(ckpt.quantized_tensor(name).dequantize(), stack.reshape(-1, stack.shape[-1]))
 
 
 @pytest.mark.parametrize("converted", ["qwen3next"], indirect=True)  # the one with an MTP block

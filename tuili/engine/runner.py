@@ -25,7 +25,7 @@ from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan
 from tuili.layers.deltanet import DeltaNetState, StateBatch
 from tuili.layers.grammar import GrammarCompiler, GrammarState, TokenMasks
 from tuili.layers.linear import PanelLinear
-from tuili.layers.moe import SparseMoE
+from tuili.layers.moe import QuantizedExperts, SparseMoE
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
@@ -217,13 +217,15 @@ class ModelRunner:
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         for layer in self.model.modules():
             if isinstance(layer, SparseMoE):
-                for tensor in layer.experts.parameters():  # [E, ...]: k of the E slices are read
+                # Every expert tensor (float or packed) is [E, ...]: k of the E slices are read.
+                for tensor in (*layer.experts.parameters(), *layer.experts.buffers()):
                     key = tensor.untyped_storage().data_ptr()
                     storages[key] = storages[key] * layer.top_k // layer.experts.num_experts
         return sum(storages.values())
 
     def _weight_storages(self) -> dict[int, int]:
-        quantized = (b for m in self.model.modules() if isinstance(m, (QuantizedLinear, PanelLinear)) for b in m.buffers())
+        packed = (QuantizedLinear, PanelLinear, QuantizedExperts)
+        quantized = (b for m in self.model.modules() if isinstance(m, packed) for b in m.buffers())
         tensors = [*self.model.parameters(), *quantized]
         return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 

@@ -254,10 +254,11 @@ class GGUFCheckpoint:
 
     def runs_packed(self, hf_name: str) -> bool:
         """Whether the tensor is one the packed kernels read as stored (quantized_tensor): a
-        matrix whose parts are all of one packed type, its values as stored."""
+        matrix, or a mixture of experts' stack of matrices [experts, out, in], whose parts are
+        all of one packed type, its values as stored."""
         info = self.tensor_info(hf_name)
         return (
-            len(info.shape) == 2
+            len(info.shape) in (2, 3)
             and info.values is None
             and len({p.ggml_type for p in info.parts}) == 1
             and info.ggml_type in PACKED_GGUF_TYPES
@@ -267,7 +268,8 @@ class GGUFCheckpoint:
 
     def quantized_tensor(self, hf_name: str) -> QuantizedWeight:
         """The tensor `hf_name` as stored, not dequantized (Q4_0, Q4_1, Q8_0: quantized_weight),
-        in Hugging Face row order."""
+        in Hugging Face row order; a stack of experts' matrices [E, out, in] as its [E * out, in]
+        rows (expert e's are rows e * out .. (e + 1) * out)."""
         info = self.tensor_info(hf_name)
         parts = [quantized_weight(self._stored_bytes(p), p.ggml_type, _rows_shape(p.shape)) for p in info.parts]
         weight = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from torch import nn
 from tuili.config import ModelConfig
 from tuili.layers.activation import silu_and_mul
 from tuili.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from tuili.layers.moe import Experts, SparseMoE
+from tuili.layers.moe import SparseMoE
 from tuili.layers.norm import RMSNorm
 from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
 from tuili.models.weights import WeightPlan
@@ -67,16 +67,12 @@ class MLP(nn.Module):
 
 
 def sparse_moe(cfg: ModelConfig, plan: WeightPlan, prefix: str) -> SparseMoE:
-    """A mixture-of-experts MLP: the router `gate`, the routed experts (stacked by the plan) and,
+    """A mixture-of-experts MLP: the router `gate`, the routed experts (float or packed, as the plan holds them) and,
     where the config has one, the shared expert with its sigmoid gate."""
     moe = cfg.moe
     assert moe is not None
     hidden, inter = cfg.hidden_size, moe.intermediate_size
-    experts = Experts(
-        plan.experts(f"{prefix}.experts.gate_up_proj", moe.num_experts, hidden, 2 * inter),
-        plan.experts(f"{prefix}.experts.down_proj", moe.num_experts, inter, hidden),
-        plan.platform,
-    )
+    experts = plan.experts(f"{prefix}.experts", moe.num_experts, hidden, inter)
     shared, shared_gate = None, None
     if moe.shared_intermediate_size:
         shared = MLP(plan, f"{prefix}.shared_expert", hidden, moe.shared_intermediate_size, bias=False)

@@ -44,11 +44,12 @@ from tuili.config import QUANTIZATION_METHODS
 from tuili.errors import CheckpointError, TuiliError
 from tuili.layers.linear import Linear, PanelLinear, panel_holds
 from tuili.layers.logits import OutputHead
-from tuili.layers.moe import Experts
+from tuili.layers.moe import Experts, QuantizedExperts, RoutedExperts
 from tuili.layers.quant import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
     QuantizedLinear,
+    QuantizedWeight,
     make_linear,
     quantize_int4,
     quantize_int8,
@@ -138,22 +139,40 @@ class WeightPlan:
             return PanelLinear(weight, b, one_path=self.platform.batch_invariant)
         return Linear.holding(weight, b, self.platform)
 
-    def experts(self, path: str, num_experts: int, in_features: int, out_features: int) -> torch.Tensor:
-        """The routed experts' matrices of linear `path` (e.g. "model.layers.0.mlp.experts.gate_up_proj")
-        as one float tensor [num_experts, out_features, in_features]: the checkpoint's 3-D tensor
-        named `path` where it stores the experts fused (transformers' own layout), else expert
-        e's `{prefix}.{e}.{part}.weight` tensors (what save_pretrained writes), its parts stacked
-        as `linear` stacks them (gate_up_proj -> gate_proj, up_proj).
+    def experts(self, prefix: str, num_experts: int, hidden: int, intermediate: int) -> RoutedExperts:
+        """The routed experts under `prefix` (e.g. "model.layers.0.mlp.experts"): gate_up_proj
+        [num_experts, 2 * intermediate, hidden] and down_proj [num_experts, hidden, intermediate].
 
-        Experts are held as floats only: `quantization` is refused here, naming the layer,
-        rather than leaving the bulk of a mixture-of-experts model unquantized behind the flag."""
-        if self.quantization is not None:
-            raise TuiliError(
-                f"{self.source}: quantization {self.quantization!r} does not cover mixture-of-experts layers yet "
-                f"({path.rpartition('.')[0]}: {num_experts} experts would stay float); load this model without "
-                "quantization"
-            )
-        shape = (num_experts, out_features, in_features)
+        Held packed (QuantizedExperts) when a GGUF file run packed stores both stacks in packed
+        types (Q4_0, Q4_1, Q8_0, one per stack: the blocks as stored, as `_gguf_linear` holds a
+        dense linear), or under `quantization`, each expert's matrices quantized as `_hold` quantizes
+        a dense linear ("int8" per row, "int4" per group of `group_size`); float otherwise."""
+        paths = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
+        shapes = ((num_experts, 2 * intermediate, hidden), (num_experts, hidden, intermediate))
+        if self.gguf_packed is not None:
+            packed = [self._gguf_experts(path, shape) for path, shape in zip(paths, shapes, strict=True)]
+            gate_up, down = packed
+            if gate_up is not None and down is not None:  # else both float: one kind of module per layer
+                return QuantizedExperts(gate_up, down, self.quantized_dtype, self.platform).to(self.device)
+        floats = [self._float_experts(path, shape) for path, shape in zip(paths, shapes, strict=True)]
+        if self.quantization is None:
+            return Experts(*floats, self.platform)
+
+        def quantize(w: torch.Tensor) -> QuantizedWeight:
+            if self.quantization == "int4":
+                return quantize_int4(w, self.group_size, self.quantized_dtype)
+            return quantize_int8(w, self.quantized_dtype)
+
+        gate_up, down = ([quantize(w) for w in stack] for stack in floats)
+        del floats
+        return QuantizedExperts(gate_up, down, self.quantized_dtype, self.platform).to(self.device)
+
+    def _float_experts(self, path: str, shape: tuple[int, int, int]) -> torch.Tensor:
+        """One stack of experts' matrices `path` (e.g. "model.layers.0.mlp.experts.gate_up_proj")
+        as one float tensor `shape` [num_experts, out, in]: the checkpoint's 3-D tensor named
+        `path` where it stores the experts fused (transformers' own layout), else expert e's
+        `{prefix}.{e}.{part}.weight` tensors (what save_pretrained writes), its parts stacked as
+        `linear` stacks them (gate_up_proj -> gate_proj, up_proj)."""
         if path in self.tensors:
             return self._stacked([path], shape)
         prefix, _, leaf = path.rpartition(".")
@@ -163,9 +182,25 @@ class WeightPlan:
             # Neither layout: name the fused tensor and expert 0's, which the reader can look for.
             _raise_missing(self.source, [path, *[n for n in first if n not in self.tensors]])
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for e in range(num_experts):
+        for e in range(shape[0]):
             out[e] = self._stacked([f"{prefix}.{e}.{part}.weight" for part in parts], shape[1:])
         return out
+
+    def _gguf_experts(self, path: str, shape: tuple[int, int, int]) -> list[QuantizedWeight] | None:
+        """Expert e's matrix of the GGUF file's stack `path` as stored (one QuantizedWeight per
+        expert, rows e*out .. (e+1)*out of the stack), or None when the stack cannot run packed
+        (a K-quant, F16, ...): it is then read as floats."""
+        ckpt = self.gguf_packed
+        assert ckpt is not None
+        if path not in set(ckpt.tensor_names()) or not ckpt.runs_packed(path):
+            return None
+        if ckpt.tensor_info(path).shape != shape:
+            raise CheckpointError(
+                f"{self.source}: tensor {path} has shape {ckpt.tensor_info(path).shape}, expected {shape} from the config"
+            )
+        stack = ckpt.quantized_tensor(path)  # [E * out, in], Hugging Face row order
+        num, out = shape[0], shape[1]
+        return [narrow(stack, 0, e * out, (e + 1) * out) for e in range(num)]
 
     def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:
         if self.sharded is not None:
@@ -311,14 +346,19 @@ class WeightPlan:
         return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
 
     def _linear_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(checkpoint name, shape) of every 2-D linear weight the checkpoint holds (for checks
-        that must run before anything is built), from the header where the loader gave it."""
+        """(checkpoint name, [out, in]) of every linear weight the checkpoint holds (for checks
+        that must run before anything is built), from the header where the loader gave it: the
+        2-D weights, and each fused [experts, out, in] stack of a mixture of experts as its
+        experts' [out, in]."""
         shapes = []
         for name, load in self.tensors.items():
-            if name.endswith(".weight") and (name.startswith("model.layers.") or _is_output(name)):
+            fused_experts = ".experts." in name and not name.endswith((".weight", ".bias"))
+            if not (fused_experts or name.endswith(".weight")):
+                continue
+            if name.startswith("model.layers.") or _is_output(name):
                 shape = self.shapes.get(name) or tuple(load().shape)
-                if len(shape) == 2:
-                    shapes.append((name.removesuffix(".weight"), shape))
+                if len(shape) == 2 or (fused_experts and len(shape) == 3):
+                    shapes.append((name, shape[-2:]))
         return shapes
 
 
@@ -340,7 +380,7 @@ def check_int4_shapes(linears: list[tuple[str, int]], group_size: int) -> None:
     )
     raise TuiliError(
         f"int4 with group size {group_size} needs every linear's input size to be a multiple of "
-        f"{group_size}, but {name}.weight has {k} inputs ({k} % {group_size} = {k % group_size}"
+        f"{group_size}, but {name} has {k} inputs ({k} % {group_size} = {k % group_size}"
         f"{f', and {len(bad) - 1} more layers' if len(bad) > 1 else ''}); {hint}"
     )
 
@@ -354,7 +394,7 @@ def _built_by_plan(model: nn.Module, param_name: str) -> bool:
     linears, the experts, the embedding and the output head (everything but the norms)."""
     module_path = param_name.rpartition(".")[0]
     module = model.get_submodule(module_path) if module_path else model
-    return isinstance(module, (Linear, nn.Embedding, Experts))
+    return isinstance(module, (Linear, nn.Embedding, RoutedExperts))
 
 
 def _raise_missing(source: str, names: list[str]) -> None:

@@ -220,14 +220,15 @@ def _drift_note(probed: HardwareSpec, before: HardwareSpec, after: HardwareSpec,
 
 def engine_storage(model: torch.nn.Module) -> CheckpointBytes:
     """The bytes the engine's model holds per kind of weight (tuili/perf/shapes.py KINDS): its
-    parameters and its quantized linears' codes and scales, each storage once (a tied embedding
-    is one tensor); a packed copy of the output matrix in that matrix's place."""
+    parameters and its quantized linears' and experts' codes and scales, each storage once (a
+    tied embedding is one tensor); a packed copy of the output matrix in that matrix's place."""
     from tuili.layers.linear import PanelLinear
+    from tuili.layers.moe import QuantizedExperts
     from tuili.layers.quant import QuantizedLinear
 
     tensors = list(model.named_parameters())
     for name, module in model.named_modules():
-        if isinstance(module, (QuantizedLinear, PanelLinear)):
+        if isinstance(module, (QuantizedLinear, PanelLinear, QuantizedExperts)):
             tensors += [(f"{name}.{b}", t) for b, t in module.named_buffers()]
     if model.lm_head.decode_copy is not None:
         # A decode copy of the output matrix serves the logits of decode steps of few rows: it
@@ -274,10 +275,11 @@ def _kind(name: str) -> str:
 
 def _packed_compute_dtype(model: torch.nn.Module) -> str | None:
     """The dtype the engine's quantized linears compute in, or None if it holds float linears."""
+    from tuili.layers.moe import QuantizedExperts
     from tuili.layers.quant import QuantizedLinear
 
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, QuantizedExperts)):
             return canonical_dtype(str(module.compute_dtype))
     return None
 
