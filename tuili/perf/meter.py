@@ -162,7 +162,10 @@ class UtilizationMeter:
             compute_dtype=canonical_dtype(str(engine.dtype)),
             # the state slots as the engine holds them (the conv state in the working dtype)
             state_bytes_per_sequence=engine.pool.state_bytes_per_slot,
-            decode_weight_bytes=engine.decode_weight_bytes() if engine.weights_quantized else None,
+            # One sequence's read is every step's for a dense model; a mixture of experts reads more
+            # experts as the batch grows, so its share comes from the cost model per batch size.
+            decode_weight_bytes=(engine.decode_weight_bytes()
+                                 if engine.weights_quantized and engine.model_config.moe is None else None),
             draft_weight_bytes=engine.draft_weight_bytes(),
         )
 
