@@ -38,7 +38,7 @@
  *
  * Threads take static ranges of whole tiles. Rows of x go four at a time (their accumulators fill
  * the registers); a tile, 32 K' bytes, is still in L2 for the next four. On VNNI CPUs a call of
- * more than two rows (a prompt) unpacks each tile's codes once into a per-thread buffer of 64 K
+ * CACHE_MIN_ROWS rows or more (a prompt) unpacks each tile's codes once into a per-thread buffer of 64 K
  * bytes that every pair of rows then reads, instead of permuting and masking the packed bytes
  * again for each pair; the integer sums, hence the bits, are the same either way. */
 #include <omp.h>
