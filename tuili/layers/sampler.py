@@ -2,6 +2,11 @@
 
 For each row of the logits, in this order:
 
+0. **Logit controls** (vLLM's order: before the penalties). ``allowed_token_ids`` gives every
+   other token logit -inf; ``bad_words`` gives -inf to the last token of each banned word
+   whose other tokens the output ends with (a one-token word always; vLLM's rule, over the
+   generated tokens only); ``logit_bias`` adds its bias to its tokens' logits (OpenAI's rule:
+   -100 all but bans a token, +100 all but forces it).
 1. **Penalties.** ``repetition_penalty`` (CTRL / Hugging Face definition) over every token of
    the prompt and the output so far: a positive logit is divided by the penalty, a negative
    one multiplied. Then ``presence_penalty`` and ``frequency_penalty`` (OpenAI definition) over
@@ -32,7 +37,8 @@ For each row of the logits, in this order:
    draw from the global RNG.
 
 Every step is a batched tensor operation over the rows that use it; only seeded rows loop
-in Python (one draw each). A batch of plain greedy rows (no penalty, suppression or logprobs)
+in Python (one draw each), and step 0 gathers each row's listed token ids (and compares each
+bad word with the output's tail) in Python, never looping over the vocabulary. A batch of plain greedy rows (no penalty, suppression or logprobs)
 skips steps 1-4 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
 the logits as step 1's nan_to_num would leave them and picks each row's arg-max in one pass
 (docs/kernels.md, Measured crossovers).
@@ -126,9 +132,10 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 1-2 on a float32 copy of ``logits``: the distribution each row's penalties and
+        """Steps 0-3 on a float32 copy of ``logits``: the distribution each row's controls, penalties and
         suppression define, what greedy rows take the arg-max of and logprobs report."""
         logits = logits.to(torch.float32, copy=True)  # everything below edits it in place
+        _apply_logit_controls(logits, rows)
         _apply_repetition_penalty(logits, rows)
         _apply_presence_frequency_penalties(logits, rows)
         _suppress(logits, rows)
@@ -164,6 +171,7 @@ def _native_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
             and row.params.presence_penalty == 0.0
             and row.params.frequency_penalty == 0.0
             and not row.suppressed_token_ids
+            and not row.params.controls_logits
             for row in rows
         )
     )
@@ -185,6 +193,52 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _apply_logit_controls(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Step 0: allowed_token_ids, bad_words and logit_bias, each one batched tensor edit over
+    the (row, token) pairs the rows list. Ids outside the vocabulary are skipped (the engine
+    refuses them; a draft model's vocabulary may be the smaller one)."""
+    if not any(row.params.controls_logits for row in rows):
+        return
+    vocab_size = logits.shape[1]
+    allowed_rows: list[int] = []
+    allowed_pairs: tuple[list[int], list[int]] = ([], [])
+    banned: tuple[list[int], list[int]] = ([], [])
+    biased: tuple[list[int], list[int], list[float]] = ([], [], [])
+    for i, row in enumerate(rows):
+        params = row.params
+        if params.allowed_token_ids:
+            allowed_rows.append(i)
+            ids = [t for t in params.allowed_token_ids if t < vocab_size]
+            allowed_pairs[0].extend([len(allowed_rows) - 1] * len(ids))
+            allowed_pairs[1].extend(ids)
+        for word in params.bad_words_token_ids:
+            prefix = len(word) - 1
+            generated = len(row.token_ids) - row.prompt_len
+            if prefix <= generated and (prefix == 0 or row.token_ids[-prefix:] == word[:-1]) and word[-1] < vocab_size:
+                banned[0].append(i)
+                banned[1].append(word[-1])
+        if params.logit_bias:
+            entries = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
+            biased[0].extend([i] * len(entries))
+            biased[1].extend(t for t, _ in entries)
+            biased[2].extend(b for _, b in entries)
+    device = logits.device
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    if allowed_rows:
+        forbidden = torch.ones(len(allowed_rows), vocab_size, dtype=torch.bool, device=device)
+        forbidden[index(allowed_pairs[0]), index(allowed_pairs[1])] = False
+        rows_index = index(allowed_rows)
+        logits[rows_index] = logits[rows_index].masked_fill_(forbidden, float("-inf"))
+    if banned[0]:
+        logits[index(banned[0]), index(banned[1])] = float("-inf")
+    if biased[0]:
+        bias = torch.tensor(biased[2], dtype=torch.float32, device=device)
+        logits.index_put_((index(biased[0]), index(biased[1])), bias, accumulate=True)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
