@@ -105,6 +105,10 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
     # Each bad word as token ids, set by `tokenize_bad_words` when the engine takes the request.
     bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
+    # The sampler's tensors of logit_bias and allowed_token_ids, built at the request's first
+    # step (vocabulary size -> tensors; tuili/layers/sampler.py): a long list costs its
+    # conversion once, not at every step.
+    logit_control_cache: dict[int, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -160,6 +160,7 @@ def test_fields_tuili_does_not_honour_are_refused_by_name(client, model_name, fi
     ({"type": "function_call_output", "call_id": "c", "output": "x"}, "function_call_output"),
     ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}, "input_image"),
     ({"role": "robot", "content": "hi"}, "robot"),
+    ({"role": "user", "content": []}, "content=[]"),
 ])
 def test_input_items_that_are_not_text_messages_are_refused(server, auth, model_name, item, expected):
     answer = httpx.post(f"{server.url}/v1/responses", headers=auth,

@@ -195,50 +195,60 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     return counts[:, :vocab_size]
 
 
+@dataclass
+class _ControlTensors:
+    """One request's allowed_token_ids and logit_bias as tensors, ids within the vocabulary."""
+
+    allowed: torch.Tensor | None  # [k] int64
+    bias_ids: torch.Tensor | None  # [m] int64
+    bias_values: torch.Tensor | None  # [m] float32
+
+
+def _control_tensors(params: SamplingParams, vocab_size: int) -> _ControlTensors:
+    """Built once per request and vocabulary size (params.logit_control_cache)."""
+    cached = params.logit_control_cache.get(vocab_size)
+    if cached is None:
+        allowed = bias_ids = bias_values = None
+        if params.allowed_token_ids:
+            allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+            allowed = allowed[allowed < vocab_size]
+        if params.logit_bias:
+            bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            inside = bias_ids < vocab_size
+            bias_ids, bias_values = bias_ids[inside], bias_values[inside]
+        cached = params.logit_control_cache[vocab_size] = _ControlTensors(allowed, bias_ids, bias_values)
+    return cached
+
+
 def _apply_logit_controls(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Step 0: allowed_token_ids, bad_words and logit_bias, each one batched tensor edit over
-    the (row, token) pairs the rows list. Ids outside the vocabulary are skipped (the engine
-    refuses them; a draft model's vocabulary may be the smaller one)."""
+    """Step 0: allowed_token_ids, bad_words and logit_bias. Each row's listed ids are tensors
+    built at its first step; a step makes one tensor edit per row that uses a control (no loop
+    over the vocabulary). Ids outside the vocabulary are skipped (the engine refuses them; a
+    draft model's vocabulary may be the smaller one)."""
     if not any(row.params.controls_logits for row in rows):
         return
     vocab_size = logits.shape[1]
-    allowed_rows: list[int] = []
-    allowed_pairs: tuple[list[int], list[int]] = ([], [])
+    device = logits.device
     banned: tuple[list[int], list[int]] = ([], [])
-    biased: tuple[list[int], list[int], list[float]] = ([], [], [])
     for i, row in enumerate(rows):
         params = row.params
-        if params.allowed_token_ids:
-            allowed_rows.append(i)
-            ids = [t for t in params.allowed_token_ids if t < vocab_size]
-            allowed_pairs[0].extend([len(allowed_rows) - 1] * len(ids))
-            allowed_pairs[1].extend(ids)
+        if not params.controls_logits:
+            continue
+        controls = _control_tensors(params, vocab_size)
+        if controls.allowed is not None:
+            kept = logits[i].index_select(0, controls.allowed.to(device))
+            logits[i].fill_(float("-inf")).index_copy_(0, controls.allowed.to(device), kept)
         for word in params.bad_words_token_ids:
             prefix = len(word) - 1
             generated = len(row.token_ids) - row.prompt_len
             if prefix <= generated and (prefix == 0 or row.token_ids[-prefix:] == word[:-1]) and word[-1] < vocab_size:
                 banned[0].append(i)
                 banned[1].append(word[-1])
-        if params.logit_bias:
-            entries = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
-            biased[0].extend([i] * len(entries))
-            biased[1].extend(t for t, _ in entries)
-            biased[2].extend(b for _, b in entries)
-    device = logits.device
-
-    def index(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    if allowed_rows:
-        forbidden = torch.ones(len(allowed_rows), vocab_size, dtype=torch.bool, device=device)
-        forbidden[index(allowed_pairs[0]), index(allowed_pairs[1])] = False
-        rows_index = index(allowed_rows)
-        logits[rows_index] = logits[rows_index].masked_fill_(forbidden, float("-inf"))
+        if controls.bias_ids is not None:
+            logits[i].index_add_(0, controls.bias_ids.to(device), controls.bias_values.to(device))
     if banned[0]:
-        logits[index(banned[0]), index(banned[1])] = float("-inf")
-    if biased[0]:
-        bias = torch.tensor(biased[2], dtype=torch.float32, device=device)
-        logits.index_put_((index(biased[0]), index(biased[1])), bias, accumulate=True)
+        logits[torch.tensor(banned[0], device=device), torch.tensor(banned[1], device=device)] = float("-inf")
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tuili.engine.request import RequestOutput
 from tuili.server.errors import as_api_error
@@ -257,7 +257,11 @@ async def start_response(backend: Backend, request: ResponsesRequest, arrival: f
     chat = {"model": request.model, "messages": request.messages(), "temperature": float(request.temperature),
             "top_p": float(request.top_p), "max_completion_tokens": request.max_output_tokens,
             "response_format": request.response_format()}
-    chat_request = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    try:
+        chat_request = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as error:  # e.g. a message with content []: the input's fault
+        first = error.errors()[0]
+        raise _input_error(f"input is invalid: {first['msg']}") from None
     return _Call(request, await start_chat(backend, chat_request, arrival))
 
 
