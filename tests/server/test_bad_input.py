@@ -80,6 +80,8 @@ BAD_REQUESTS = [
     ("logit_bias 101", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "101"),
     ("allowed_token_ids out of range", "/v1/chat/completions", {**_CHAT_HI, "allowed_token_ids": [3, 10000001]},
      400, "allowed_token_ids", "10000001"),
+    ("a blank bad word", "/v1/completions", {"prompt": "hi", "bad_words": ["sea", " "]}, 400, "bad_words",
+     "bad_words entry ' '"),
     ("truncate_prompt_tokens -2", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": -2}, 400,
      "truncate_prompt_tokens", "-1"),
     ("tokenize content null", "/tokenize", {"messages": [{"role": "system", "content": None}]}, 400,
