@@ -37,9 +37,10 @@ For each row of the logits, in this order:
    draw from the global RNG.
 
 Every step is a batched tensor operation over the rows that use it; only seeded rows loop
-in Python (one draw each), and step 0 gathers each row's listed token ids (and compares each
-bad word with the output's tail) in Python, never looping over the vocabulary. A batch of plain greedy rows (no penalty, suppression or logprobs)
-skips steps 1-4 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
+in Python (one draw each), and step 0 makes one tensor edit per row that has a control (its
+ids become tensors once, at the request's first step) and compares each bad word with the
+output's tail; nothing loops over the vocabulary. A batch of plain greedy rows (no logit
+control, penalty, suppression or logprobs) skips steps 0-4 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
 the logits as step 1's nan_to_num would leave them and picks each row's arg-max in one pass
 (docs/kernels.md, Measured crossovers).
 """
@@ -132,8 +133,8 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 0-3 on a float32 copy of ``logits``: the distribution each row's controls, penalties and
-        suppression define, what greedy rows take the arg-max of and logprobs report."""
+        """Steps 0-3 on a float32 copy of ``logits``: the distribution each row's controls,
+        penalties and suppression define, what greedy rows take the arg-max of and logprobs report."""
         logits = logits.to(torch.float32, copy=True)  # everything below edits it in place
         _apply_logit_controls(logits, rows)
         _apply_repetition_penalty(logits, rows)

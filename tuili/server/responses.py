@@ -280,7 +280,7 @@ async def stream_response(call: _Call) -> AsyncIterator[str]:
     where = {"item_id": call.message_id, "output_index": 0, "content_index": 0}
     yield call.event("response.output_item.added", output_index=0, item=item)
     yield call.event("response.content_part.added", **where, part=OutputText(text="").model_dump())
-    sent = 0
+    sent, final, text = 0, None, ""
     try:
         async for outputs in call.gen.submission.updates():
             for out in outputs:
@@ -293,6 +293,10 @@ async def stream_response(call: _Call) -> AsyncIterator[str]:
     except Exception as error:  # noqa: BLE001 - the stream has started: report in-band
         info = as_api_error(error).info
         yield call.event("error", code=info.code or info.type, message=info.message, param=info.param)
+        return
+    if final is None:  # the updates ended without a final output: the engine went away
+        yield call.event("error", code="server_error", message="the engine stopped before the response ended",
+                         param=None)
         return
     message = final.output[0]
     yield call.event("response.output_text.done", **where, text=text, logprobs=[])
