@@ -223,7 +223,7 @@ class SamplingParams:
                 raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias")
             for token, bias in self.logit_bias.items():
                 if not is_id(token):
-                    raise bad("logit_bias key", token, "a non-negative integer token id")
+                    raise RequestError(f"logit_bias key {token!r} is invalid: expected a non-negative integer token id")
                 if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
                         or not -100 <= bias <= 100):
                     raise bad(f"logit_bias[{token}]", bias, "a number in [-100, 100]")
@@ -232,13 +232,13 @@ class SamplingParams:
                 raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
             wrong = next((t for t in self.allowed_token_ids if not is_id(t)), None)
             if wrong is not None:
-                raise bad("allowed_token_ids entry", wrong, "a non-negative integer token id")
+                raise RequestError(f"allowed_token_ids entry {wrong!r} is invalid: expected a non-negative integer token id")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list):
                 raise bad("bad_words", self.bad_words, "a list of words")
             wrong = next((w for w in self.bad_words if not isinstance(w, str) or not w.strip()), None)
             if wrong is not None:
-                raise bad("bad_words entry", wrong, "a word: a string that is not empty or blank")
+                raise RequestError(f"bad_words entry {wrong!r} is invalid: expected a word (a string, not empty or blank)")
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
             raise bad("truncate_prompt_tokens", k, "an integer >= 1, or -1 for the model's max_model_len")

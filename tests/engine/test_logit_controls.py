@@ -122,3 +122,17 @@ def test_controls_compose_with_a_grammar(qwen3_with_tokenizer):
     texts = [o.outputs[0].text for o in outs]
     assert texts[:-1] == ["dog"] * (len(params) - 1)
     assert texts[-1] in ("cat", "dog")  # the grammar alone
+
+
+def test_controls_hold_in_speculative_verification(tiny_qwen3_bf16):
+    """Verification rows see the controls as if the proposed tokens had been generated: the
+    greedy outputs equal those without speculation."""
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], [5, 6, 5, 6, 5, 6, 5]]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=[5, 6, 7, 8, 9]),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={6: 5.0, 5: 5.0})]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm, speculated = run(tiny_qwen3_bf16, prompts, params, dtype="float32", speculative_config=spec)
+    _, plain = run(tiny_qwen3_bf16, prompts, params, dtype="float32")
+    assert speculated == plain
+    assert set(speculated[0]) <= {5, 6, 7, 8, 9}
+    assert llm.engine.stats().spec.num_accepted_tokens > 0  # the proposals were verified, some kept
