@@ -168,3 +168,23 @@ def test_input_items_that_are_not_text_messages_are_refused(server, auth, model_
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == "input" and expected in error["message"]
+
+
+def test_the_clients_stream_and_parse_helpers_work(client, model_name):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    kwargs = dict(model=model_name, input="Say hi.", max_output_tokens=200, temperature=0)
+    with client.responses.stream(**kwargs) as events:
+        deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+        final = events.get_final_response()  # needs response.completed: the answer must end by itself
+    assert final.status == "completed" and final.output_text == "".join(deltas) == client.responses.create(
+        **kwargs).output_text
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+
+    parsed = client.responses.parse(model=model_name, input="Is the sea blue?", text_format=Verdict,
+                                    max_output_tokens=20, temperature=0)
+    assert parsed.output_parsed.answer in ("yes", "no")
