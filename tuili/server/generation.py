@@ -197,10 +197,11 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
             backend.tokenizer.check_ids(ids, "prompt")
         if not ids:
             raise RequestError("prompt is empty: expected at least one token")
+        whole = len(ids)
         ids = params.truncate(ids, backend.max_model_len)
         check_length("prompt", ids, params.max_tokens, backend.max_model_len)
         prompts.append(ids)
-        texts.append(item if isinstance(item, str) else None)
+        texts.append(item if isinstance(item, str) and len(ids) == whole else None)  # a cut text is not the prompt
     return await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
                          request.model)
 
