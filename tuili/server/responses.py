@@ -119,7 +119,7 @@ class ResponsesRequest(_Request):
                                            "expected input_text (tuili models take text only)")
             try:
                 message = InputMessage.model_validate(item)
-            except ValueError as error:
+            except ValidationError as error:
                 raise _input_error(f"input[{index}]={_short(item)} is invalid: expected a message with a role in "
                                    f"{', '.join(_INPUT_ROLES)} and text content ({error.errors()[0]['msg']})"
                                    ) from None
