@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "exp16.h"
 #include "kernels.h"
 
 #define MAX_HEAD_DIM 1024 /* per-head buffers live on the stack; Python checks it */
@@ -61,9 +62,10 @@ static void l2_normalise(float *x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * scale;
 }
 
-/* One value head of one decode row: the rule on its state s [dk, dv], then the gated norm into y. */
+/* One value head of one token: the rule on its state s [dk, dv], then the norm gated by
+ * gate = silu(z) into y. */
 static void head_step(float *restrict s, const float *restrict q, const float *restrict k, const float *restrict v,
-                      float decay, float beta, const float *restrict z, const float *restrict norm_w, float eps,
+                      float decay, float beta, const float *restrict gate, const float *restrict norm_w, float eps,
                       int64_t dk, int64_t dv, int dtype, void *y, int64_t y_at) {
     float remembered[MAX_HEAD_DIM], delta[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
     for (int64_t j = 0; j < dv; j++) remembered[j] = 0.0f;
@@ -95,33 +97,64 @@ static void head_step(float *restrict s, const float *restrict q, const float *r
     const float r = 1.0f / sqrtf(squares / (float)dv + eps);
     for (int64_t j = 0; j < dv; j++) {
         const float normed = round_to(norm_w[j] * round_to(o[j] * r, dtype), dtype);
-        store(y, dtype, y_at + j, normed * silu(z[j]));
+        store(y, dtype, y_at + j, normed * gate[j]);
     }
 }
 
-/* The conv of one channel over an item's tokens: each token's output (rounded) into out[t * channels],
- * the window moving on by one input per token; after `offset` tokens for each of the item's cuts,
- * the window is also copied to that cut's row of conv_state. */
-static void conv_channel(const void *mixed, int64_t mixed_stride, int64_t first, int64_t count, const void *weight,
-                         void *conv_state, int64_t slot, int64_t c, int64_t channels, int64_t width,
-                         const int64_t *cut_offsets, const int64_t *cut_rows, int64_t num_cuts, int dtype,
-                         float *out) {
-    char *state = (char *)conv_state;
-    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
-    void *window = state + ((slot * channels + c) * width) * size;
+/* The conv of channels c0 .. c0 + n - 1 (n <= CONV_BLOCK) over an item's tokens: each token's
+ * outputs (rounded) into out[t * channels + c], the windows moving on by one input per token; after
+ * `offset` tokens for each of the item's cuts, the windows are also copied to that cut's row of
+ * conv_state. Token-major over a block of channels, so the inputs of a token are read as one run
+ * and the sums vectorise across channels; each channel's sum is still window[0] w[0] + ... +
+ * x w[K-1], left to right, separate multiplies and adds (the build's -ffp-contract=off). */
+#define CONV_BLOCK 64
+
+/* x[0..n) = silu(x) = x / (1 + exp(-x)): sixteen lanes at a time with exp16 where the build has
+ * AVX-512 (every channel alike, a short last group masked), else expf. */
+static inline void silu_block(float *x, int64_t n) {
+#ifdef __AVX512F__
+    for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(lanes, x + c);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        _mm512_mask_storeu_ps(x + c, lanes, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    }
+#else
+    for (int64_t c = 0; c < n; c++) x[c] = silu(x[c]);
+#endif
+}
+#define MAX_CONV_WIDTH 8 /* K - 1; Python checks it */
+static void conv_block(const void *mixed, int64_t mixed_stride, int64_t first, int64_t count, const void *weight,
+                       void *conv_state, int64_t slot, int64_t c0, int64_t n, int64_t channels, int64_t width,
+                       const int64_t *cut_offsets, const int64_t *cut_rows, int64_t num_cuts, int dtype,
+                       float *out) {
+    float window[MAX_CONV_WIDTH][CONV_BLOCK], w[MAX_CONV_WIDTH + 1][CONV_BLOCK], sum[CONV_BLOCK];
+    for (int64_t c = 0; c < n; c++) {
+        for (int64_t j = 0; j <= width; j++) w[j][c] = load(weight, dtype, (c0 + c) * (width + 1) + j);
+        for (int64_t j = 0; j < width; j++) window[j][c] = load(conv_state, dtype, ((slot * channels + c0 + c) * width) + j);
+    }
     int64_t cut = 0;
     for (int64_t t = 0; t <= count; t++) {
         for (; cut < num_cuts && cut_offsets[cut] == t; cut++)
-            memcpy(state + ((cut_rows[cut] * channels + c) * width) * size, window, (size_t)width * size);
+            for (int64_t c = 0; c < n; c++)
+                for (int64_t j = 0; j < width; j++)
+                    store(conv_state, dtype, (cut_rows[cut] * channels + c0 + c) * width + j, window[j][c]);
         if (t == count) break;
-        const float x = load(mixed, dtype, (first + t) * mixed_stride + c);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < width; j++) sum += load(window, dtype, j) * load(weight, dtype, c * (width + 1) + j);
-        sum += x * load(weight, dtype, c * (width + 1) + width);
-        for (int64_t j = 0; j + 1 < width; j++) store(window, dtype, j, load(window, dtype, j + 1));
-        store(window, dtype, width - 1, x);
-        out[t * channels] = round_to(silu(sum), dtype);
+        float x[CONV_BLOCK];
+        for (int64_t c = 0; c < n; c++) x[c] = load(mixed, dtype, (first + t) * mixed_stride + c0 + c);
+        for (int64_t c = 0; c < n; c++) sum[c] = 0.0f;
+        for (int64_t j = 0; j < width; j++)
+            for (int64_t c = 0; c < n; c++) sum[c] = sum[c] + window[j][c] * w[j][c];
+        for (int64_t c = 0; c < n; c++) sum[c] = sum[c] + x[c] * w[width][c];
+        for (int64_t j = 0; j + 1 < width; j++)
+            for (int64_t c = 0; c < n; c++) window[j][c] = window[j + 1][c];
+        for (int64_t c = 0; c < n; c++) window[width - 1][c] = x[c];
+        float *row = out + t * channels + c0;
+        silu_block(sum, n);
+        for (int64_t c = 0; c < n; c++) row[c] = round_to(sum[c], dtype);
     }
+    for (int64_t c = 0; c < n; c++)
+        for (int64_t j = 0; j < width; j++) store(conv_state, dtype, (slot * channels + c0 + c) * width + j, window[j][c]);
 }
 
 /* Items: item i is rows firsts[i] .. firsts[i] + counts[i] - 1 of one sequence, consecutive tokens,
@@ -136,7 +169,8 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
                           const void *a_log, const void *dt_bias, const void *norm_weight, int64_t k_heads,
                           int64_t v_heads, int64_t dk, int64_t dv, int64_t kernel, float eps, int dtype, void *out,
                           int64_t out_stride, int num_threads, int64_t *error) {
-    if (dk > MAX_HEAD_DIM || dv > MAX_HEAD_DIM || kernel < 2 || v_heads % k_heads) return TUILI_BAD_SHAPE;
+    if (dk > MAX_HEAD_DIM || dv > MAX_HEAD_DIM || kernel < 2 || kernel - 1 > MAX_CONV_WIDTH || v_heads % k_heads)
+        return TUILI_BAD_SHAPE;
     int64_t *starts = malloc((size_t)(num_items + 1) * sizeof(int64_t)); /* item i's first row of conv */
     if (!starts) return TUILI_NO_MEMORY;
     starts[0] = 0;
@@ -173,14 +207,16 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
 
 #pragma omp parallel num_threads(num_threads)
     {
-        /* The conv, channel by channel; each item's window moves on by one input per token. */
+        /* The conv, by blocks of channels; each item's windows move on by one input per token. */
+        const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp for schedule(static)
-        for (int64_t ic = 0; ic < num_items * channels; ic++) {
-            const int64_t i = ic / channels, c = ic % channels;
+        for (int64_t ib = 0; ib < num_items * blocks; ib++) {
+            const int64_t i = ib / blocks, c0 = ib % blocks * CONV_BLOCK;
+            const int64_t n = channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK;
             const int64_t first_cut = cut_starts ? cut_starts[i] : 0, num_cuts = cut_starts ? cut_starts[i + 1] - first_cut : 0;
-            conv_channel(mixed, mixed_stride, firsts[i], starts[i + 1] - starts[i], conv_weight, conv_state, slots[i],
-                         c, channels, width, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, dtype,
-                         conv + starts[i] * channels + c);
+            conv_block(mixed, mixed_stride, firsts[i], starts[i + 1] - starts[i], conv_weight, conv_state, slots[i], c0,
+                       n, channels, width, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, dtype,
+                       conv + starts[i] * channels);
         }
         /* The rule and the norm, one (item, value head) at a time, token after token: the state
          * [Dk, Dv] stays in cache across the item's tokens. */
@@ -208,6 +244,7 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
                 l2_normalise(q, dk, q_scale);
                 l2_normalise(k, dk, 1.0f);
                 for (int64_t j = 0; j < dv; j++) zf[j] = load(z, dtype, row * z_stride + h * dv + j);
+                silu_block(zf, dv);
                 const float beta = round_to(1.0f / (1.0f + expf(-load(b, dtype, row * ba_stride + h))), dtype);
                 const float g = -expf(load(a_log, dtype, h)) * softplus(load(a, dtype, row * ba_stride + h) +
                                                                          load(dt_bias, dtype, h));
