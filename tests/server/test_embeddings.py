@@ -1,16 +1,21 @@
 """/v1/embeddings through the official openai client against a real `tuili serve`: text and token
 ids, one or many, float and base64 (the client's own decoding and the raw bytes), equal to the
 offline `LLM.embed` of the same model (whose vectors tests/models/test_embeddings.py checks
-against transformers); bad input answered 400 naming the field, and a good request still served."""
+against transformers); bad input answered 400 naming the field; embedding calls beside a
+streaming completion change neither."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 
 import httpx
+import openai
 import pytest
 import torch
+
+from tuili import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -101,3 +106,37 @@ def test_bad_input_is_refused_naming_the_field(server, auth, client, model_name,
     # `dimensions` equal to the model's size is the model's vector; the server is still serving
     same = client.embeddings.create(model=model_name, input="hi", dimensions=hidden, encoding_format="float")
     assert len(same.data[0].embedding) == hidden
+
+
+def test_embeddings_beside_a_stream_change_nothing(async_client, model_name, offline_llm):
+    """Embedding calls, good and bad, while a greedy completion streams: the stream's text is the
+    offline text, and the good embeddings are the offline vectors."""
+    prompt = "Write a short story about a robot who learns to paint."
+    expected_text = offline_llm.generate(prompt, SamplingParams(max_tokens=48, temperature=0))[0].outputs[0].text
+    expected_vectors = [out.outputs.embedding for out in offline_llm.embed(TEXTS)]
+
+    async def stream() -> str:
+        chunks = await async_client.completions.create(model=model_name, prompt=prompt, max_tokens=48,
+                                                       temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def embeddings() -> tuple[list, int]:
+        good, refused = [], 0
+        for _ in range(3):
+            response = await async_client.embeddings.create(model=model_name, input=TEXTS, encoding_format="float")
+            good.append([d.embedding for d in response.data])
+            try:
+                await async_client.embeddings.create(model=model_name, input="")
+            except openai.BadRequestError:
+                refused += 1
+        return good, refused
+
+    async def both():
+        return await asyncio.gather(stream(), embeddings())
+
+    text, (good, refused) = asyncio.run(both())
+    assert text == expected_text
+    assert refused == 3
+    for vectors in good:
+        for ours, expected in zip(vectors, expected_vectors, strict=True):
+            _close(ours, expected)

@@ -70,6 +70,8 @@ def test_per_request_histograms_count_what_the_requests_did(vllm_named_server):
     assert s["tuili:request_generation_tokens_count"] == requests
     assert s["tuili:request_generation_tokens_sum"] == 13
     assert s["tuili:request_max_num_generation_tokens_sum"] == 5 + 3  # the most one choice generated
+    assert s["tuili:request_queue_time_seconds_count"] == requests
+    assert s["tuili:time_to_first_token_seconds_count"] == 2  # the embeddings have no first token
     assert s["tuili:request_prefill_time_seconds_count"] == requests
     assert s["tuili:request_decode_time_seconds_count"] == requests
     assert s["tuili:request_prefill_time_seconds_sum"] > 0 and s["tuili:request_decode_time_seconds_sum"] > 0

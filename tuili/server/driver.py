@@ -344,8 +344,10 @@ class EngineDriver:
             m.observe_finished(len(output.prompt_token_ids), [len(c.token_ids) for c in output.outputs],
                                times.first_scheduled_time if times else None,
                                times.first_token_time if times else None, finished)
-            if output.embedding is not None:  # an embedding request has no choices: it is one sequence
+            if output.embedding is not None:  # no choices, no tokens: one sequence, queued like any other
                 m.count_finished("stop")
+                if times and times.first_scheduled_time:
+                    m.queue_time.observe(times.first_scheduled_time - tracked.submission.arrival_time)
 
     def _fail_all(self, error: Exception) -> None:
         failed = {id(t.submission): t.submission for t in self._tracked.values()}
