@@ -58,7 +58,8 @@ class ModelRunner:
         self.grammars = config.grammars
         self._grammar_states: dict[int, GrammarState] = {}
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuili-grammar")
-        # Embeddings: a MEAN-pooled prompt's sum of hidden states over the chunks computed so far, and the vectors of prompts whose last chunk ran, until the engine takes them.
+        # Embeddings: each MEAN-pooled prompt's sum of hidden states over its chunks so far, and
+        # the vectors of prompts whose last chunk ran, until the engine takes them.
         self._pool_sums: dict[int, MeanAccumulator] = {}
         self._pooled: dict[int, list[float]] = {}
         cfg = model.config
