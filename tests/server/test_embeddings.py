@@ -75,6 +75,21 @@ def test_the_whole_context_is_allowed(client, model_name, max_model_len):
     assert out.usage.prompt_tokens == max_model_len and len(out.data[0].embedding) > 0
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, offline_llm, model_name, max_model_len):
+    ids = list(range(10, 30))
+    expected = offline_llm.embed({"prompt_token_ids": ids[-5:]})[0].outputs.embedding
+    out = client.embeddings.create(model=model_name, input=ids, encoding_format="float",
+                                   extra_body={"truncate_prompt_tokens": 5})
+    assert out.usage.prompt_tokens == 5
+    _close(out.data[0].embedding, expected)
+    whole = client.embeddings.create(model=model_name, input=[3] * (max_model_len + 9), encoding_format="float",
+                                     extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == max_model_len
+    text = client.embeddings.create(model=model_name, input="word " * (10 * max_model_len), encoding_format="float",
+                                    extra_body={"truncate_prompt_tokens": -1})
+    assert text.usage.prompt_tokens == max_model_len
+
+
 def _refused(server, auth, body: dict, param: str, text: str) -> None:
     response = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=auth, timeout=60)
     assert response.status_code == 400, response.text
@@ -99,8 +114,11 @@ def test_bad_input_is_refused_naming_the_field(server, auth, client, model_name,
     _refused(server, auth, {"input": "hi", "encoding_format": "int8"}, "encoding_format", "encoding_format")
     _refused(server, auth, {"input": "hi", "dimensions": 7}, "dimensions",
              f"dimensions=7 is not supported: this model's embeddings have {hidden} dimensions")
-    _refused(server, auth, {"input": "hi", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens",
-             "truncate_prompt_tokens=8 is not supported")
+    _refused(server, auth, {"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+             "truncate_prompt_tokens=0 is invalid")
+    _refused(server, auth, {"input": "hi", "truncate_prompt_tokens": max_model_len + 1}, "truncate_prompt_tokens",
+             f"truncate_prompt_tokens={max_model_len + 1} is invalid")
+    _refused(server, auth, {"input": "hi", "chat_template": "{{ x }}"}, "chat_template", "chat_template")
     missing = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hi", "model": "nope"}, headers=auth)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     # `dimensions` equal to the model's size is the model's vector; the server is still serving

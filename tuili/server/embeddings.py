@@ -5,7 +5,8 @@ Each input (a string, or token ids) becomes an engine request with the server's 
 `normalize` field overrides the normalisation per call), batched with generation by the same
 scheduler. `dimensions` is accepted only when it equals the model's hidden size (tuili does not
 shorten vectors); `encoding_format` "base64" sends each vector's little-endian float32 bytes, as
-OpenAI's clients decode them. An input may fill the whole context: nothing is generated.
+OpenAI's clients decode them. An input may fill the whole context: nothing is generated. vLLM's
+`truncate_prompt_tokens` keeps each input's last k tokens (-1: as many as the context holds).
 """
 
 from __future__ import annotations
@@ -63,21 +64,28 @@ async def start_embedding(embedder: Embedder, request: EmbeddingRequest, arrival
         raise _refuse("input", "input=[] is invalid: expected a string, token ids, or a non-empty list of them")
     check_sequences(backend, len(items), 1)
     limit = backend.max_model_len
+    keep = request.truncate_prompt_tokens
+    if keep is not None and (keep == 0 or keep > limit):
+        raise _refuse("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} is invalid: expected 1 to "
+                      f"max_model_len={limit}, or -1 for as many as the context holds")
     prompts, texts = [], []
     for i, item in enumerate(items):
         where = "input" if len(items) == 1 else f"input[{i}]"
         if isinstance(item, str):
-            await backend.tokenizer.check_text_length(item, "input", limit)
+            if keep is None:  # a text far longer than the context is refused before it is all tokenized
+                await backend.tokenizer.check_text_length(item, "input", limit)
             ids = await backend.tokenizer.encode(item, request.add_special_tokens) if item else []
         else:
             ids = list(item)
             backend.tokenizer.check_ids(ids, "input")
         if not ids:
             raise _refuse("input", f"{where} is empty: expected text or at least one token id")
+        if keep is not None:  # vLLM's left truncation: the last tokens are kept
+            ids = ids[-(limit if keep == -1 else keep):]
         if len(ids) > limit:
             raise _refuse("input", f"{where} has {len(ids)} tokens but the context holds {limit}: shorten it")
         prompts.append(ids)
-        texts.append(item if isinstance(item, str) else None)
+        texts.append(item if isinstance(item, str) and keep is None else None)
     api_id = f"embd-{uuid.uuid4().hex}"
     submission = await backend.driver.submit(api_id, prompts, texts, SamplingParams(), arrival, pooling=pooling)
     return EmbeddingCall(api_id, model, request.encoding_format, submission, [len(p) for p in prompts])

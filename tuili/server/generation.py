@@ -125,6 +125,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos, logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens and not keep_special, structured_outputs=structured,
+        logit_bias=request.logit_bias_ids(), allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
     )
 
 
@@ -186,15 +188,20 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = await backend.tokenizer.encode_prompt(item, "prompt", backend.max_model_len)
+            if params.truncate_prompt_tokens is None:
+                ids = await backend.tokenizer.encode_prompt(item, "prompt", backend.max_model_len)
+            else:  # a text of any length may be cut to its end (the body's size bounds it)
+                ids = await backend.tokenizer.encode(item)
         else:
             ids = list(item)
             backend.tokenizer.check_ids(ids, "prompt")
         if not ids:
             raise RequestError("prompt is empty: expected at least one token")
+        whole = len(ids)
+        ids = params.truncate(ids, backend.max_model_len)
         check_length("prompt", ids, params.max_tokens, backend.max_model_len)
         prompts.append(ids)
-        texts.append(item if isinstance(item, str) else None)
+        texts.append(item if isinstance(item, str) and len(ids) == whole else None)  # a cut text is not the prompt
     return await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
                          request.model)
 
@@ -213,9 +220,11 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
         messages = template_messages(messages, tools.tools if tools else None, renders_tools)
     # The template only adds to the content, so content whose own prefix overflows the context
     # is refused before the whole chat is rendered and tokenized.
-    await backend.tokenizer.check_text_length(_content_text(messages), "messages", backend.max_model_len)
+    if params.truncate_prompt_tokens is None:
+        await backend.tokenizer.check_text_length(_content_text(messages), "messages", backend.max_model_len)
     ids = await backend.tokenizer.apply_chat_template(
         messages, request.add_generation_prompt, tools.tools if tools and renders_tools else None)
+    ids = params.truncate(ids, backend.max_model_len)  # vLLM's rule: the rendered chat's last k tokens
     check_length("messages", ids, max_tokens, backend.max_model_len)
     gen = await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival,
                         request.model)
