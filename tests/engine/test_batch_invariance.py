@@ -133,39 +133,69 @@ def test_outputs_do_not_depend_on_the_batch_and_the_cache_or_the_chunks(tiny_mod
     assert _differences(runs) == []
 
 
-@pytest.fixture(scope="module")
-def tiny_hybrid(tmp_path_factory):
-    """A tiny random Qwen3.5: three Gated DeltaNet layers, then one of gated full attention."""
+HYBRIDS = {
+    "dense": (transformers.Qwen3_5TextConfig, "Qwen3_5ForCausalLM", {}),
+    # top-2 of 4 experts and a shared expert: the routing's choices and weights must not move either
+    "moe": (transformers.Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM",
+            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def tiny_hybrid(request, tmp_path_factory):
+    """A tiny random Qwen3.5 (dense, or with a mixture of experts): three Gated DeltaNet layers,
+    then one of gated full attention."""
+    config_class, architecture, extra = HYBRIDS[request.param]
     torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(
+    config = config_class(
         vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=256, initializer_range=0.1,
+        **extra,
     )  # fmt: skip
-    config.architectures = ["Qwen3_5ForCausalLM"]
-    path = tmp_path_factory.mktemp("invariance") / "qwen35"
+    config.architectures = [architecture]
+    path = tmp_path_factory.mktemp("invariance") / request.param
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
     return path
 
 
-def test_a_hybrid_models_outputs_do_not_depend_on_the_batch(tiny_hybrid):
-    """The DeltaNet layers' decode kernel computes each sequence alone and a prompt chunk runs
-    the chunked rule per sequence, so what else is in the batch changes nothing. (How a prompt is
-    split, or a cache hit's restore point, does change bits: the chunked rule's 64-token blocks
-    start where a chunk starts; not claimed, docs/engine.md.)"""
+def test_a_hybrid_models_outputs_do_not_depend_on_the_batch_the_chunks_the_cache_or_preemption(tiny_hybrid):
+    """The DeltaNet layers compute each sequence alone and token by token (csrc/deltanet.c: a
+    prompt chunk of n tokens is n decode steps), so neither the batch, nor where a token budget
+    splits a prompt, nor restoring a prefix-cache checkpoint of the state, nor recomputing after a
+    preemption changes a bit. (The host tier holds KV blocks, not state checkpoints: a hybrid's
+    cache hits are device-tier ones.)"""
     prompts = _prompts()
     every = list(range(len(prompts)))
-    options = dict(kv_cache_memory=64 << 20, enable_prefix_caching=False)
-    alone = _llm(tiny_hybrid, options)
+    block = 2 * BLOCK_SIZE * 2 * 32 * 2  # K+V x one attention layer x tokens x KV heads x dims x bf16
+    slot = 3 * (256 * 3 * 2 + 4 * 32 * 32 * 4)  # three DeltaNet layers: conv window (bf16) + float32 state
+    plenty = dict(kv_cache_memory=64 << 20)
+    alone = _llm(tiny_hybrid, {}, enable_prefix_caching=False, **plenty)
     runs = {"alone": {}, "batches of 3": {}}
     for i in every:
         runs["alone"] |= _run(alone, prompts, [i])
-    batched = _llm(tiny_hybrid, options)
+    batched = _llm(tiny_hybrid, {}, enable_prefix_caching=False, **plenty)
     runs["batch of 8"] = _run(batched, prompts, every)
     for first in range(0, len(every), 3):
         runs["batches of 3"] |= _run(batched, prompts, every[first : first + 3])
+    if "moe" not in tiny_hybrid.name:  # a mixture of experts' routing runs eagerly
+        assert batched.engine.runner.graphs.captured_batch_sizes()  # decodes replayed in graphs, too
+    for budget in (7, 13):  # prompts cut at odd positions, chunks beside other sequences' decodes
+        chunked = _llm(tiny_hybrid, {}, enable_prefix_caching=False, max_num_batched_tokens=budget, **plenty)
+        runs[f"budget {budget}"] = _run(chunked, prompts, every)
+    # Warm cache: the second pass restores state checkpoints at block boundaries; with a budget of
+    # 7 tokens, checkpoints are also taken inside chunks.
+    for budget in (512, 7):
+        cached = _llm(tiny_hybrid, {}, state_checkpoint_interval=1, max_num_batched_tokens=budget, **plenty)
+        _run(cached, prompts, every)
+        runs[f"device cache, budget {budget}"] = _run(cached, prompts, every[::-1])
+        assert cached.engine.stats().state_checkpoints.restored > 0
+    # Preemption: state slots for all eight, KV blocks for fewer.
+    small = _llm(tiny_hybrid, {}, enable_prefix_caching=False, max_num_batched_tokens=24,
+                 kv_cache_memory=40 * block + 8 * slot)  # fmt: skip
+    runs["preemption"] = _run(small, prompts, every)
+    assert small.engine.stats().num_preemptions > 0
     assert _differences(runs) == []
-    assert batched.engine.runner.graphs.captured_batch_sizes()  # decodes replayed in graphs, too
 
 
 # Kernel builds for other x86 CPUs (TUILI_KERNEL_CFLAGS, as tests/kernels/test_cpu_kernels.py).

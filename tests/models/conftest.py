@@ -27,6 +27,28 @@ def _assert_logits_match(ours: torch.Tensor, hf, prompts: list[list[int]], **tol
             offset += len(ids)
 
 
+def _assert_bf16_as_close_as_transformers(ours: torch.Tensor, hf_bf16, prompts: list[list[int]]) -> None:
+    """`ours` (a bf16 engine's logits for the prompts, back to back) as close to a float32 run of
+    the same bf16 weights as transformers' own bf16 run is: the mean error within 1.5x of its,
+    the largest within 2x (one value of thousands, it moves much more between two runs'
+    roundings than the mean). Two bf16 runs that round in different places — tuili's DeltaNet
+    steps token by token, transformers' runs the chunked rule — are compared through the float32
+    run, not with each other. `hf_bf16` is left in float32 afterwards."""
+    with torch.no_grad():
+        theirs = torch.cat([hf_bf16(torch.tensor([ids])).logits[0].float() for ids in prompts])
+        exact_model = hf_bf16.float()
+        exact = torch.cat([exact_model(torch.tensor([ids])).logits[0] for ids in prompts])
+    ours_off, theirs_off = (ours - exact).abs(), (theirs - exact).abs()
+    assert ours_off.mean() <= 1.5 * theirs_off.mean(), (ours_off.mean(), theirs_off.mean())
+    assert ours_off.max() <= 2 * theirs_off.max(), (ours_off.max(), theirs_off.max())
+
+
+@pytest.fixture(scope="session")
+def assert_bf16_as_close_as_transformers():
+    """`assert_bf16_as_close_as_transformers(ours, hf_bf16, prompts)`."""
+    return _assert_bf16_as_close_as_transformers
+
+
 @pytest.fixture(scope="session")
 def hf_greedy():
     """`hf_greedy(model, ids, steps)`: transformers' greedy continuation, a token at a time."""

@@ -122,11 +122,11 @@ def test_prefix_caching_is_off_without_room_for_a_checkpoint(checkpoint, caplog)
     assert llm.engine.stats().prefix_cache.hit_tokens == 0
 
 
-def test_bf16_runs_close_to_transformers_bf16(checkpoint, prompt_logits, assert_logits_match):
+def test_bf16_runs_close_to_transformers_bf16(checkpoint, prompt_logits, assert_bf16_as_close_as_transformers):
     llm = tuili_llm(checkpoint.path, dtype="bfloat16")
     assert llm.engine.runner.model.model.layers[0].linear_attn.state.recurrent.dtype == torch.float32
     hf_bf16 = _hf_model(checkpoint.path.name).to(torch.bfloat16)
-    assert_logits_match(prompt_logits(llm, PROMPTS), hf_bf16, PROMPTS, atol=0.1, rtol=0.05)
+    assert_bf16_as_close_as_transformers(prompt_logits(llm, PROMPTS), hf_bf16, PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)

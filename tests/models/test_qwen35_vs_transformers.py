@@ -235,13 +235,14 @@ def test_bad_config_is_refused_by_name(case, changes, message):
         ModelConfig.from_hf_config(cfg)
 
 
-def test_bf16_runs_close_to_transformers_bf16(tmp_path, prompt_logits, assert_logits_match):
-    """bf16 weights and activations, float32 recurrent state: close to transformers' own bf16 run."""
-    hf = _hf_model("moe-top1-hv2")
+def test_bf16_runs_close_to_transformers_bf16(tmp_path, prompt_logits, assert_bf16_as_close_as_transformers):
+    """bf16 weights and activations, float32 recurrent state: as close to float32 as transformers'
+    own bf16 run (measured: mean errors 0.0135 ours, 0.0143 transformers')."""
+    hf = _hf_model("moe-top1-hv2").to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
     llm = tuili_llm(tmp_path, dtype="bfloat16", max_num_batched_tokens=7)
     assert llm.engine.runner.model.model.layers[0].linear_attn.state.recurrent.dtype == torch.float32
-    assert_logits_match(prompt_logits(llm, PROMPTS), hf.to(torch.bfloat16), PROMPTS, atol=0.1, rtol=0.05)
+    assert_bf16_as_close_as_transformers(prompt_logits(llm, PROMPTS), hf, PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
