@@ -10,6 +10,7 @@ import torch
 
 from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
 from tuili.platform import Platform
+from tuili.pooling import PoolerConfig
 
 # Architectures (as config.json's "architectures" names them) that tuili's Llama-family
 # network runs, and what each one changes in that network.
@@ -502,6 +503,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}); None: no speculation
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+    # Embeddings (LLM.embed, /v1/embeddings): vLLM's dict ({"pooling_type": "LAST" | "MEAN",
+    # "normalize": true}); None: LAST, normalized (tuili/pooling.py).
+    pooler_config: dict[str, Any] | PoolerConfig | None = None
 
     def validate(self) -> None:
         tp = self.tensor_parallel_size
@@ -543,3 +547,4 @@ class EngineConfig:
             raise TuiliError(f"batch_invariant={self.batch_invariant!r} is invalid: expected True or False")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)

@@ -78,6 +78,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        '(prompt_lookup_min/max), \'{"model": "PATH", "num_speculative_tokens": 3}\' for a draft model, '
                        '\'{"model": "self", "quantization": "int4", "num_speculative_tokens": 3}\' for the target '
                        'quantized as its own draft; "adaptive": false keeps k fixed (docs/engine.md)')
+    group.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=parse_json_object,
+                       default=None, metavar="JSON",
+                       help='embeddings (/v1/embeddings), vLLM\'s dict: \'{"pooling_type": "MEAN", "normalize": '
+                       'true}\'; pooling_type LAST (the last prompt token\'s final hidden state, the default) or '
+                       "MEAN (over the prompt); normalize (default true) scales the vector to unit L2 norm")
 
 
 def parse_json_object(text: str) -> dict:
@@ -104,6 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
         speculative_config=args.speculative_config,
+        pooler_config=args.pooler_config,
     )
 
 

@@ -44,6 +44,7 @@ from tuili.models.loader import load_model
 from tuili.parallel import group as tensor_parallel
 from tuili.parallel.runner import ParallelModelRunner
 from tuili.platform import Platform
+from tuili.pooling import PoolerConfig
 from tuili.sampling import SamplingParams
 from tuili.tokenizer import Tokenizer
 
@@ -212,12 +213,16 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    group: str | None = None) -> str:
+                    group: str | None = None, pooling: PoolerConfig | None = None) -> str:
         """Validate and queue a request; raises RequestError (nothing queued) when it is bad.
 
         `group` names who the request is scheduled fairly against (the server gives every
         request of one API call the call's id); requests without one share one group, which
-        the scheduler serves first come, first served."""
+        the scheduler serves first come, first served. With `pooling` it is an embedding
+        request: its prompt is computed (prefill only, batched with everything else) and its
+        one output is the pooled vector (`RequestOutput.embedding`); `params` is not used."""
+        if pooling is not None:
+            return self._add_embedding(prompt, pooling, request_id, group)
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -258,6 +263,29 @@ class LLMEngine:
         self._requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
+        return request_id
+
+    def _add_embedding(self, prompt: Prompt, pooling: PoolerConfig, request_id: str | None, group: str | None) -> str:
+        if self.parallel is not None:
+            raise RequestError("embeddings are not supported with tensor_parallel_size > 1: run the model whole")
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self._requests:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize_prompt(prompt)
+        if len(token_ids) > self.max_model_len:  # nothing is generated: the prompt may fill the context
+            raise RequestError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: shorten it"
+            )
+        params = SamplingParams(max_tokens=1)
+        now = time.monotonic()
+        req = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=now))
+        seq = Sequence(
+            seq_id=next(self._seq_counter), request_id=request_id, index=0, token_ids=list(token_ids),
+            prompt_len=len(token_ids), params=params, arrival_time=now, group=group or "", pooling=pooling,
+        )  # fmt: skip
+        req.seqs.append(seq)
+        self._requests[request_id] = req
+        self.scheduler.add(seq)
         return request_id
 
     def _check_logit_controls(self, params: SamplingParams) -> None:
@@ -356,6 +384,15 @@ class LLMEngine:
         self.scheduler.update(out, accepted)
 
         touched: dict[str, RequestState] = {}
+        pooled = self.runner.take_pooled()
+        if pooled:
+            for item in out.scheduled:
+                vector = pooled.get(item.seq.seq_id)
+                if vector is not None:  # an embedding's prompt is done: it ends with its vector
+                    req = self._requests[item.seq.request_id]
+                    req.embedding = vector
+                    self._retire(item.seq, "stop")
+                    touched[req.request_id] = req
         sampling_seqs = [item.seq for item in out.scheduled if item.samples]
         now = time.monotonic()
         num_sampled = 0

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from tuili.config import EngineConfig
 from tuili.engine.core import LLMEngine, Prompt
-from tuili.engine.request import RequestOutput
+from tuili.engine.request import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tuili.errors import RequestError, TuiliError
+from tuili.pooling import PoolingParams
 from tuili.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -122,6 +123,45 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        *,
+        pooling: str | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): the final hidden states
+        (after the final norm) pooled as the engine's `pooler_config` says — the last token's by
+        default, L2-normalised — batched through the same scheduler as generation.
+
+        `pooling` ("last" or "mean") overrides the engine's pooling type for this call;
+        `pooling_params` (vLLM's PoolingParams) its `normalize`, and `dimensions` must be the
+        model's hidden size. All prompts are validated before any runs."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        config = self.engine.config.pooler_config
+        resolved = (pooling_params or PoolingParams()).resolve(config, self.engine.model_config.hidden_size, pooling)
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(self.engine.add_request(prompt, pooling=resolved))
+            on_step = self._progress_bar(set(ids), use_tqdm, None) if use_tqdm else None
+            try:
+                finals = self._run(ids, on_step)
+            finally:
+                if on_step is not None:
+                    on_step.bar.close()
+        finally:
+            for request_id in ids:  # no-op for finished ones; frees blocks after an exception
+                self.engine.abort_request(request_id)
+        return [
+            EmbeddingRequestOutput(out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(out.embedding),
+                                   out.finished)
+            for out in finals
+        ]
 
     def _progress_bar(self, ids: set[str], use_tqdm: bool | Callable[..., Any],
                       then: Callable[[list[RequestOutput]], None] | None) -> Callable[[list[RequestOutput]], None]:

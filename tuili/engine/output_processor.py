@@ -41,6 +41,7 @@ class RequestState:
     seqs: list[Sequence]
     metrics: RequestMetrics
     texts: dict[int, SequenceText] = field(default_factory=dict)  # by seq_id
+    embedding: list[float] | None = None  # an embedding request's vector, once pooled
 
     @property
     def finished(self) -> bool:
@@ -115,7 +116,9 @@ class OutputProcessor:
         """The request's cumulative output: every sequence's text and tokens so far."""
         completions = []
         for seq in req.seqs:
-            state = req.texts[seq.seq_id]
+            state = req.texts.get(seq.seq_id)
+            if state is None:  # an embedding request: no text, no tokens
+                continue
             completions.append(
                 CompletionOutput(
                     index=seq.index,
@@ -137,4 +140,5 @@ class OutputProcessor:
             outputs=completions,
             finished=req.finished,
             metrics=req.metrics,
+            embedding=req.embedding,
         )

@@ -9,6 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tuili.pooling import PoolerConfig
 from tuili.sampling import SamplingParams
 
 
@@ -43,6 +44,9 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow token_ids, verified in the next step
     # (tuili/engine/spec/); cleared when the step is scheduled-and-verified or the sequence preempted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # An embedding request's pooling: the sequence finishes when its prompt has been computed,
+    # with a vector instead of a token (tuili/pooling.py). None: it generates.
+    pooling: PoolerConfig | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,30 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # An embedding request's vector (float32 values; `outputs` is then empty); None: it generates.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's pooled vector."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `LLM.embed` result for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
 
 
 @dataclass

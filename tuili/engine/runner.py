@@ -26,6 +26,7 @@ from tuili.layers.deltanet import DeltaNetState, StateBatch
 from tuili.layers.grammar import GrammarCompiler, GrammarState, TokenMasks
 from tuili.layers.linear import PanelLinear
 from tuili.layers.moe import QuantizedExperts, SparseMoE
+from tuili.layers.pooler import MeanAccumulator
 from tuili.layers.quant import QuantizedLinear
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.llama import LlamaForCausalLM
@@ -57,6 +58,10 @@ class ModelRunner:
         self.grammars = config.grammars
         self._grammar_states: dict[int, GrammarState] = {}
         self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuili-grammar")
+        # Embeddings: each MEAN-pooled prompt's sum of hidden states over its chunks so far, and
+        # the vectors of prompts whose last chunk ran, until the engine takes them.
+        self._pool_sums: dict[int, MeanAccumulator] = {}
+        self._pooled: dict[int, list[float]] = {}
         cfg = model.config
         kv_dtype = pool.kv_dtype
         # Decodes go to the attention backend's paged kernel where it has one (the native CPU
@@ -151,7 +156,8 @@ class ModelRunner:
         """Run one forward over `batch`: the float32 logits of the rows that sample, in batch
         order (every position of a verification chunk, the last of any other chunk that ends
         its sequence); None when no chunk does."""
-        if self.graphs is not None and self.graphs.takes(batch):
+        pooling = any(item.seq.pooling is not None for item in batch)
+        if self.graphs is not None and not pooling and self.graphs.takes(batch):
             logits = self.graphs.logits(batch)
             if logits is not None:
                 if all(item.samples for item in batch):
@@ -161,11 +167,45 @@ class ModelRunner:
                 return logits[rows] if rows else None
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
+        if pooling:
+            self._pool(batch, hidden)
         if len(sample_index) == 0:
             return None
         if len(sample_index) < hidden.shape[0]:
             hidden = hidden[sample_index]
         return self.model.compute_logits(hidden)
+
+    def _pool(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """Pool the final hidden states of the embedding sequences' chunks (their rows of
+        `hidden`, in batch order). A MEAN chunk adds its rows to the sequence's accumulator; a
+        chunk at position 0 starts it afresh (a first chunk, or the recompute after a
+        preemption; such a sequence never starts from a cached prefix). The last chunk makes
+        the vector."""
+        row = 0
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            pooling = seq.pooling
+            if pooling is not None:
+                rows = hidden[row : row + n]
+                mean = None
+                if pooling.needs_every_position:
+                    if item.start == 0:
+                        self._pool_sums[seq.seq_id] = MeanAccumulator(rows.shape[1], rows.device)
+                    mean = self._pool_sums[seq.seq_id]
+                    mean.add(rows)
+                if item.start + n == seq.num_tokens:
+                    vector = rows[-1].float() if mean is None else mean.mean()
+                    if pooling.normalize:
+                        vector = torch.nn.functional.normalize(vector, dim=0)
+                    self._pooled[seq.seq_id] = vector.cpu().tolist()
+                    self._pool_sums.pop(seq.seq_id, None)
+            row += n
+
+    def take_pooled(self) -> dict[int, list[float]]:
+        """The vectors of the embedding sequences whose prompt's last chunk has run since the
+        last call, by seq_id; each is handed out once."""
+        pooled, self._pooled = self._pooled, {}
+        return pooled
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: TokenMasks | None) -> list[SampledToken]:
         """Sample, then advance each constrained sequence's grammar past its new token."""
@@ -233,6 +273,8 @@ class ModelRunner:
         """Forget per-sequence state when a sequence finishes or is aborted."""
         self._generators.pop(seq.seq_id, None)
         self._grammar_states.pop(seq.seq_id, None)
+        self._pool_sums.pop(seq.seq_id, None)
+        self._pooled.pop(seq.seq_id, None)
 
     def _row(self, seq: Sequence, proposed: tuple[int, ...] = ()) -> SamplingRow:
         """The sequence's sampling row; its token history is read only if a penalty needs it.

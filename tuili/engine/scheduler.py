@@ -85,7 +85,9 @@ class ScheduledSeq:
         start = seq.num_computed_tokens
         if num_tokens > seq.num_tokens - start:  # the decode token and proposals after it
             return cls(seq, start, num_tokens, True, draft=tuple(seq.spec_token_ids[: num_tokens - 1]))
-        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens, restore_checkpoint, save_checkpoints)
+        # An embedding's last prompt chunk is pooled (by the runner), not sampled.
+        samples = start + num_tokens == seq.num_tokens and seq.pooling is None
+        return cls(seq, start, num_tokens, samples, restore_checkpoint, save_checkpoints)
 
     def token_ids(self) -> list[int]:
         """The tokens this chunk computes."""
@@ -263,7 +265,11 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> tuple[PrefixMatch, int | None]:
         """Attach `seq`'s cached prefix; with state checkpoints (a hybrid model), only as deep
-        as the deepest checkpoint on it, returned beside the match for the slot to start from."""
+        as the deepest checkpoint on it, returned beside the match for the slot to start from.
+        A sequence pooled over every position (a MEAN embedding) takes no cached prefix: the
+        hidden states of the cached positions are not kept."""
+        if seq.pooling is not None and seq.pooling.needs_every_position:
+            return PrefixMatch(), None
         if self.checkpoints is None:
             return self.blocks.match_prefix(seq), None
         digests = self.blocks.prefix_digests(seq)

@@ -6,6 +6,7 @@ schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are bui
 
     POST /v1/completions, /v1/chat/completions   generation, streamed or not  (key)
     POST /v1/responses                           the Responses API, text only (key; responses.py)
+    POST /v1/embeddings                          pooled final hidden states   (key)
     GET  /v1/models, /v1/models/{id}             the served model             (key)
     POST /tokenize, /detokenize                  the model's tokenizer        (key)
     GET  /health                                 200 while the engine thread lives
@@ -42,6 +43,7 @@ from tuili.engine.spec.speculator import SpecStats
 from tuili.engine.state_checkpoints import CheckpointStats
 from tuili.perf.meter import UtilizationMeter
 from tuili.server.driver import EngineDriver
+from tuili.server.embeddings import Embedder, finish_embedding, start_embedding
 from tuili.server.errors import ApiError, as_api_error, install_error_handlers
 from tuili.server.generation import (
     Backend,
@@ -60,6 +62,8 @@ from tuili.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -97,6 +101,7 @@ class ServerSettings:
     more_model_names: tuple[str, ...] = ()  # --served-model-name's other names, after model_name
     root_path: str = ""  # --root-path: the path prefix a reverse proxy serves the app under
     tool_call_parser: str = "auto"  # --tool-call-parser (tuili/server/tools.py)
+    vllm_metric_names: bool = False  # --vllm-metric-names: /metrics also under vLLM's names (metrics.py)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -152,7 +157,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         return {**meter.summary().prometheus(), **_cache_samples(stats.prefix_cache), **_spec_samples(stats.spec),
                 **_checkpoint_samples(stats.state_checkpoints), **communication}
 
-    metrics = ServerMetrics(settings.model_name, utilization)
+    metrics = ServerMetrics(settings.model_name, utilization, engine.max_model_len, settings.vllm_metric_names)
     driver = EngineDriver(engine, metrics, settings.max_waiting)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.model_config.vocab_size, settings.content_special_tokens)
     backend = Backend(driver, tokenizer, settings.model_names, engine.max_model_len, settings.max_sequences_per_request,
@@ -237,6 +242,24 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             raise as_api_error(error) from error
         finally:
             driver.release(call.gen.submission)
+
+    embedder = Embedder(backend, engine.config.pooler_config, engine.model_config.hidden_size)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        call = await _answer_errors(start_embedding(embedder, body, arrival), EmbeddingRequest)
+        try:
+            result = await _unless_disconnected(request, finish_embedding(call))
+            if result is None:  # the client left; nobody reads this
+                return Response(status_code=499)
+            return Response(result.model_dump_json(), media_type="application/json")
+        except ApiError:
+            raise
+        except Exception as error:
+            raise as_api_error(error) from error
+        finally:
+            driver.release(call.submission)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -62,6 +62,10 @@ def register(subparsers) -> None:
                       help="how tool calls are read from a chat answer: hermes (<tool_call> JSON: Hermes, Qwen), "
                       "llama3_json (Llama 3.1+ JSON), mistral ([TOOL_CALLS]); auto (default): the one the chat "
                       "template's own format needs, hermes for a template that renders no tools")
+    http.add_argument("--vllm-metric-names", action="store_true",
+                      help="also export /metrics under vLLM's metric and label names (vllm:num_requests_running, "
+                      "vllm:request_success{finished_reason}, ...), so a vLLM Grafana board works unchanged "
+                      "(docs/server.md has the mapping)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(serve)
@@ -197,7 +201,7 @@ def _serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     settings = ServerSettings(name, args.api_key, args.max_waiting, args.max_request_bytes,
                               allowed_hosts(args.allowed_hosts, args.host), args.special_tokens_in_messages,
                               args.max_sequences_per_request, args.body_timeout, tuple(more), args.root_path,
-                              args.tool_call_parser)
+                              args.tool_call_parser, vllm_metric_names=args.vllm_metric_names)
     if engine.parallel is not None:
         # A lost rank: the requests in flight have failed; shut down as SIGTERM does, then exit 1.
         engine.parallel.on_failure = lambda reason: os.kill(os.getpid(), signal.SIGTERM)

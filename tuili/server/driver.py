@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from tuili.engine.core import LLMEngine
 from tuili.engine.request import RequestOutput
 from tuili.engine.stats import EngineStats
+from tuili.pooling import PoolerConfig
 from tuili.sampling import SamplingParams
 from tuili.server.metrics import ServerMetrics
 
@@ -112,6 +113,7 @@ class _Add:
     prompt_texts: list[str | None]
     params: SamplingParams
     future: asyncio.Future
+    pooling: PoolerConfig | None = None  # an embedding call (tuili/server/embeddings.py)
 
 
 @dataclass
@@ -170,15 +172,17 @@ class EngineDriver:
         prompt_texts: list[str | None],
         params: SamplingParams,
         arrival_time: float,
+        pooling: PoolerConfig | None = None,
     ) -> Submission:
         """Queue one engine request per prompt (all or none); return once the engine has them.
+        With `pooling` they are embedding requests (`params` unused).
 
         Raises RequestError or ValueError for a request the engine refuses, QueueFullError
         when --max-waiting is reached.
         """
         submission = Submission([f"{api_id}-{i}" for i in range(len(prompts))], arrival_time, group=api_id)
         future = asyncio.get_running_loop().create_future()
-        self._commands.put(_Add(submission, prompts, prompt_texts, params, future))
+        self._commands.put(_Add(submission, prompts, prompt_texts, params, future, pooling))
         if self._dead:  # checked after the put: a thread that died before it will not drain it
             raise EngineError("the engine thread has stopped (see the server log)")
         try:
@@ -274,7 +278,7 @@ class EngineDriver:
             try:
                 for request_id, ids, text in zip(sub.request_ids, command.prompts, command.prompt_texts, strict=True):
                     engine.add_request({"prompt_token_ids": ids, "prompt": text}, command.params, request_id,
-                                       group=sub.group)
+                                       group=sub.group, pooling=command.pooling)
                     added.append(request_id)
             except BaseException:
                 for request_id in added:
@@ -337,6 +341,13 @@ class EngineDriver:
         if output.finished:
             finished = times.finished_time if times and times.finished_time else now
             m.e2e_latency.observe(finished - tracked.submission.arrival_time)
+            m.observe_finished(len(output.prompt_token_ids), [len(c.token_ids) for c in output.outputs],
+                               times.first_scheduled_time if times else None,
+                               times.first_token_time if times else None, finished)
+            if output.embedding is not None:  # no choices, no tokens: one sequence, queued like any other
+                m.count_finished("stop")
+                if times and times.first_scheduled_time:
+                    m.queue_time.observe(times.first_scheduled_time - tracked.submission.arrival_time)
 
     def _fail_all(self, error: Exception) -> None:
         failed = {id(t.submission): t.submission for t in self._tracked.values()}

@@ -548,3 +548,49 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---- embeddings -----------------------------------------------------------------------
+
+# vLLM's embedding-request fields that change the answer and that tuili does not take.
+_EMBEDDING_REFUSED = {"messages": _NEUTRAL, "chat_template": _NEUTRAL, "mm_processor_kwargs": _NEUTRAL,
+                      "embed_dtype": "float32"}
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings body, with vLLM's `normalize` and `add_special_tokens`."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of such lists"
+    )
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: little-endian float32 bytes")
+    dimensions: int | None = Field(None, description="only the model's own size: tuili does not shorten embeddings")
+    user: str | None = None
+    normalize: bool | None = Field(None, description="vLLM's: L2-normalise the vector; null: the server's pooler_config")
+    add_special_tokens: bool = Field(True, description="vLLM's: add the tokenizer's special tokens to text input")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="vLLM's: embed each input's last k tokens; "
+                                               "-1: as many as the context holds")
+
+    def check_supported(self) -> None:
+        _refuse_meaningful_extras(self.model_extra, _EMBEDDING_REFUSED)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of the float32 values
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
