@@ -27,13 +27,14 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -249,17 +250,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         arrival = time.monotonic()
         call = await _answer_errors(start_embedding(embedder, body, arrival), EmbeddingRequest)
-        try:
-            result = await _unless_disconnected(request, finish_embedding(call))
-            if result is None:  # the client left; nobody reads this
-                return Response(status_code=499)
-            return Response(result.model_dump_json(), media_type="application/json")
-        except ApiError:
-            raise
-        except Exception as error:
-            raise as_api_error(error) from error
-        finally:
-            driver.release(call.submission)
+        return await _whole_response(request, finish_embedding(call), lambda: driver.release(call.submission))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -302,8 +293,14 @@ async def _respond(gen: Generation, streaming: bool, stream_options, request: Re
     if streaming:
         include_usage = bool(stream_options and stream_options.include_usage)
         return _EventStream(stream(gen, include_usage), on_close=lambda: driver.release(gen.submission))
+    return await _whole_response(request, complete(gen), lambda: driver.release(gen.submission))
+
+
+async def _whole_response(request: Request, work: Awaitable[BaseModel], release: Callable[[], None]) -> Response:
+    """`work`'s result as a JSON response (499 if the client left first), `release` run after
+    on every path."""
     try:
-        result = await _unless_disconnected(request, complete(gen))
+        result = await _unless_disconnected(request, work)
         if result is None:  # the client left; nobody reads this
             return Response(status_code=499)
         return Response(result.model_dump_json(), media_type="application/json")
@@ -312,7 +309,7 @@ async def _respond(gen: Generation, streaming: bool, stream_options, request: Re
     except Exception as error:
         raise as_api_error(error) from error
     finally:
-        driver.release(gen.submission)
+        release()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
