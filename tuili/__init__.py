@@ -1,8 +1,8 @@
 """tuili (推理): LLM inference on the hardware you have, with its roofline on every run."""
 
 from tuili.engine.llm import LLM
-from tuili.engine.request import CompletionOutput, RequestOutput
+from tuili.engine.request import CompletionOutput, Logprob, RequestOutput
 from tuili.sampling import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -263,7 +263,11 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> tuple[PrefixMatch, int | None]:
         """Attach `seq`'s cached prefix; with state checkpoints (a hybrid model), only as deep
-        as the deepest checkpoint on it, returned beside the match for the slot to start from."""
+        as the deepest checkpoint on it, returned beside the match for the slot to start from.
+        A sequence that scores its prompt (prompt logprobs) takes no cached prefix, as in vLLM:
+        the cache holds the prefix's KV but not the logprobs its computation would give."""
+        if seq.scores_prompt:
+            return PrefixMatch(), None
         if self.checkpoints is None:
             return self.blocks.match_prefix(seq), None
         digests = self.blocks.prefix_digests(seq)

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tuili.engine.request import CompletionOutput, RequestOutput
+from tuili.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
 from tuili.errors import RequestError
 from tuili.sampling import SamplingParams
 from tuili.server.driver import EngineDriver, Submission
@@ -34,6 +34,8 @@ from tuili.server.protocol import (
     CompletionResponse,
     DeltaToolCall,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     ResponseFunctionCall,
     ResponseToolCall,
@@ -54,6 +56,9 @@ from tuili.server.tools import (
 )
 
 DONE = "data: [DONE]\n\n"
+
+# vLLM writes a -inf logprob (a token the model rules out) as this: JSON has no infinity.
+_LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -105,8 +110,10 @@ def check_model(backend: Backend, model: str | None) -> str:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, tools: ToolPlan | None = None) -> SamplingParams:
-    """The engine's parameters; raises ValueError naming a field whose value is out of range."""
+                    logprobs: int | None, tools: ToolPlan | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's parameters; raises ValueError naming a field whose value is out of range.
+    `prompt_logprobs`: the engine's (the request's own field, or what echo needs)."""
     structured = structured_outputs(request)
     if tools is not None and tools.structured is not None:
         if structured is not None:
@@ -123,7 +130,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
         max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
-        ignore_eos=request.ignore_eos, logprobs=logprobs,
+        ignore_eos=request.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens and not keep_special, structured_outputs=structured,
     )
 
@@ -159,13 +166,18 @@ class Generation:
     token_strings: list[str] | None
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None  # a chat call's tools: its answers are parsed for calls
+    # A completions call with echo: each prompt's text, prepended to its choices' text (and its
+    # tokens to their logprobs); `echo_only` (max_tokens 0): the prompt alone, nothing generated.
+    echo_texts: list[str] | None = None
+    echo_only: bool = False
 
     def choice_index(self, output: RequestOutput, completion: CompletionOutput) -> int:
         return self.submission.request_ids.index(output.request_id) * self.n + completion.index
 
     def usage(self, finals: list[RequestOutput]) -> Usage:
         prompt = sum(self.prompt_lengths)
-        completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        # max_tokens 0 with echo: the one token the engine sampled is not returned, nor counted.
+        completion = 0 if self.echo_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
         cached = sum(out.metrics.num_cached_tokens for out in finals if out.metrics)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -174,7 +186,14 @@ class Generation:
 async def start_completion(backend: Backend, request: CompletionRequest, arrival: float) -> Generation:
     request.check_supported()
     check_model(backend, request.model)
-    params = sampling_params(request, request.max_tokens, request.logprobs)
+    # Echo with logprobs needs the prompt's logprobs (vLLM's rule: prompt_logprobs, else logprobs);
+    # max_tokens 0 (echo only) still samples one token, which the response leaves out.
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo:
+        prompt_logprobs = request.logprobs
+    echo_only = request.echo and request.max_tokens == 0
+    params = sampling_params(request, 1 if echo_only else request.max_tokens, request.logprobs,
+                             prompt_logprobs=prompt_logprobs)
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         items = [prompt]
@@ -195,8 +214,14 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
         check_length("prompt", ids, params.max_tokens, backend.max_model_len)
         prompts.append(ids)
         texts.append(item if isinstance(item, str) else None)
-    return await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
-                         request.model)
+    gen = await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
+                        request.model)
+    if request.echo:
+        # A token-id prompt echoes as its decoded text, special tokens spelled out.
+        gen.echo_texts = [text if text is not None else await backend.tokenizer.decode(ids, skip_special_tokens=False)
+                          for text, ids in zip(texts, prompts, strict=True)]
+        gen.echo_only = echo_only
+    return gen
 
 
 async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: float) -> Generation:
@@ -205,7 +230,7 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     top = (request.top_logprobs or 0) if request.logprobs else None
     tools = plan_tools(request, backend.tool_parser)
-    params = sampling_params(request, max_tokens, top, tools)
+    params = sampling_params(request, max_tokens, top, tools, request.prompt_logprobs)
     check_sequences(backend, 1, params.n)
     messages = [message.as_template_input() for message in request.messages]
     renders_tools = template_renders_tools(backend.tokenizer.chat_template)
@@ -252,17 +277,45 @@ async def complete(gen: Generation) -> CompletionResponse | ChatCompletionRespon
     for out in finals:
         for c in out.outputs:
             index = gen.choice_index(out, c)
-            if gen.kind == "completion":
+            if gen.kind == "completion" and gen.echo_texts is not None:
+                choices.append(_echo_choice(gen, out, c, index))
+            elif gen.kind == "completion":
                 choices.append(CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
-                                                logprobs=_completion_logprobs(gen, c, 0, 0)))
+                                                logprobs=_completion_logprobs(gen, c, 0, 0),
+                                                prompt_logprobs=_prompt_logprobs(out)))
             else:
                 message, finish_reason = _chat_message(gen, c)
                 choices.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
                                           logprobs=_chat_logprobs(gen, c, 0)))
     choices.sort(key=lambda choice: choice.index)
-    response_type = CompletionResponse if gen.kind == "completion" else ChatCompletionResponse
-    return response_type(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
-                         usage=gen.usage(finals))
+    if gen.kind == "completion":
+        return CompletionResponse(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
+                                  usage=gen.usage(finals))
+    return ChatCompletionResponse(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
+                                  usage=gen.usage(finals), prompt_logprobs=_prompt_logprobs(finals[0]))
+
+
+def _echo_choice(gen: Generation, out: RequestOutput, c: CompletionOutput, index: int) -> CompletionChoice:
+    """A completion choice with echo: the prompt's text before the generated text, and with
+    logprobs the prompt's tokens before the generated ones (the first with null logprobs, as
+    OpenAI's API had it). `echo_only`: the prompt alone, finish_reason "length"."""
+    prompt_text = gen.echo_texts[gen.submission.request_ids.index(out.request_id)]
+    logprobs = None
+    if gen.logprobs is not None:
+        logprobs = CompletionLogprobs()
+        offset = 0
+        # Shorter than the prompt only when the request was aborted before its prefill ended.
+        entries = out.prompt_logprobs or []
+        for token_id, entry in zip(out.prompt_token_ids, entries):  # noqa: B905
+            offset = _add_logprob(gen, logprobs, token_id, entry, offset)
+        if not gen.echo_only:
+            for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=True):
+                offset = _add_logprob(gen, logprobs, token_id, entry, offset)
+    if gen.echo_only:
+        return CompletionChoice(index=index, text=prompt_text, finish_reason="length", logprobs=logprobs,
+                                prompt_logprobs=_prompt_logprobs(out))
+    return CompletionChoice(index=index, text=prompt_text + c.text, finish_reason=c.finish_reason, logprobs=logprobs,
+                            prompt_logprobs=_prompt_logprobs(out))
 
 
 def _chat_message(gen: Generation, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
@@ -366,16 +419,39 @@ def _completion_logprobs(gen: Generation, c: CompletionOutput, start: int, offse
     As OpenAI documents, each position lists the `logprobs` most likely tokens plus the chosen one."""
     if gen.logprobs is None or c.logprobs is None:
         return None
-    strings = gen.token_strings
     result = CompletionLogprobs()
     for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
-        text = strings[token_id]
-        result.tokens.append(text)
-        result.token_logprobs.append(entry[token_id])
-        result.top_logprobs.append({strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
-        result.text_offset.append(offset)
-        offset += len(text)
+        offset = _add_logprob(gen, result, token_id, entry, offset)
     return result
+
+
+def _add_logprob(gen: Generation, result: CompletionLogprobs, token_id: int, entry: PositionLogprobs | None,
+                 offset: int) -> int:
+    """Append one position (`entry` None: a prompt's first token, which nothing predicts) with
+    the `logprobs` most likely tokens and the position's own; returns the next text offset."""
+    text = gen.token_strings[token_id]
+    result.tokens.append(text)
+    result.text_offset.append(offset)
+    if entry is None:
+        result.token_logprobs.append(None)
+        result.top_logprobs.append(None)
+    else:
+        result.token_logprobs.append(max(entry[token_id].logprob, _LOGPROB_FLOOR))
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: gen.logprobs]
+        top = {gen.token_strings[t]: max(lp.logprob, _LOGPROB_FLOOR) for t, lp in ranked}
+        top.setdefault(text, result.token_logprobs[-1])
+        result.top_logprobs.append(top)
+    return offset + len(text)
+
+
+def _prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs field from the engine's (None when not asked for)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        t: PromptLogprob(logprob=max(lp.logprob, _LOGPROB_FLOOR), rank=lp.rank, decoded_token=lp.decoded_token)
+        for t, lp in entry.items()
+    } for entry in out.prompt_logprobs]
 
 
 def _chat_logprobs(gen: Generation, c: CompletionOutput, start: int) -> ChatLogprobs | None:
@@ -386,8 +462,9 @@ def _chat_logprobs(gen: Generation, c: CompletionOutput, start: int) -> ChatLogp
     strings = gen.token_strings
     content = []
     for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: gen.logprobs]
-        top = [TopLogprob(token=strings[t], logprob=lp, bytes=list(strings[t].encode())) for t, lp in ranked]
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: gen.logprobs]
+        top = [TopLogprob(token=strings[t], logprob=lp.logprob, bytes=list(strings[t].encode())) for t, lp in ranked]
         text = strings[token_id]
-        content.append(TokenLogprob(token=text, logprob=entry[token_id], bytes=list(text.encode()), top_logprobs=top))
+        content.append(TokenLogprob(token=text, logprob=entry[token_id].logprob, bytes=list(text.encode()),
+                                    top_logprobs=top))
     return ChatLogprobs(content=content)
