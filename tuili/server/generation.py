@@ -113,7 +113,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
                     logprobs: int | None, tools: ToolPlan | None = None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters; raises ValueError naming a field whose value is out of range.
-    `prompt_logprobs`: the engine's (the request's own field, or what echo needs)."""
+    `prompt_logprobs`: what echo needs when the request gives none itself. max_tokens 0 (echo
+    only) samples one token, which the response leaves out."""
     structured = structured_outputs(request)
     if tools is not None and tools.structured is not None:
         if structured is not None:
@@ -128,9 +129,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
         min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-        max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+        max_tokens=1 if max_tokens == 0 else max_tokens, min_tokens=request.min_tokens, stop=request.stop,
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
-        ignore_eos=request.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        ignore_eos=request.ignore_eos, logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None else prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens and not keep_special, structured_outputs=structured,
     )
 
@@ -186,14 +188,10 @@ class Generation:
 async def start_completion(backend: Backend, request: CompletionRequest, arrival: float) -> Generation:
     request.check_supported()
     check_model(backend, request.model)
-    # Echo with logprobs needs the prompt's logprobs (vLLM's rule: prompt_logprobs, else logprobs);
-    # max_tokens 0 (echo only) still samples one token, which the response leaves out.
-    prompt_logprobs = request.prompt_logprobs
-    if prompt_logprobs is None and request.echo:
-        prompt_logprobs = request.logprobs
+    # Echo with logprobs needs the prompt's logprobs (vLLM's rule: prompt_logprobs, else logprobs).
     echo_only = request.echo and request.max_tokens == 0
-    params = sampling_params(request, 1 if echo_only else request.max_tokens, request.logprobs,
-                             prompt_logprobs=prompt_logprobs)
+    params = sampling_params(request, request.max_tokens, request.logprobs,
+                             prompt_logprobs=request.logprobs if request.echo else None)
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         items = [prompt]
@@ -230,7 +228,7 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     top = (request.top_logprobs or 0) if request.logprobs else None
     tools = plan_tools(request, backend.tool_parser)
-    params = sampling_params(request, max_tokens, top, tools, request.prompt_logprobs)
+    params = sampling_params(request, max_tokens, top, tools)
     check_sequences(backend, 1, params.n)
     messages = [message.as_template_input() for message in request.messages]
     renders_tools = template_renders_tools(backend.tokenizer.chat_template)
