@@ -168,3 +168,19 @@ def test_hybrid_model_with_state_checkpoints(tmp_path):
             reference = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
         _assert_matches(prompt, out.prompt_logprobs, reference, 2)
     assert llm.engine.scheduler.state_slots.num_free == llm.engine.scheduler.state_slots.num_slots
+
+
+def test_tensor_parallel_workers_project_the_same_blocks(tiny_llama, hf_logprobs):
+    """TP=2 (gloo, real processes): each block of prompt rows is a collective (the logits are
+    gathered to rank 0), so a 150-token prompt (two blocks) must match on every rank."""
+    prompt = [int(t) for t in torch.randint(1, 320, (150,), generator=torch.Generator().manual_seed(5))]
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", tensor_parallel_size=2, max_model_len=256,
+              kv_cache_memory=1 << 22, max_num_batched_tokens=256)
+    try:
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
+        follow = llm.generate({"prompt_token_ids": prompt[:20]}, SamplingParams(max_tokens=3, temperature=0))[0]
+    finally:
+        llm.engine.close()
+    assert len(prompt) - 1 > scoring.PROJECT_ROWS
+    _assert_matches(prompt, out.prompt_logprobs, hf_logprobs(prompt), 2)
+    assert len(follow.outputs[0].token_ids) == 3  # the ranks are still in step
