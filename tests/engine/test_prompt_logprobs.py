@@ -96,6 +96,7 @@ def test_a_warm_prefix_cache_gives_the_cold_prompt_logprobs(tiny_llama, hf_logpr
     llm = _llm(tiny_llama, max_num_batched_tokens=11)
     plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts], plain)  # every prompt's full blocks cached
+    queried_before = llm.engine.stats().prefix_cache.queried_tokens
     cached_before = llm.engine.stats().prefix_cache.device_hit_tokens
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -103,6 +104,7 @@ def test_a_warm_prefix_cache_gives_the_cold_prompt_logprobs(tiny_llama, hf_logpr
         _assert_matches(prompt, out.prompt_logprobs, hf_logprobs(prompt), 2)
         assert out.metrics.num_cached_tokens == 0  # it took no cached prefix ...
     assert llm.engine.stats().prefix_cache.device_hit_tokens == cached_before
+    assert llm.engine.stats().prefix_cache.queried_tokens == queried_before  # no lookup, so no query counted
     again = llm.generate([{"prompt_token_ids": prompts[1]}], plain)[0]  # ... and the cache still serves others
     assert again.metrics.num_cached_tokens == 36
     stats = llm.engine.stats()

@@ -213,7 +213,8 @@ class Scheduler:
                 self.blocks.free(seq)  # the matched blocks stay cached for the next try
                 seq.num_computed_tokens = 0
                 break
-            self.blocks.record_query(seq, match)
+            if not seq.scores_prompt:  # it did not look (vLLM counts no query either)
+                self.blocks.record_query(seq, match)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = match.tokens
             self.waiting.remove(seq)
