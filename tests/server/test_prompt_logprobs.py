@@ -107,6 +107,34 @@ def test_echo_with_generation_puts_the_prompt_first(tiny, tiny_client):
     assert offsets[0] == 0 and steps == [len(t) for t in choice.logprobs.tokens[:-1]]
 
 
+@pytest.mark.parametrize("max_tokens", [0, 5])
+def test_streamed_echo_concatenates_to_the_whole_response(tiny, tiny_client, max_tokens):
+    common = dict(model=MODEL, prompt=[tiny.tokenizer.encode(TEXT), tiny.tokenizer.encode("Hi")], echo=True,
+                  logprobs=2, max_tokens=max_tokens, temperature=0)
+    whole = {c.index: c for c in tiny_client.completions.create(**common).choices}
+    text: dict[int, str] = {}
+    tokens: dict[int, list] = {}
+    values: dict[int, list] = {}
+    offsets: dict[int, list] = {}
+    finish: dict[int, str] = {}
+    for chunk in tiny_client.completions.create(**common, stream=True):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+                values.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert sorted(text) == sorted(whole) == [0, 1]
+    for index, choice in whole.items():
+        assert text[index] == choice.text and finish[index] == choice.finish_reason
+        assert tokens[index] == choice.logprobs.tokens
+        assert values[index] == choice.logprobs.token_logprobs and values[index][0] is None
+        assert offsets[index][: len(tiny.tokenizer.encode(TEXT))] == choice.logprobs.text_offset[
+            : len(tiny.tokenizer.encode(TEXT))]
+
+
 def _check_prompt_logprobs(tiny: Tiny, ids: list[int], field: list, k: int) -> None:
     """vLLM's prompt_logprobs JSON: null, then per position token id -> {logprob, rank, decoded_token}."""
     assert len(field) == len(ids) and field[0] is None
@@ -142,7 +170,6 @@ def test_prompt_logprobs_field_on_both_endpoints(tiny, tiny_client):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": TEXT, "echo": True, "stream": True}, "echo"),
     ({"prompt": TEXT, "max_tokens": 0}, "max_tokens"),
     ({"prompt": TEXT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": TEXT, "prompt_logprobs": 21}, "prompt_logprobs"),

@@ -293,26 +293,31 @@ async def complete(gen: Generation) -> CompletionResponse | ChatCompletionRespon
                                   usage=gen.usage(finals), prompt_logprobs=_prompt_logprobs(finals[0]))
 
 
+def _echo_prompt(gen: Generation, out: RequestOutput) -> tuple[str, CompletionLogprobs | None, int]:
+    """What echo puts before a choice's output: the prompt's text and, with logprobs, its tokens'
+    entries (the first with null logprobs, as OpenAI's API had it) and the text offset after them."""
+    text = gen.echo_texts[gen.submission.request_ids.index(out.request_id)]
+    if gen.logprobs is None:
+        return text, None, 0
+    logprobs = CompletionLogprobs()
+    offset = 0
+    # Shorter than the prompt only when the request was aborted before its prefill ended.
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):  # noqa: B905
+        offset = _add_logprob(gen, logprobs, token_id, entry, offset)
+    return text, logprobs, offset
+
+
 def _echo_choice(gen: Generation, out: RequestOutput, c: CompletionOutput, index: int) -> CompletionChoice:
-    """A completion choice with echo: the prompt's text before the generated text, and with
-    logprobs the prompt's tokens before the generated ones (the first with null logprobs, as
-    OpenAI's API had it). `echo_only`: the prompt alone, finish_reason "length"."""
-    prompt_text = gen.echo_texts[gen.submission.request_ids.index(out.request_id)]
-    logprobs = None
-    if gen.logprobs is not None:
-        logprobs = CompletionLogprobs()
-        offset = 0
-        # Shorter than the prompt only when the request was aborted before its prefill ended.
-        entries = out.prompt_logprobs or []
-        for token_id, entry in zip(out.prompt_token_ids, entries):  # noqa: B905
-            offset = _add_logprob(gen, logprobs, token_id, entry, offset)
-        if not gen.echo_only:
-            for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=True):
-                offset = _add_logprob(gen, logprobs, token_id, entry, offset)
+    """A completion choice with echo: the prompt before the generated text and tokens.
+    `echo_only`: the prompt alone, finish_reason "length"."""
+    text, logprobs, offset = _echo_prompt(gen, out)
     if gen.echo_only:
-        return CompletionChoice(index=index, text=prompt_text, finish_reason="length", logprobs=logprobs,
+        return CompletionChoice(index=index, text=text, finish_reason="length", logprobs=logprobs,
                                 prompt_logprobs=_prompt_logprobs(out))
-    return CompletionChoice(index=index, text=prompt_text + c.text, finish_reason=c.finish_reason, logprobs=logprobs,
+    if logprobs is not None:
+        for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=True):
+            offset = _add_logprob(gen, logprobs, token_id, entry, offset)
+    return CompletionChoice(index=index, text=text + c.text, finish_reason=c.finish_reason, logprobs=logprobs,
                             prompt_logprobs=_prompt_logprobs(out))
 
 
@@ -341,6 +346,8 @@ class _Sent:
     chars: int = 0
     tokens: int = 0
     finished: bool = False
+    echoed: bool = False  # echo: the prompt went out (with the choice's first chunk)
+    echo_offset: int = 0  # echo with logprobs: where the generated tokens' text offsets start
 
 
 async def stream(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
@@ -366,10 +373,26 @@ async def stream(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
                     if not delta and not c.finish_reason and not (new_tokens and gen.logprobs is not None):
                         continue
                     if gen.kind == "completion":
-                        logprobs = _completion_logprobs(gen, c, progress.tokens, progress.chars)
+                        prefix, logprobs = "", None
+                        if gen.echo_texts is not None and not progress.echoed:
+                            prefix, logprobs, progress.echo_offset = _echo_prompt(gen, out)
+                            progress.echoed = True
+                        if gen.echo_only:  # the prompt alone, in one chunk
+                            yield _event(CompletionResponse(
+                                id=gen.api_id, created=gen.created, model=gen.model,
+                                choices=[CompletionChoice(index=index, text=prefix, logprobs=logprobs,
+                                                          finish_reason="length")]))
+                            progress.finished = True
+                            continue
+                        generated = _completion_logprobs(gen, c, progress.tokens, progress.chars + progress.echo_offset)
+                        if logprobs is None:
+                            logprobs = generated
+                        elif generated is not None:
+                            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                                getattr(logprobs, name).extend(getattr(generated, name))
                         yield _event(CompletionResponse(
                             id=gen.api_id, created=gen.created, model=gen.model,
-                            choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                            choices=[CompletionChoice(index=index, text=prefix + delta, logprobs=logprobs,
                                                       finish_reason=c.finish_reason)]))
                     elif gen.tools is not None:
                         tool_stream = tool_streams.setdefault(index, ToolStream(gen.tools))

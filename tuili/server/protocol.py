@@ -6,7 +6,7 @@ declared here are OpenAI's (and vLLM's for its extra fields) and are part of the
 OpenAPI schema; `tuili.sampling.SamplingParams` checks the sampling fields again when the
 engine builds them, so the two must agree (a test sends the boundary values to both).
 
-Fields OpenAI defines that tuili cannot honour (suffix, best_of, logit_bias; echo when streaming) are
+Fields OpenAI defines that tuili cannot honour (suffix, best_of, logit_bias) are
 declared so that a request using them is refused with a clear 400 instead of being answered
 as if they had been applied. Fields of OpenAI's and vLLM's that change what a request means
 (`functions`, `guided_whitespace_pattern`, `chat_template`, ...: `_REFUSED`)
@@ -249,7 +249,7 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: int | None = Field(16, ge=0, description="null: up to the context length; 0 only with echo")
     logprobs: int | None = Field(None, ge=0, le=20, description="log probabilities of this many most likely tokens")
-    echo: bool = Field(False, description="prepend the prompt to the text (and its tokens to logprobs); not streamed")
+    echo: bool = Field(False, description="prepend the prompt to the text (and its tokens to logprobs)")
     suffix: str | None = Field(None, description="not supported: must be absent")
     best_of: int | None = Field(None, description="not supported beyond best_of == n")
 
@@ -257,8 +257,6 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.stream:
-            raise UnsupportedFieldError("echo", "echo=true is not supported with stream=true")
         if self.max_tokens == 0 and not self.echo:
             raise UnsupportedFieldError("max_tokens", "max_tokens=0 is only allowed with echo=true (it returns the prompt)")
         if self.suffix is not None:
