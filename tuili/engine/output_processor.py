@@ -3,7 +3,8 @@
 Per sequence it keeps the text so far (incremental detokenization, held back while it could
 be the start of a stop string), the logprobs, and decides when a token ends the sequence:
 a stop token or EOS (tuili/engine/stopping.py), a stop string, max_tokens or max_model_len.
-It never touches the scheduler or the runner: the engine's step loop retires what it reports
+Per request it files the prompt logprobs the runner scored, by prompt position. Logprobs are
+vLLM's `Logprob` objects (logprob, rank, the token's text). It never touches the scheduler or the runner: the engine's step loop retires what it reports
 finished.
 """
 
