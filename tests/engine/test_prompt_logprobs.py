@@ -186,3 +186,22 @@ def test_tensor_parallel_workers_project_the_same_blocks(tiny_llama, hf_logprobs
     assert len(prompt) - 1 > scoring.PROJECT_ROWS
     _assert_matches(prompt, out.prompt_logprobs, hf_logprobs(prompt), 2)
     assert len(follow.outputs[0].token_ids) == 3  # the ranks are still in step
+
+
+def test_no_more_than_a_block_of_prompt_logits_exists_at_once(tiny_llama, hf_logprobs, monkeypatch):
+    """A 200-token prompt in one 256-token chunk: the head is asked for at most PROJECT_ROWS
+    rows at a time (here 16), never the chunk's 199 scoring rows."""
+    monkeypatch.setattr(scoring, "PROJECT_ROWS", 16)
+    llm = _llm(tiny_llama, max_model_len=256, max_num_batched_tokens=256)
+    head = llm.engine.model.compute_logits
+    rows_asked: list[int] = []
+
+    def counting(hidden: torch.Tensor) -> torch.Tensor:
+        rows_asked.append(hidden.shape[0])
+        return head(hidden)
+
+    monkeypatch.setattr(llm.engine.model, "compute_logits", counting)
+    prompt = [int(t) for t in torch.randint(1, 320, (200,), generator=torch.Generator().manual_seed(6))]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    _assert_matches(prompt, out.prompt_logprobs, hf_logprobs(prompt), 1)
+    assert max(rows_asked) == 16 and sum(r for r in rows_asked if r > 1) >= 199
