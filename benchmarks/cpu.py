@@ -526,9 +526,9 @@ def start_worker(variant: Variant, path: Path, model: Model, threads: int, log: 
     longest = max(sizes.prefill, sizes.prompt + sizes.decode + 1)
     options = {
         "dtype": "bfloat16",
-        "max_num_seqs": max(sizes.batches),
+        "max_num_seqs": max(sizes.batches, default=1),
         # every prompt of a decode row in one step, so the prefill-only run separates cleanly
-        "max_num_batched_tokens": max(sizes.prefill, max(sizes.batches) * sizes.prompt),
+        "max_num_batched_tokens": max(sizes.prefill, max(sizes.batches, default=1) * sizes.prompt),
         "max_model_len": longest + 16,
         **variant.options,
     }

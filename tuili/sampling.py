@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,9 +97,21 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Logit controls (vLLM's fields; tuili/layers/sampler.py step 0). Token ids are checked
+    # against the model's vocabulary when the request enters the engine.
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated as a whole (vLLM's rule: bad_words_token_ids)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
 
     # Normalised in __post_init__: always a list, possibly empty.
     stop_strings: list[str] = field(init=False, repr=False)
+    # Each bad word as token ids, set by `tokenize_bad_words` when the engine takes the request.
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
+    # The sampler's tensors of logit_bias and allowed_token_ids, built at the request's first
+    # step (vocabulary size -> tensors; tuili/layers/sampler.py): a long list costs its
+    # conversion once, not at every step.
+    logit_control_cache: dict[int, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +120,52 @@ class SamplingParams:
             self.stop_strings = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    @property
+    def controls_logits(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words edit this request's logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens (vLLM's left
+        truncation), k = max_model_len for -1; the prompt unchanged when it is None."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        if k == -1:
+            k = max_model_len
+        elif k > max_model_len:
+            raise RequestError(
+                f"truncate_prompt_tokens={k} is invalid: expected at most max_model_len={max_model_len}, or -1"
+            )
+        return prompt_token_ids[-k:]
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]], vocab_size: int) -> None:
+        """Fill `bad_words_token_ids` as vLLM does: each word as written (leading spaces
+        stripped) and, where the tokenizer spells it differently after a space, also as
+        " word", which is how it appears mid-text; a version the tokenizer gives a different
+        number of tokens is not added (vLLM's rule)."""
+        self.bad_words_token_ids = []
+        for word in self.bad_words or []:
+            plain = encode(word.lstrip())
+            if not plain:
+                raise RequestError(f"bad_words entry {word!r} is invalid: it encodes to no tokens")
+            self.bad_words_token_ids.append(plain)
+            spaced = encode(" " + word.lstrip())
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                self.bad_words_token_ids.append(spaced)
+        self.check_token_ids(vocab_size)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise RequestError naming the first token id of logit_bias or allowed_token_ids (or
+        a bad word's) outside [0, vocab_size)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words", [t for word in self.bad_words_token_ids for t in word])):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise RequestError(
+                    f"{name} token id {bad} is out of range: expected token ids in [0, {vocab_size})"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -159,5 +218,35 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+        self._validate_logit_controls(bad)
         if self.seed is not None and (not isinstance(self.seed, int) or not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]):
             raise bad("seed", self.seed, "a 64-bit signed integer")
+
+    def _validate_logit_controls(self, bad: Callable[[str, object, str], RequestError]) -> None:
+        def is_id(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                if not is_id(token):
+                    raise RequestError(f"logit_bias key {token!r} is invalid: expected a non-negative integer token id")
+                if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
+                        or not -100 <= bias <= 100):
+                    raise bad(f"logit_bias[{token}]", bias, "a number in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+            wrong = next((t for t in self.allowed_token_ids if not is_id(t)), None)
+            if wrong is not None:
+                raise RequestError(f"allowed_token_ids entry {wrong!r} is invalid: expected a non-negative integer token id")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list):
+                raise bad("bad_words", self.bad_words, "a list of words")
+            wrong = next((w for w in self.bad_words if not isinstance(w, str) or not w.strip()), None)
+            if wrong is not None:
+                raise RequestError(f"bad_words entry {wrong!r} is invalid: expected a word (a string, not empty or blank)")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+            raise bad("truncate_prompt_tokens", k, "an integer >= 1, or -1 for the model's max_model_len")

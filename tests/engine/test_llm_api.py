@@ -102,3 +102,43 @@ def test_bad_gpu_memory_utilization_is_refused(tiny_llama, options, message):
     with pytest.raises(TuiliError) as refused:
         LLM(str(tiny_llama), device="cpu", **options)
     assert message in str(refused.value)
+
+
+def test_get_tokenizer_is_the_models_hugging_face_tokenizer(llm):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = llm.get_tokenizer()
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    assert tokenizer.eos_token_id in llm.engine.eos_token_ids
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str) and text.endswith("assistant\n")  # SmolLM2's ChatML template
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    by_chat = llm.chat(conversation, GREEDY)[0]
+    assert ids == by_chat.prompt_token_ids
+    by_text = llm.generate({"prompt": text}, GREEDY)[0]  # vLLM users' way: the template's text as the prompt
+    assert by_text.prompt_token_ids == ids and by_text.outputs[0].text == by_chat.outputs[0].text
+
+
+def test_get_tokenizer_of_a_hugging_face_directory(tmp_path, real_tokenizer_dirs):
+    import shutil
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=151645,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real_tokenizer_dirs["qwen3"] / name, tmp_path / name)
+    tokenizer = LLM(str(tmp_path), dtype="float32", kv_cache_memory=8 << 20, max_model_len=128).get_tokenizer()
+    reference = transformers.AutoTokenizer.from_pretrained(real_tokenizer_dirs["qwen3"])
+    conversation = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.eos_token_id == reference.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert (tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            == reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+    assert tokenizer("Hello, wörld")["input_ids"] == reference("Hello, wörld")["input_ids"]

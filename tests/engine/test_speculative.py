@@ -111,7 +111,7 @@ def test_sampling_parameters_behave_as_without_speculation(tokenizer_llama):
                                    "adaptive": False})
     prompt = "one two three four one two three four one two three four one two three"
     reference = base.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
-    stop_text = base.get_tokenizer().decode(reference.token_ids[9:11])
+    stop_text = base.engine.tokenizer.decode(reference.token_ids[9:11])
     cases = [
         SamplingParams(temperature=0, max_tokens=23, logprobs=3),
         SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5,

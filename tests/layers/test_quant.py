@@ -393,7 +393,7 @@ def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2, prompt_logit
     llm = LLM(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory=16 << 20)
     assert llm.engine.weights_quantized is None
     assert not any(isinstance(m, QuantizedLinear) for m in llm.engine.runner.model.modules())
-    tokenizer = llm.get_tokenizer()
+    tokenizer = llm.engine.tokenizer
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(conversation)
     float_logits = prompt_logits(llm, [prompt])

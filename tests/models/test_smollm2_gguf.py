@@ -30,7 +30,7 @@ def _hf_greedy(model, ids, steps, eos):
 
 
 def test_greedy_chat_matches_transformers(llm, transformers_smollm2):
-    tokenizer = llm.get_tokenizer()
+    tokenizer = llm.engine.tokenizer
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=STEPS))
     for conv, out in zip(conversations, outs, strict=True):
@@ -48,7 +48,7 @@ def test_capital_of_france_is_paris(llm):
 
 def test_streamed_text_matches_final_text_for_chinese(llm):
     engine = llm.engine
-    ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "请用中文介绍一下北京。"}])
+    ids = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "请用中文介绍一下北京。"}])
     request_id = engine.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=40))
     pieces, shown, final = [], 0, None
     while engine.has_unfinished_requests():
@@ -60,7 +60,7 @@ def test_streamed_text_matches_final_text_for_chinese(llm):
             final = out
     assert final.request_id == request_id
     assert "".join(pieces) == final.outputs[0].text
-    assert final.outputs[0].text == llm.get_tokenizer().decode(
+    assert final.outputs[0].text == llm.engine.tokenizer.decode(
         [t for t in final.outputs[0].token_ids if t not in engine.eos_token_ids]
     )
     assert "\ufffd" not in final.outputs[0].text

@@ -26,6 +26,7 @@ def _check_error(response: httpx.Response, status: int, param: str | None = None
     return error["message"]
 
 
+_CHAT_HI = {"messages": [{"role": "user", "content": "hi"}]}
 BAD_REQUESTS = [
     # (id, path, body, expected status, expected param, text the message must contain)
     ("invalid json", "/v1/completions", b'{"prompt": "hi", ', 400, None, "JSON"),
@@ -71,6 +72,18 @@ BAD_REQUESTS = [
     ("17 stop strings", "/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(17)]}, 400, "stop",
      "at most 16"),
     ("a 257-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop", "at most 256"),
+    # Logit controls (issue 23): token ids beyond the vocabulary and values out of range, by value.
+    ("logit_bias id out of range", "/v1/completions", {"prompt": "hi", "logit_bias": {"10000000": 1}}, 400,
+     "logit_bias", "10000000"),
+    ("logit_bias key not an id", "/v1/chat/completions", {**_CHAT_HI, "logit_bias": {"sea": 1}}, 400,
+     "logit_bias", "'sea'"),
+    ("logit_bias 101", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "101"),
+    ("allowed_token_ids out of range", "/v1/chat/completions", {**_CHAT_HI, "allowed_token_ids": [3, 10000001]},
+     400, "allowed_token_ids", "10000001"),
+    ("a blank bad word", "/v1/completions", {"prompt": "hi", "bad_words": ["sea", " "]}, 400, "bad_words",
+     "bad_words entry ' '"),
+    ("truncate_prompt_tokens -2", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": -2}, 400,
+     "truncate_prompt_tokens", "-1"),
     ("tokenize content null", "/tokenize", {"messages": [{"role": "system", "content": None}]}, 400,
      "messages", "needs content"),
 ]
@@ -85,8 +98,7 @@ MEANINGFUL_FIELDS = [
     ("tools", [{"type": "function", "function": {"name": "f"}}], "/v1/completions"),
     ("prediction", {"type": "content", "content": "x"}, "both"), ("guided_whitespace_pattern", " ", "both"),
     ("guided_decoding_backend", "outlines", "both"), ("structural_tag", "{}", "both"),
-    ("bad_words", ["sea"], "both"),
-    ("allowed_token_ids", [1, 2], "both"), ("truncate_prompt_tokens", 8, "both"), ("echo", True, "chat"),
+    ("echo", True, "chat"),
     ("chat_template", "{{ messages }}", "chat"), ("chat_template_kwargs", {"enable_thinking": True}, "chat"),
 ]
 for _field, _value, _where in MEANINGFUL_FIELDS:

@@ -174,7 +174,7 @@ def test_chat_logprobs(client, model_name):
 def test_models_and_tokenizer_endpoints(server, client, model_name, offline_llm, auth):
     models = client.models.list().data
     assert [m.id for m in models] == [model_name, MODEL_ALIAS]
-    hf = offline_llm.get_tokenizer().hf_tokenizer  # transformers' tokenizer of the same model
+    hf = offline_llm.get_tokenizer()  # transformers' tokenizer of the same model
     text = "Hello, wörld! 你好"
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=auth).json()
     assert tokens["tokens"] == hf.encode(text) and tokens["count"] == len(tokens["tokens"])

@@ -18,7 +18,7 @@ def _bound_cost(body: object) -> None:
     and values of the wrong type stay wrong (negative cases must still be refused)."""
     if not isinstance(body, dict):
         return
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(field)
         if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 3):
             body[field] = 3

@@ -236,7 +236,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             prompt = args.prompt
             if args.chat_template:
-                prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])}
+                prompt = {"prompt_token_ids": llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])}
             start, out = time.perf_counter(), None
             for delta, snapshot in _stream(llm, prompt, params):
                 out = snapshot
@@ -293,7 +293,7 @@ def _read_prompts(path: Path, tokenizer) -> list:
 
 
 def _generate_file(llm, path: Path, output: Path | None, params) -> None:
-    prompts = _read_prompts(path, llm.get_tokenizer())
+    prompts = _read_prompts(path, llm.engine.tokenizer)
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=True)  # a bar of finished prompts, with tokens/s
     elapsed = time.perf_counter() - start
@@ -323,7 +323,7 @@ def run_chat(args: argparse.Namespace) -> int:
     try:
         params = sampling_params(args)
         llm = _load(args)
-        tokenizer = llm.get_tokenizer()
+        tokenizer = llm.engine.tokenizer
         if tokenizer is None:
             raise TuiliError("chat needs a model with a tokenizer and chat template")
         history = [{"role": "system", "content": args.system}] if args.system else []

@@ -224,6 +224,11 @@ class LLMEngine:
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize_prompt(prompt)
+        truncated = params.truncate(token_ids, self.max_model_len)
+        if len(truncated) < len(token_ids):  # the prompt reported back is the one that ran
+            token_ids = truncated
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer else None
+        self._check_logit_controls(params)
         if len(token_ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
@@ -255,6 +260,17 @@ class LLMEngine:
         for seq in req.seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def _check_logit_controls(self, params: SamplingParams) -> None:
+        """Tokenize the request's bad words and refuse token ids beyond the vocabulary."""
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise RequestError("bad_words need a tokenizer; this model was loaded without one")
+            tokenizer = self.tokenizer
+            params.tokenize_bad_words(lambda word: tokenizer.encode(word, add_special_tokens=False),
+                                      self.model_config.vocab_size)
+        else:
+            params.check_token_ids(self.model_config.vocab_size)
 
     def _tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):  # vLLM's TokensPrompt {"prompt_token_ids": [...]} or TextPrompt {"prompt": text}

@@ -12,13 +12,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tuili.config import EngineConfig
 from tuili.engine.core import LLMEngine, Prompt
 from tuili.engine.request import RequestOutput
 from tuili.errors import RequestError, TuiliError
 from tuili.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -44,8 +47,16 @@ class LLM:
         options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.engine = LLMEngine(EngineConfig(model=model, **options))
 
-    def get_tokenizer(self):
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> PreTrainedTokenizerFast:
+        """The model's Hugging Face tokenizer, as vLLM's `get_tokenizer()` returns: a transformers
+        `PreTrainedTokenizerFast` built from the checkpoint's tokenizer.json (or a GGUF file's
+        vocabulary), with its `eos_token_id` and chat template, so that
+        `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)` gives the text
+        `chat` would run. (`llm.engine.tokenizer` is tuili's own wrapper around it: incremental
+        detokenizing, the end-of-turn ids from generation_config.json, content kept as text.)"""
+        if self.engine.tokenizer is None:
+            raise TuiliError("this model has no tokenizer files: give prompts as {'prompt_token_ids': [...]}")
+        return self.engine.tokenizer.hf_tokenizer
 
     def generate(
         self,

@@ -127,6 +127,11 @@ deltanet_decode(mixed, z, b, a, conv_weight, conv_state, recurrent, rows, slots,
     causal conv step, the gated delta rule on the sequence's float32 state slot (in place) and
     the gated RMSNorm, rounding where tuili/layers/deltanet.py rounds; each (row, head) computed
     alone in a fixed order, so a sequence's bits do not depend on the batch.
+deltanet_chunks(mixed, z, b, a, conv_weight, conv_state, recurrent, chunks, cuts, a_log, dt_bias,
+                norm_weight, num_k_heads, eps, out)
+    The same arithmetic over prompt chunks, token after token (a chunk of n tokens is exactly n
+    decode steps, so a prompt's bits do not depend on its split), with prefix-cache checkpoints
+    of the state copied out inside a chunk.
 """
 
 from tuili.kernels.cpu import (
@@ -135,6 +140,7 @@ from tuili.kernels.cpu import (
     amx_available,
     argmax_rows,
     available,
+    deltanet_chunks,
     deltanet_decode,
     dequantize_int4_tiles,
     dequantize_int8_group_tiles,
@@ -161,6 +167,7 @@ __all__ = [
     "amx_available",
     "argmax_rows",
     "available",
+    "deltanet_chunks",
     "deltanet_decode",
     "dequantize_int4_tiles",
     "dequantize_int8_group_tiles",

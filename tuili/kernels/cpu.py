@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -118,6 +119,14 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i64, i64, f32, i32, p, i64, i32, p,  # Hk, Hv, Dk, Dv, conv width, eps, dtype, out, its row stride, threads, error
     ]  # fmt: skip
     library.tuili_deltanet_decode.restype = i32
+    library.tuili_deltanet_chunks.argtypes = [
+        p, i64, p, i64, p, p, i64,  # mixed, its row stride, z, its row stride, b, a, their row stride
+        p, p, p, i64, p, p, p, i64,  # conv weight, conv/recurrent state, slots held, firsts, counts, slots, items
+        p, p, p, i64,  # cut starts, cut offsets, cut rows, tokens
+        p, p, p,  # A_log, dt_bias, norm weight
+        i64, i64, i64, i64, i64, f32, i32, p, i64, i32, p,  # Hk, Hv, Dk, Dv, conv width, eps, dtype, out, its row stride, threads, error
+    ]  # fmt: skip
+    library.tuili_deltanet_chunks.restype = i32
     library.tuili_argmax_rows.argtypes = [p, i64, i64, p, i32]  # x, rows, n, out, threads
     library.tuili_argmax_rows.restype = i32
     library.tuili_amx_init.argtypes = []
@@ -791,6 +800,48 @@ def deltanet_decode(
     state has mixed's dtype (float32 or bfloat16); conv_weight is [C, 1, K] or [C, K], A_log and
     dt_bias [Hv], norm_weight [Dv]. A row outside the inputs or a slot outside the state raises
     ValueError and nothing is written. Returns out."""
+    rows = _check("rows", rows, (torch.int64,), 1)
+    slots = _check("slots", slots, (torch.int64,), rows.shape)
+    return _deltanet(
+        "tuili_deltanet_decode", mixed, z, b, a, conv_weight, conv_state, recurrent, a_log, dt_bias, norm_weight,
+        num_k_heads, eps, out, (rows.data_ptr(), slots.data_ptr(), rows.numel()), "decode row",
+    )  # fmt: skip
+
+
+def deltanet_chunks(
+    mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_weight: torch.Tensor,
+    conv_state: torch.Tensor, recurrent: torch.Tensor, chunks: list[tuple[int, int, int]],
+    cuts: list[list[tuple[int, int]]], a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+    num_k_heads: int, eps: float, out: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """deltanet_decode's arithmetic over prompt chunks, token after token (csrc/deltanet.c): chunk
+    i = chunks[i] = (first row, tokens, slot) is that many consecutive rows of one sequence, its
+    state in `slot`; cuts[i] lists (tokens into the chunk, row) pairs, increasing: the state after
+    that many tokens (0 .. tokens) is copied to that row of conv_state and recurrent (a prefix-cache
+    checkpoint). Each token gets exactly the bits a decode step would give it. Other arguments and
+    checks as deltanet_decode. Returns out."""
+    if len(cuts) != len(chunks):
+        raise ValueError(f"{len(cuts)} lists of cuts for {len(chunks)} chunks; expected one per chunk")
+    firsts, counts, slots = (torch.tensor([c[i] for c in chunks], dtype=torch.int64) for i in range(3))
+    starts = torch.tensor([0, *itertools.accumulate(len(c) for c in cuts)], dtype=torch.int64)
+    offsets = torch.tensor([o for c in cuts for o, _ in c], dtype=torch.int64)
+    cut_rows = torch.tensor([r for c in cuts for _, r in c], dtype=torch.int64)
+    items = (firsts.data_ptr(), counts.data_ptr(), slots.data_ptr(), len(chunks), starts.data_ptr(),
+             offsets.data_ptr(), cut_rows.data_ptr())  # fmt: skip
+    return _deltanet(
+        "tuili_deltanet_chunks", mixed, z, b, a, conv_weight, conv_state, recurrent, a_log, dt_bias, norm_weight,
+        num_k_heads, eps, out, items, "chunk",
+    )  # fmt: skip
+
+
+def _deltanet(
+    function: str, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+    conv_weight: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, norm_weight: torch.Tensor, num_k_heads: int, eps: float, out: torch.Tensor,
+    items: tuple[int, ...], item: str,
+) -> torch.Tensor:  # fmt: skip
+    """The checks and the call shared by deltanet_decode and deltanet_chunks; `items` are the
+    function's item arguments (pointers and counts), `item` names one in errors."""
     slots_held, v_heads, dk, dv = _check("recurrent", recurrent, (torch.float32,), 4).shape
     dtype = mixed.dtype if isinstance(mixed, torch.Tensor) and mixed.dtype in _FLOAT_DTYPES else torch.float32
     conv_state = _check("conv_state", conv_state, (dtype,), 3)
@@ -803,7 +854,7 @@ def deltanet_decode(
             f"2 x {num_k_heads} key heads x {dk} + {v_heads} x {dv} channels, Hv a multiple of Hk"
         )
     if max(dk, dv) > _MAX_DELTANET_HEAD_DIM:
-        raise ValueError(f"heads of [{dk}, {dv}]; deltanet_decode takes at most {_MAX_DELTANET_HEAD_DIM}")
+        raise ValueError(f"heads of [{dk}, {dv}]; the DeltaNet kernels take at most {_MAX_DELTANET_HEAD_DIM}")
     if conv_state.shape[0] != slots_held:
         raise ValueError(f"conv_state has {conv_state.shape[0]} slots; recurrent has {slots_held}")
     conv_weight = _check("conv_weight", conv_weight.reshape(channels, -1) if isinstance(conv_weight, torch.Tensor)
@@ -812,29 +863,30 @@ def deltanet_decode(
     b, a = _check_rows_view("b", b, dtype, v_heads), _check_rows_view("a", a, dtype, v_heads)
     if b.stride(0) != a.stride(0):
         raise ValueError(f"b and a have row strides {b.stride(0)} and {a.stride(0)}; expected one stride")
-    rows = _check("rows", rows, (torch.int64,), 1)
-    slots = _check("slots", slots, (torch.int64,), rows.shape)
     a_log, dt_bias = _check("a_log", a_log, (dtype,), (v_heads,)), _check("dt_bias", dt_bias, (dtype,), (v_heads,))
     norm_weight = _check("norm_weight", norm_weight, (dtype,), (dv,))
     out = _check_rows_view("out", out, dtype, v_heads * dv)
     tokens = min(t.shape[0] for t in (mixed, z, b, a, out))
     error = (ctypes.c_int64 * 3)()
     status = _call(
-        "tuili_deltanet_decode",
+        function,
         mixed.data_ptr(), mixed.stride(0), z.data_ptr(), z.stride(0), b.data_ptr(), a.data_ptr(), b.stride(0),
-        conv_weight.data_ptr(), conv_state.data_ptr(), recurrent.data_ptr(), slots_held, rows.data_ptr(),
-        slots.data_ptr(), rows.numel(), tokens, a_log.data_ptr(), dt_bias.data_ptr(), norm_weight.data_ptr(),
+        conv_weight.data_ptr(), conv_state.data_ptr(), recurrent.data_ptr(), slots_held, *items, tokens,
+        a_log.data_ptr(), dt_bias.data_ptr(), norm_weight.data_ptr(),
         num_k_heads, v_heads, dk, dv, kernel, eps, _DTYPE_CODES[dtype], out.data_ptr(), out.stride(0),
         torch.get_num_threads(), error,
     )  # fmt: skip
     if status == _BAD_SEQ_ROWS:
-        raise ValueError(f"rows: decode row {error[1]} is row {error[2]}, outside the inputs' [0, {tokens})")
+        raise ValueError(f"{item} {error[1]} starts at row {error[2]}: its rows are not all in the inputs' [0, {tokens})")
     if status == _BAD_SLOT:
-        raise ValueError(f"slots: decode row {error[1]} has slot {error[2]}, outside the state's [0, {slots_held})")
+        raise ValueError(
+            f"{item} {error[1]} names state row {error[2]} (slot or cut), outside the state's [0, {slots_held}), "
+            "or a cut outside the chunk or out of order"
+        )
     if status == _NO_MEMORY:
-        raise MemoryError("the DeltaNet decode kernel could not allocate its scratch memory")
+        raise MemoryError("the DeltaNet kernel could not allocate its scratch memory")
     if status != 0:
-        raise RuntimeError(f"the DeltaNet decode kernel failed with status {status}")
+        raise RuntimeError(f"the DeltaNet kernel failed with status {status}")
     return out
 
 

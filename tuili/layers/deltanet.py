@@ -323,10 +323,19 @@ class GatedDeltaNet(nn.Module):
         normed = torch.empty(tokens, self.value_dim, dtype=x.dtype, device=x.device)
         if batch.decode_rows.numel():
             self._decode(mixed, z, b, a, batch.decode_rows, batch.decode_slots, normed)
-        for first, n, slot in batch.chunks:
-            rows = slice(first, first + n)
-            out = self._chunk(mixed[rows], b[rows], a[rows], slot, batch.cuts.get(first, ()))
-            normed[rows] = self.norm(out.to(x.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(n, -1)
+        if batch.chunks and self.platform.native(mixed, state.conv):
+            # Token by token, decode's arithmetic: a prompt's bits do not depend on its split
+            # into chunks, and on CPUs it is faster than the chunked rule (docs/kernels.md).
+            kernels.deltanet_chunks(
+                mixed, z, b, a, self.conv1d.weight, state.conv, state.recurrent, batch.chunks,
+                [batch.cuts.get(first, []) for first, _, _ in batch.chunks], self.A_log, self.dt_bias,
+                self.norm.weight, self.num_k_heads, self.norm.eps, normed,
+            )  # fmt: skip
+        else:
+            for first, n, slot in batch.chunks:
+                rows = slice(first, first + n)
+                out = self._chunk(mixed[rows], b[rows], a[rows], slot, batch.cuts.get(first, ()))
+                normed[rows] = self.norm(out.to(x.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(n, -1)
         if batch.save_slots.numel():  # checkpoints at the end of an item: the slot's new state
             state.conv[batch.save_rows] = state.conv[batch.save_slots]
             state.recurrent[batch.save_rows] = state.recurrent[batch.save_slots]

@@ -2,6 +2,11 @@
 
 For each row of the logits, in this order:
 
+0. **Logit controls** (vLLM's order: before the penalties). ``allowed_token_ids`` gives every
+   other token logit -inf; ``bad_words`` gives -inf to the last token of each banned word
+   whose other tokens the output ends with (a one-token word always; vLLM's rule, over the
+   generated tokens only); ``logit_bias`` adds its bias to its tokens' logits (OpenAI's rule:
+   -100 all but bans a token, +100 all but forces it).
 1. **Penalties.** ``repetition_penalty`` (CTRL / Hugging Face definition) over every token of
    the prompt and the output so far: a positive logit is divided by the penalty, a negative
    one multiplied. Then ``presence_penalty`` and ``frequency_penalty`` (OpenAI definition) over
@@ -32,8 +37,10 @@ For each row of the logits, in this order:
    draw from the global RNG.
 
 Every step is a batched tensor operation over the rows that use it; only seeded rows loop
-in Python (one draw each). A batch of plain greedy rows (no penalty, suppression or logprobs)
-skips steps 1-4 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
+in Python (one draw each), and step 0 makes one tensor edit per row that has a control (its
+ids become tensors once, at the request's first step) and compares each bad word with the
+output's tail; nothing loops over the vocabulary. A batch of plain greedy rows (no logit
+control, penalty, suppression or logprobs) skips steps 0-4 and the float32 copy they edit: on CPU one native pass (tuili/kernels) reads
 the logits as step 1's nan_to_num would leave them and picks each row's arg-max in one pass
 (docs/kernels.md, Measured crossovers).
 """
@@ -128,9 +135,10 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 1-2 on a float32 copy of ``logits``: the distribution each row's penalties and
-        suppression define, what greedy rows take the arg-max of and logprobs report."""
+        """Steps 0-3 on a float32 copy of ``logits``: the distribution each row's controls,
+        penalties and suppression define, what greedy rows take the arg-max of and logprobs report."""
         logits = logits.to(torch.float32, copy=True)  # everything below edits it in place
+        _apply_logit_controls(logits, rows)
         _apply_repetition_penalty(logits, rows)
         _apply_presence_frequency_penalties(logits, rows)
         _suppress(logits, rows)
@@ -166,6 +174,7 @@ def _native_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
             and row.params.presence_penalty == 0.0
             and row.params.frequency_penalty == 0.0
             and not row.suppressed_token_ids
+            and not row.params.controls_logits
             for row in rows
         )
     )
@@ -187,6 +196,62 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+@dataclass
+class _ControlTensors:
+    """One request's allowed_token_ids and logit_bias as tensors, ids within the vocabulary."""
+
+    allowed: torch.Tensor | None  # [k] int64
+    bias_ids: torch.Tensor | None  # [m] int64
+    bias_values: torch.Tensor | None  # [m] float32
+
+
+def _control_tensors(params: SamplingParams, vocab_size: int) -> _ControlTensors:
+    """Built once per request and vocabulary size (params.logit_control_cache)."""
+    cached = params.logit_control_cache.get(vocab_size)
+    if cached is None:
+        allowed = bias_ids = bias_values = None
+        if params.allowed_token_ids:
+            allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+            allowed = allowed[allowed < vocab_size]
+        if params.logit_bias:
+            bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            inside = bias_ids < vocab_size
+            bias_ids, bias_values = bias_ids[inside], bias_values[inside]
+        cached = params.logit_control_cache[vocab_size] = _ControlTensors(allowed, bias_ids, bias_values)
+    return cached
+
+
+def _apply_logit_controls(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Step 0: allowed_token_ids, bad_words and logit_bias. Each row's listed ids are tensors
+    built at its first step; a step makes one tensor edit per row that uses a control (no loop
+    over the vocabulary). Ids outside the vocabulary are skipped (the engine refuses them; a
+    draft model's vocabulary may be the smaller one)."""
+    if not any(row.params.controls_logits for row in rows):
+        return
+    vocab_size = logits.shape[1]
+    device = logits.device
+    banned: tuple[list[int], list[int]] = ([], [])
+    for i, row in enumerate(rows):
+        params = row.params
+        if not params.controls_logits:
+            continue
+        controls = _control_tensors(params, vocab_size)
+        if controls.allowed is not None:
+            kept = logits[i].index_select(0, controls.allowed.to(device))
+            logits[i].fill_(float("-inf")).index_copy_(0, controls.allowed.to(device), kept)
+        for word in params.bad_words_token_ids:
+            prefix = len(word) - 1
+            generated = len(row.token_ids) - row.prompt_len
+            if prefix <= generated and (prefix == 0 or row.token_ids[-prefix:] == word[:-1]) and word[-1] < vocab_size:
+                banned[0].append(i)
+                banned[1].append(word[-1])
+        if controls.bias_ids is not None:
+            logits[i].index_add_(0, controls.bias_ids.to(device), controls.bias_values.to(device))
+    if banned[0]:
+        logits[torch.tensor(banned[0], device=device), torch.tensor(banned[1], device=device)] = float("-inf")
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -5,6 +5,7 @@ and an OpenAPI schema from the same declarations (the property-based test runs a
 schema), and because it is what OpenAI-compatible servers (vLLM, SGLang) are built on.
 
     POST /v1/completions, /v1/chat/completions   generation, streamed or not  (key)
+    POST /v1/responses                           the Responses API, text only (key; responses.py)
     GET  /v1/models, /v1/models/{id}             the served model             (key)
     POST /tokenize, /detokenize                  the model's tokenizer        (key)
     GET  /health                                 200 while the engine thread lives
@@ -65,6 +66,13 @@ from tuili.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UnsupportedFieldError,
+)
+from tuili.server.responses import (
+    ResponseObject,
+    ResponsesRequest,
+    complete_response,
+    start_response,
+    stream_response,
 )
 from tuili.server.tokenization import PromptTokenizer
 from tuili.server.web import LiveStats, StepLog, install_pages, is_public
@@ -211,6 +219,24 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         arrival = time.monotonic()
         gen = await _answer_errors(start_chat(backend, body, arrival), ChatCompletionRequest)
         return await _respond(gen, body.stream, body.stream_options, request, driver)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_STREAMABLE})
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        call = await _answer_errors(start_response(backend, body, arrival), ResponsesRequest)
+        if body.stream:
+            return _EventStream(stream_response(call), on_close=lambda: driver.release(call.gen.submission))
+        try:
+            result = await _unless_disconnected(request, complete_response(call))
+            if result is None:  # the client left; nobody reads this
+                return Response(status_code=499)
+            return Response(result.model_dump_json(), media_type="application/json")
+        except ApiError:
+            raise
+        except Exception as error:
+            raise as_api_error(error) from error
+        finally:
+            driver.release(call.gen.submission)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

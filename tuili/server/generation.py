@@ -134,6 +134,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         ignore_eos=request.ignore_eos, logprobs=logprobs,
         prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None else prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens and not keep_special, structured_outputs=structured,
+        logit_bias=request.logit_bias_ids(), allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
     )
 
 
@@ -203,19 +205,24 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = await backend.tokenizer.encode_prompt(item, "prompt", backend.max_model_len)
+            if params.truncate_prompt_tokens is None:
+                ids = await backend.tokenizer.encode_prompt(item, "prompt", backend.max_model_len)
+            else:  # a text of any length may be cut to its end (the body's size bounds it)
+                ids = await backend.tokenizer.encode(item)
         else:
             ids = list(item)
             backend.tokenizer.check_ids(ids, "prompt")
         if not ids:
             raise RequestError("prompt is empty: expected at least one token")
+        whole = len(ids)
+        ids = params.truncate(ids, backend.max_model_len)
         check_length("prompt", ids, params.max_tokens, backend.max_model_len)
         prompts.append(ids)
-        texts.append(item if isinstance(item, str) else None)
+        texts.append(item if isinstance(item, str) and len(ids) == whole else None)  # a cut text is not the prompt
     gen = await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
                         request.model)
     if request.echo:
-        # A token-id prompt echoes as its decoded text, special tokens spelled out.
+        # A token-id (or truncated) prompt echoes as its decoded text, special tokens spelled out.
         gen.echo_texts = [text if text is not None else await backend.tokenizer.decode(ids, skip_special_tokens=False)
                           for text, ids in zip(texts, prompts, strict=True)]
         gen.echo_only = echo_only
@@ -236,9 +243,11 @@ async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: 
         messages = template_messages(messages, tools.tools if tools else None, renders_tools)
     # The template only adds to the content, so content whose own prefix overflows the context
     # is refused before the whole chat is rendered and tokenized.
-    await backend.tokenizer.check_text_length(_content_text(messages), "messages", backend.max_model_len)
+    if params.truncate_prompt_tokens is None:
+        await backend.tokenizer.check_text_length(_content_text(messages), "messages", backend.max_model_len)
     ids = await backend.tokenizer.apply_chat_template(
         messages, request.add_generation_prompt, tools.tools if tools and renders_tools else None)
+    ids = params.truncate(ids, backend.max_model_len)  # vLLM's rule: the rendered chat's last k tokens
     check_length("messages", ids, max_tokens, backend.max_model_len)
     gen = await _submit(backend, "chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], [None], params, arrival,
                         request.model)

@@ -6,7 +6,7 @@ declared here are OpenAI's (and vLLM's for its extra fields) and are part of the
 OpenAPI schema; `tuili.sampling.SamplingParams` checks the sampling fields again when the
 engine builds them, so the two must agree (a test sends the boundary values to both).
 
-Fields OpenAI defines that tuili cannot honour (suffix, best_of, logit_bias) are
+Fields OpenAI defines that tuili cannot honour (suffix, best_of) are
 declared so that a request using them is refused with a clear 400 instead of being answered
 as if they had been applied. Fields of OpenAI's and vLLM's that change what a request means
 (`functions`, `guided_whitespace_pattern`, `chat_template`, ...: `_REFUSED`)
@@ -39,8 +39,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 _SAMPLING_REFUSED: dict[str, object] = {
     "functions": _NEUTRAL, "function_call": "none",
-    "prediction": _NEUTRAL, "bad_words": _NEUTRAL,
-    "allowed_token_ids": _NEUTRAL, "truncate_prompt_tokens": _NEUTRAL, "use_beam_search": False,
+    "prediction": _NEUTRAL, "use_beam_search": False,
     "logits_processors": _NEUTRAL, "return_tokens_as_token_ids": False,
     # vLLM's structured-output options beyond what tuili's grammar engine (xgrammar) takes.
     "guided_whitespace_pattern": _NEUTRAL, "structural_tag": _NEUTRAL, "guided_decoding_backend": "xgrammar",
@@ -194,7 +193,8 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="accepted and ignored")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be absent or empty")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit")
     # vLLM's extra sampling fields.
     top_k: int = Field(-1, ge=-1, description="-1 or 0 disables")
     min_p: float = Field(0.0, ge=0, le=1)
@@ -204,6 +204,10 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="only these tokens may be generated")
+    bad_words: list[str] | None = Field(None, description="words never generated (vLLM's rule)")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the prompt's last k tokens; -1: "
+                                               "the context length")
     # Structured output (tuili/server/structured.py): OpenAI's and vLLM's ways to ask for it.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -212,6 +216,19 @@ class _SamplingFields(_Request):
     )
 
     _refused = _SAMPLING_REFUSED
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` with integer keys; raises RequestError naming a key that is not a token id."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                error = RequestError(f"logit_bias key {key!r} is invalid: expected a token id such as \"50256\"")
+                error.field = "logit_bias"
+                raise error
+            bias[int(key)] = value
+        return bias
 
     def guided_fields(self) -> dict[str, Any]:
         """vLLM's older guided_* fields that this request gives (not null)."""
@@ -234,8 +251,6 @@ class _SamplingFields(_Request):
     def check_supported(self) -> None:
         """Raise UnsupportedFieldError for a field tuili would otherwise silently ignore."""
         _refuse_meaningful_extras(self.model_extra, self._refused)
-        if self.logit_bias:
-            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported by tuili")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:

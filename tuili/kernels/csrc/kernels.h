@@ -50,6 +50,14 @@ int tuili_deltanet_decode(const void *mixed, int64_t mixed_stride, const void *z
                           int64_t num_rows, int64_t num_tokens, const void *a_log, const void *dt_bias, const void *norm_weight,
                           int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv, int64_t kernel, float eps,
                           int dtype, void *out, int64_t out_stride, int num_threads, int64_t *error);
+int tuili_deltanet_chunks(const void *mixed, int64_t mixed_stride, const void *z, int64_t z_stride, const void *b,
+                          const void *a, int64_t ba_stride, const void *conv_weight, void *conv_state,
+                          float *recurrent, int64_t num_slots, const int64_t *firsts, const int64_t *counts,
+                          const int64_t *slots, int64_t num_items, const int64_t *cut_starts,
+                          const int64_t *cut_offsets, const int64_t *cut_rows, int64_t num_tokens,
+                          const void *a_log, const void *dt_bias, const void *norm_weight, int64_t k_heads,
+                          int64_t v_heads, int64_t dk, int64_t dv, int64_t kernel, float eps, int dtype, void *out,
+                          int64_t out_stride, int num_threads, int64_t *error);
 int tuili_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
 
 #endif
