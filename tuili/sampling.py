@@ -92,6 +92,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: for every prompt token after the first, its logprob and rank under the model
+    # (raw logits: no penalty applies to the prompt) and this many most likely alternatives.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Logit controls (vLLM's fields; tuili/layers/sampler.py step 0). Token ids are checked
@@ -204,6 +207,11 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"at most max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", self.stop, "non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -77,7 +77,7 @@ def _run(llm: LLM, prompts, indices) -> dict[int, tuple]:
     result = {}
     for i, out in zip(indices, outs, strict=True):
         c = out.outputs[0]
-        logprobs = tuple(step[token] for step, token in zip(c.logprobs, c.token_ids, strict=True))
+        logprobs = tuple(step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True))
         result[i] = (tuple(c.token_ids), logprobs)
     return result
 

@@ -129,7 +129,7 @@ def test_sampling_parameters_behave_as_without_speculation(tokenizer_llama):
         if params.logprobs is not None:
             for mine, theirs in zip(got.logprobs, want.logprobs, strict=True):
                 assert mine.keys() == theirs.keys()
-                assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+                assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
     assert spec.engine.stats().spec.num_accepted_tokens > 0
     assert_all_blocks_free(spec)
 

@@ -37,7 +37,7 @@ BOUNDS = _bounds()
 def test_the_schema_declares_the_sampling_ranges():
     assert {name for name, _, _ in BOUNDS} >= {
         "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-        "repetition_penalty", "min_tokens", "max_tokens", "logprobs",
+        "repetition_penalty", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs",
     }
 
 

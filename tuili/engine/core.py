@@ -246,7 +246,8 @@ class LLMEngine:
                 raise RequestError("structured outputs need a tokenizer; this model was loaded without one")
             self.grammars.compile(params.structured_outputs)  # refused here if it does not compile; cached
         now = time.monotonic()
-        req = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=now))
+        req = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=now),
+                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         for index in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_counter),
@@ -373,7 +374,8 @@ class LLMEngine:
             prompt_tokens += max(0, min(item.start + item.num_tokens, seq.prompt_len) - item.start)
         forward_started = time.perf_counter()
         self.runner.copy_blocks(out.copies)
-        sampled = self.runner.execute(out.scheduled, proposals)
+        result = self.runner.execute(out.scheduled, proposals)
+        sampled = result.sampled
         if self._synchronize:
             torch.cuda.synchronize(self.device)  # a step without sampling returns before the GPU is done
         finished = time.perf_counter()
@@ -383,6 +385,8 @@ class LLMEngine:
             accepted = self.speculator.record(out, sampled, finished - forward_started)
         self.scheduler.update(out, accepted)
 
+        for scored in result.prompt_logprobs:
+            self.outputs.add_prompt_logprobs(self._requests[scored.seq.request_id], scored)
         touched: dict[str, RequestState] = {}
         pooled = self.runner.take_pooled()
         if pooled:

@@ -3,7 +3,8 @@
 Per sequence it keeps the text so far (incremental detokenization, held back while it could
 be the start of a stop string), the logprobs, and decides when a token ends the sequence:
 a stop token or EOS (tuili/engine/stopping.py), a stop string, max_tokens or max_model_len.
-It never touches the scheduler or the runner: the engine's step loop retires what it reports
+Per request it files the prompt logprobs the runner scored, by prompt position. Logprobs are
+vLLM's `Logprob` objects (logprob, rank, the token's text). It never touches the scheduler or the runner: the engine's step loop retires what it reports
 finished.
 """
 
@@ -11,7 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tuili.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
+from tuili.engine.prompt_logprobs import PromptLogprobs
+from tuili.engine.request import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    Sequence,
+)
 from tuili.engine.stopping import StopTokens
 from tuili.layers.sampler import SampledToken
 from tuili.sampling import SamplingParams
@@ -25,7 +34,7 @@ class SequenceText:
     detokenizer: IncrementalDetokenizer | None
     stop_matcher: StopStringMatcher | None
     text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: str | int | None = None
 
@@ -42,6 +51,8 @@ class RequestState:
     metrics: RequestMetrics
     texts: dict[int, SequenceText] = field(default_factory=dict)  # by seq_id
     embedding: list[float] | None = None  # an embedding request's vector, once pooled
+    # With params.prompt_logprobs: per prompt position scored so far (None at position 0).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,6 +64,36 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
         self.max_model_len = max_model_len
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, decoded once per id
+
+    def token_text(self, token_id: int) -> str | None:
+        """A token's own text (special tokens spelled out), for Logprob.decoded_token."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def add_prompt_logprobs(self, req: RequestState, scored: PromptLogprobs) -> None:
+        """File a chunk's prompt logprobs. Positions already filed (a chunk recomputed after a
+        preemption scores the same tokens again, to the same values) are kept as they are."""
+        filed = req.prompt_logprobs
+        assert filed is not None, f"request {req.request_id} did not ask for prompt logprobs"
+        if scored.first_token > len(filed):
+            raise RuntimeError(
+                f"request {req.request_id}: prompt scored from position {scored.first_token} but only "
+                f"{len(filed)} positions were scored before (a cached prefix was taken)"
+            )
+        prompt = req.prompt_token_ids
+        for i in range(len(filed) - scored.first_token, len(scored.logprobs)):
+            position = scored.first_token + i
+            entry = {t: Logprob(lp, rank + 1, self.token_text(t)) for rank, (t, lp) in
+                     enumerate(zip(scored.top_ids[i], scored.top_logprobs[i], strict=True))}
+            token = prompt[position]
+            if token not in entry:
+                entry[token] = Logprob(scored.logprobs[i], scored.ranks[i], self.token_text(token))
+            filed.append(entry)
 
     def new_text(self, prompt_token_ids: list[int], params: SamplingParams) -> SequenceText:
         """The output state of a new sequence (no text without a tokenizer: token ids only)."""
@@ -68,8 +109,12 @@ class OutputProcessor:
         params = seq.params
         seq.token_ids.append(token.token_id)
         if state.logprobs is not None:
-            entry = dict(token.top_logprobs or {})
-            entry[token.token_id] = token.logprob
+            # The sampler lists the top `logprobs` tokens most likely first, then the chosen one
+            # when it is not among them: ranks as vLLM gives them (a top-k entry keeps its place).
+            top = list((token.top_logprobs or {}).items())[: params.logprobs]
+            entry = {t: Logprob(lp, rank + 1, self.token_text(t)) for rank, (t, lp) in enumerate(top)}
+            if token.token_id not in entry:
+                entry[token.token_id] = Logprob(token.logprob, token.rank, self.token_text(token.token_id))
             state.logprobs.append(entry)
             state.cumulative_logprob += token.logprob or 0.0
 
@@ -141,4 +186,5 @@ class OutputProcessor:
             finished=req.finished,
             metrics=req.metrics,
             embedding=req.embedding,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         )

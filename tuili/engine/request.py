@@ -64,6 +64,29 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether computing this sequence's prompt also scores it (prompt logprobs): the
+        request asks, this is its first output (one scores for all n), and the prompt has not
+        been scored yet (a sequence preempted after sampling recomputes without scoring).
+        Such a sequence never takes a cached prefix: the cache holds KV, not logprobs."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and self.num_output_tokens == 0
+
+
+@dataclass
+class Logprob:
+    """One token's log probability, as vLLM's ``Logprob``: `rank` is 1 + the number of tokens
+    at least as likely (1 for the most likely); `decoded_token` is the token's own text (None
+    when the model has no tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, for the position's token and its most likely alternatives.
+PositionLogprobs = dict[int, Logprob]
+
 
 @dataclass
 class CompletionOutput:
@@ -73,7 +96,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
-    logprobs: list[dict[int, float]] | None  # per generated token: chosen + top alternatives
+    logprobs: list[PositionLogprobs] | None  # per generated token: chosen + top alternatives
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
@@ -86,6 +109,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs, per prompt position: None for the first (nothing
+    # precedes it), then the prompt token and the top alternatives, as vLLM has it.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     # An embedding request's vector (float32 values; `outputs` is then empty); None: it generates.
     embedding: list[float] | None = None
 

@@ -10,13 +10,14 @@ of HTTP or of scheduling policy.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tuili.engine.block_manager import BlockCopies, blocks_for, slot
 from tuili.engine.decode_graphs import DecodeGraphs
 from tuili.engine.pool import PoolPlan
+from tuili.engine.prompt_logprobs import PromptLogprobs, PromptSpan, prompt_spans, score
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.spec.verify import Proposal, verify
@@ -42,6 +43,15 @@ class RunnerConfig:
     stop_tokens: StopTokens  # what each sampling row suppresses before min_tokens
     enforce_eager: bool = False  # no CPU decode graphs
     grammars: GrammarCompiler | None = None  # structured output; None: the model has no tokenizer
+
+
+@dataclass
+class StepResult:
+    """What one forward produced: the new tokens of each item whose chunk ends its sequence (in
+    batch order), and the prompt logprobs its prompt chunks scored (tuili/engine/prompt_logprobs.py)."""
+
+    sampled: list[list[SampledToken]]
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -126,20 +136,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, batch: list[ScheduledSeq], proposals: dict[Sequence, Proposal] | None = None,
-    ) -> list[list[SampledToken]]:
+    ) -> StepResult:
         """Run one forward over `batch`; return the new tokens of each item whose chunk ends
         its sequence (in batch order): one token, or for a verification chunk its accepted
-        proposals and the target's token after them (tuili/engine/spec/verify.py).
+        proposals and the target's token after them (tuili/engine/spec/verify.py); and the
+        prompt logprobs of the prompt chunks that score them.
         `proposals` gives the distribution a draft model drew each verified proposal from.
         Structured-output sequences are never verified (the speculator proposes nothing for
         them), so their masks apply to one row each."""
         sampling = [item for item in batch if item.samples]
         masks = self._token_masks([item.seq for item in sampling])  # filled while the forward below runs
-        logits = self.sample_logits(batch)
+        spans = prompt_spans(batch)
+        if spans:
+            logits, scored = self.score_and_sample_logits(batch, spans)
+        else:
+            logits, scored = self.sample_logits(batch), []
         if logits is None:
-            return []
+            return StepResult([], scored)
         if not any(item.draft for item in sampling):
-            return [[t] for t in self._sample(logits, [item.seq for item in sampling], masks)]
+            return StepResult([[t] for t in self._sample(logits, [item.seq for item in sampling], masks)], scored)
         rows: list[SamplingRow] = []
         verified: list[Proposal | None] = []
         for item in sampling:
@@ -149,7 +164,7 @@ class ModelRunner:
                 verified.append(Proposal(list(item.draft), None if probs is None else probs[: len(item.draft)]))
             else:
                 verified.append(None)
-        return verify(logits, rows, verified)
+        return StepResult(verify(logits, rows, verified), scored)
 
     @torch.inference_mode()
     def sample_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -174,6 +189,19 @@ class ModelRunner:
         if len(sample_index) < hidden.shape[0]:
             hidden = hidden[sample_index]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def score_and_sample_logits(
+        self, batch: list[ScheduledSeq], spans: list[PromptSpan],
+    ) -> tuple[torch.Tensor | None, list[PromptLogprobs]]:
+        """sample_logits, for a batch whose prompt chunks also score the prompt (`spans`): the
+        sampling rows' logits and the prompt logprobs, from one forward (never a decode graph)."""
+        input_ids, positions, meta, sample_index = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        if any(item.seq.pooling is not None for item in batch):
+            self._pool(batch, hidden)
+        scored = score(hidden, spans, self.model.compute_logits)
+        return (self.model.compute_logits(hidden[sample_index]) if len(sample_index) else None), scored
 
     def _pool(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Pool the final hidden states of the embedding sequences' chunks (their rows of

@@ -215,7 +215,8 @@ class Scheduler:
                 self.blocks.free(seq)  # the matched blocks stay cached for the next try
                 seq.num_computed_tokens = 0
                 break
-            self.blocks.record_query(seq, match)
+            if not seq.scores_prompt:  # it did not look (vLLM counts no query either)
+                self.blocks.record_query(seq, match)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = match.tokens
             self.waiting.remove(seq)
@@ -267,8 +268,10 @@ class Scheduler:
         """Attach `seq`'s cached prefix; with state checkpoints (a hybrid model), only as deep
         as the deepest checkpoint on it, returned beside the match for the slot to start from.
         A sequence pooled over every position (a MEAN embedding) takes no cached prefix: the
-        hidden states of the cached positions are not kept."""
-        if seq.pooling is not None and seq.pooling.needs_every_position:
+        hidden states of the cached positions are not kept. Nor does a sequence that scores its
+        prompt (prompt logprobs), as in vLLM: the cache holds the prefix's KV but not the
+        logprobs its computation would give."""
+        if seq.scores_prompt or (seq.pooling is not None and seq.pooling.needs_every_position):
             return PrefixMatch(), None
         if self.checkpoints is None:
             return self.blocks.match_prefix(seq), None

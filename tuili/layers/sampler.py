@@ -91,6 +91,8 @@ class SampledToken:
     logprob: float | None = None  # of token_id, when params.logprobs is not None
     # params.logprobs most likely tokens (id -> logprob), plus token_id when not among them.
     top_logprobs: dict[int, float] | None = None
+    # With logprob: 1 + how many other tokens are at least as likely (vLLM's rank; ties count).
+    rank: int | None = None
 
 
 class Sampler:
@@ -374,7 +376,9 @@ def _results(
     results = [SampledToken(token_id=t) for t in chosen]
     if logprobs is None:
         return results
-    chosen_logprob = logprobs.gather(1, token_ids[want_logprobs].unsqueeze(1)).squeeze(1).tolist()
+    chosen_column = logprobs.gather(1, token_ids[want_logprobs].unsqueeze(1))
+    ranks = (logprobs >= chosen_column).sum(dim=1).tolist()
+    chosen_logprob = chosen_column.squeeze(1).tolist()
     k_max = min(max(rows[i].params.logprobs for i in want_logprobs), logprobs.shape[1])
     top_values, top_ids = (t.tolist() for t in logprobs.topk(k_max, dim=-1))
     for r, i in enumerate(want_logprobs):
@@ -383,4 +387,5 @@ def _results(
         top.setdefault(chosen[i], chosen_logprob[r])
         results[i].logprob = chosen_logprob[r]
         results[i].top_logprobs = top
+        results[i].rank = ranks[r]
     return results

@@ -13,11 +13,12 @@ import torch
 
 from tuili.engine.block_manager import BlockCopies
 from tuili.engine.pool import PoolPlan
+from tuili.engine.prompt_logprobs import PromptLogprobs, PromptSpan, project_blocks, score, score_rows
 from tuili.engine.runner import CausalLM, ModelRunner, RunnerConfig
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.parallel.group import TensorParallelGroup
 
-_EXECUTE, _LOGITS, _COPY, _WEIGHTS, _STOP = "execute", "logits", "copy", "weights", "stop"
+_EXECUTE, _SCORE, _LOGITS, _COPY, _WEIGHTS, _STOP = "execute", "score", "logits", "copy", "weights", "stop"
 
 
 class ParallelModelRunner(ModelRunner):
@@ -41,6 +42,19 @@ class ParallelModelRunner(ModelRunner):
         return self._forward(inputs, num_sampling)
 
     @torch.inference_mode()
+    def score_and_sample_logits(
+        self, batch: list[ScheduledSeq], spans: list[PromptSpan],
+    ) -> tuple[torch.Tensor | None, list[PromptLogprobs]]:
+        """ModelRunner's, on every rank: the workers project the same blocks of prompt rows
+        (each projection gathers the logits to rank 0), then the sampling rows."""
+        inputs = self._prepare(batch)
+        num_sampling = len(inputs[3])
+        self.group.broadcast((_SCORE, inputs, num_sampling, score_rows(spans)))
+        hidden = self.model(*inputs[:3])
+        scored = score(hidden, spans, self.model.compute_logits)
+        return self._sample_rows(hidden, inputs[3], num_sampling), scored
+
+    @torch.inference_mode()
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         inputs = self._prepare(batch)
         self.group.broadcast((_LOGITS, inputs))
@@ -53,7 +67,9 @@ class ParallelModelRunner(ModelRunner):
 
     def _forward(self, inputs: tuple, num_sampling: int) -> torch.Tensor | None:
         input_ids, positions, meta, sample_index = inputs
-        hidden = self.model(input_ids, positions, meta)
+        return self._sample_rows(self.model(input_ids, positions, meta), sample_index, num_sampling)
+
+    def _sample_rows(self, hidden: torch.Tensor, sample_index: torch.Tensor, num_sampling: int) -> torch.Tensor | None:
         if not num_sampling:
             return None
         if num_sampling < hidden.shape[0]:
@@ -74,5 +90,11 @@ class ParallelModelRunner(ModelRunner):
                 self.group.gather_objects(self.weight_bytes())
             elif kind == _EXECUTE:
                 self._forward(message[1], message[2])
+            elif kind == _SCORE:
+                _, inputs, num_sampling, rows = message
+                hidden = self.model(*inputs[:3])
+                for _block in project_blocks(hidden, rows, self.model.compute_logits):
+                    pass  # rank 0 reduces the gathered logits
+                self._sample_rows(hidden, inputs[3], num_sampling)
             else:
                 self.model.compute_logits(self.model(*message[1][:3]))

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tuili.engine.request import CompletionOutput, RequestOutput
+from tuili.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
 from tuili.errors import RequestError
 from tuili.sampling import SamplingParams
 from tuili.server.driver import EngineDriver, Submission
@@ -34,6 +34,8 @@ from tuili.server.protocol import (
     CompletionResponse,
     DeltaToolCall,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     ResponseFunctionCall,
     ResponseToolCall,
@@ -54,6 +56,9 @@ from tuili.server.tools import (
 )
 
 DONE = "data: [DONE]\n\n"
+
+# vLLM writes a -inf logprob (a token the model rules out) as this: JSON has no infinity.
+_LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -105,8 +110,11 @@ def check_model(backend: Backend, model: str | None) -> str:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, tools: ToolPlan | None = None) -> SamplingParams:
-    """The engine's parameters; raises ValueError naming a field whose value is out of range."""
+                    logprobs: int | None, tools: ToolPlan | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's parameters; raises ValueError naming a field whose value is out of range.
+    `prompt_logprobs`: what echo needs when the request gives none itself. max_tokens 0 (echo
+    only) samples one token, which the response leaves out."""
     structured = structured_outputs(request)
     if tools is not None and tools.structured is not None:
         if structured is not None:
@@ -121,9 +129,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
         min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-        max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+        max_tokens=1 if max_tokens == 0 else max_tokens, min_tokens=request.min_tokens, stop=request.stop,
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos, logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs if request.prompt_logprobs is not None else prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens and not keep_special, structured_outputs=structured,
         logit_bias=request.logit_bias_ids(), allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
@@ -161,13 +170,18 @@ class Generation:
     token_strings: list[str] | None
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None  # a chat call's tools: its answers are parsed for calls
+    # A completions call with echo: each prompt's text, prepended to its choices' text (and its
+    # tokens to their logprobs); `echo_only` (max_tokens 0): the prompt alone, nothing generated.
+    echo_texts: list[str] | None = None
+    echo_only: bool = False
 
     def choice_index(self, output: RequestOutput, completion: CompletionOutput) -> int:
         return self.submission.request_ids.index(output.request_id) * self.n + completion.index
 
     def usage(self, finals: list[RequestOutput]) -> Usage:
         prompt = sum(self.prompt_lengths)
-        completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        # max_tokens 0 with echo: the one token the engine sampled is not returned, nor counted.
+        completion = 0 if self.echo_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
         cached = sum(out.metrics.num_cached_tokens for out in finals if out.metrics)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -176,7 +190,10 @@ class Generation:
 async def start_completion(backend: Backend, request: CompletionRequest, arrival: float) -> Generation:
     request.check_supported()
     check_model(backend, request.model)
-    params = sampling_params(request, request.max_tokens, request.logprobs)
+    # Echo with logprobs needs the prompt's logprobs (vLLM's rule: prompt_logprobs, else logprobs).
+    echo_only = request.echo and request.max_tokens == 0
+    params = sampling_params(request, request.max_tokens, request.logprobs,
+                             prompt_logprobs=request.logprobs if request.echo else None)
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         items = [prompt]
@@ -202,8 +219,14 @@ async def start_completion(backend: Backend, request: CompletionRequest, arrival
         check_length("prompt", ids, params.max_tokens, backend.max_model_len)
         prompts.append(ids)
         texts.append(item if isinstance(item, str) and len(ids) == whole else None)  # a cut text is not the prompt
-    return await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
-                         request.model)
+    gen = await _submit(backend, "completion", f"cmpl-{uuid.uuid4().hex}", prompts, texts, params, arrival,
+                        request.model)
+    if request.echo:
+        # A token-id (or truncated) prompt echoes as its decoded text, special tokens spelled out.
+        gen.echo_texts = [text if text is not None else await backend.tokenizer.decode(ids, skip_special_tokens=False)
+                          for text, ids in zip(texts, prompts, strict=True)]
+        gen.echo_only = echo_only
+    return gen
 
 
 async def start_chat(backend: Backend, request: ChatCompletionRequest, arrival: float) -> Generation:
@@ -261,17 +284,50 @@ async def complete(gen: Generation) -> CompletionResponse | ChatCompletionRespon
     for out in finals:
         for c in out.outputs:
             index = gen.choice_index(out, c)
-            if gen.kind == "completion":
+            if gen.kind == "completion" and gen.echo_texts is not None:
+                choices.append(_echo_choice(gen, out, c, index))
+            elif gen.kind == "completion":
                 choices.append(CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
-                                                logprobs=_completion_logprobs(gen, c, 0, 0)))
+                                                logprobs=_completion_logprobs(gen, c, 0, 0),
+                                                prompt_logprobs=_prompt_logprobs(out)))
             else:
                 message, finish_reason = _chat_message(gen, c)
                 choices.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
                                           logprobs=_chat_logprobs(gen, c, 0)))
     choices.sort(key=lambda choice: choice.index)
-    response_type = CompletionResponse if gen.kind == "completion" else ChatCompletionResponse
-    return response_type(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
-                         usage=gen.usage(finals))
+    if gen.kind == "completion":
+        return CompletionResponse(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
+                                  usage=gen.usage(finals))
+    return ChatCompletionResponse(id=gen.api_id, created=gen.created, model=gen.model, choices=choices,
+                                  usage=gen.usage(finals), prompt_logprobs=_prompt_logprobs(finals[0]))
+
+
+def _echo_prompt(gen: Generation, out: RequestOutput) -> tuple[str, CompletionLogprobs | None, int]:
+    """What echo puts before a choice's output: the prompt's text and, with logprobs, its tokens'
+    entries (the first with null logprobs, as OpenAI's API had it) and the text offset after them."""
+    text = gen.echo_texts[gen.submission.request_ids.index(out.request_id)]
+    if gen.logprobs is None:
+        return text, None, 0
+    logprobs = CompletionLogprobs()
+    offset = 0
+    # Shorter than the prompt only when the request was aborted before its prefill ended.
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):  # noqa: B905
+        offset = _add_logprob(gen, logprobs, token_id, entry, offset)
+    return text, logprobs, offset
+
+
+def _echo_choice(gen: Generation, out: RequestOutput, c: CompletionOutput, index: int) -> CompletionChoice:
+    """A completion choice with echo: the prompt before the generated text and tokens.
+    `echo_only`: the prompt alone, finish_reason "length"."""
+    text, logprobs, offset = _echo_prompt(gen, out)
+    if gen.echo_only:
+        return CompletionChoice(index=index, text=text, finish_reason="length", logprobs=logprobs,
+                                prompt_logprobs=_prompt_logprobs(out))
+    if logprobs is not None:
+        for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=True):
+            offset = _add_logprob(gen, logprobs, token_id, entry, offset)
+    return CompletionChoice(index=index, text=text + c.text, finish_reason=c.finish_reason, logprobs=logprobs,
+                            prompt_logprobs=_prompt_logprobs(out))
 
 
 def _chat_message(gen: Generation, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
@@ -299,6 +355,8 @@ class _Sent:
     chars: int = 0
     tokens: int = 0
     finished: bool = False
+    echoed: bool = False  # echo: the prompt went out (with the choice's first chunk)
+    echo_offset: int = 0  # echo with logprobs: where the generated tokens' text offsets start
 
 
 async def stream(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
@@ -324,10 +382,26 @@ async def stream(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
                     if not delta and not c.finish_reason and not (new_tokens and gen.logprobs is not None):
                         continue
                     if gen.kind == "completion":
-                        logprobs = _completion_logprobs(gen, c, progress.tokens, progress.chars)
+                        prefix, logprobs = "", None
+                        if gen.echo_texts is not None and not progress.echoed:
+                            prefix, logprobs, progress.echo_offset = _echo_prompt(gen, out)
+                            progress.echoed = True
+                        if gen.echo_only:  # the prompt alone, in one chunk
+                            yield _event(CompletionResponse(
+                                id=gen.api_id, created=gen.created, model=gen.model,
+                                choices=[CompletionChoice(index=index, text=prefix, logprobs=logprobs,
+                                                          finish_reason="length")]))
+                            progress.finished = True
+                            continue
+                        generated = _completion_logprobs(gen, c, progress.tokens, progress.chars + progress.echo_offset)
+                        if logprobs is None:
+                            logprobs = generated
+                        elif generated is not None:
+                            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                                getattr(logprobs, name).extend(getattr(generated, name))
                         yield _event(CompletionResponse(
                             id=gen.api_id, created=gen.created, model=gen.model,
-                            choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                            choices=[CompletionChoice(index=index, text=prefix + delta, logprobs=logprobs,
                                                       finish_reason=c.finish_reason)]))
                     elif gen.tools is not None:
                         tool_stream = tool_streams.setdefault(index, ToolStream(gen.tools))
@@ -375,16 +449,39 @@ def _completion_logprobs(gen: Generation, c: CompletionOutput, start: int, offse
     As OpenAI documents, each position lists the `logprobs` most likely tokens plus the chosen one."""
     if gen.logprobs is None or c.logprobs is None:
         return None
-    strings = gen.token_strings
     result = CompletionLogprobs()
     for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
-        text = strings[token_id]
-        result.tokens.append(text)
-        result.token_logprobs.append(entry[token_id])
-        result.top_logprobs.append({strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
-        result.text_offset.append(offset)
-        offset += len(text)
+        offset = _add_logprob(gen, result, token_id, entry, offset)
     return result
+
+
+def _add_logprob(gen: Generation, result: CompletionLogprobs, token_id: int, entry: PositionLogprobs | None,
+                 offset: int) -> int:
+    """Append one position (`entry` None: a prompt's first token, which nothing predicts) with
+    the `logprobs` most likely tokens and the position's own; returns the next text offset."""
+    text = gen.token_strings[token_id]
+    result.tokens.append(text)
+    result.text_offset.append(offset)
+    if entry is None:
+        result.token_logprobs.append(None)
+        result.top_logprobs.append(None)
+    else:
+        result.token_logprobs.append(max(entry[token_id].logprob, _LOGPROB_FLOOR))
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: gen.logprobs]
+        top = {gen.token_strings[t]: max(lp.logprob, _LOGPROB_FLOOR) for t, lp in ranked}
+        top.setdefault(text, result.token_logprobs[-1])
+        result.top_logprobs.append(top)
+    return offset + len(text)
+
+
+def _prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs field from the engine's (None when not asked for)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        t: PromptLogprob(logprob=max(lp.logprob, _LOGPROB_FLOOR), rank=lp.rank, decoded_token=lp.decoded_token)
+        for t, lp in entry.items()
+    } for entry in out.prompt_logprobs]
 
 
 def _chat_logprobs(gen: Generation, c: CompletionOutput, start: int) -> ChatLogprobs | None:
@@ -395,8 +492,9 @@ def _chat_logprobs(gen: Generation, c: CompletionOutput, start: int) -> ChatLogp
     strings = gen.token_strings
     content = []
     for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=True):
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: gen.logprobs]
-        top = [TopLogprob(token=strings[t], logprob=lp, bytes=list(strings[t].encode())) for t, lp in ranked]
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[: gen.logprobs]
+        top = [TopLogprob(token=strings[t], logprob=lp.logprob, bytes=list(strings[t].encode())) for t, lp in ranked]
         text = strings[token_id]
-        content.append(TokenLogprob(token=text, logprob=entry[token_id], bytes=list(text.encode()), top_logprobs=top))
+        content.append(TokenLogprob(token=text, logprob=entry[token_id].logprob, bytes=list(text.encode()),
+                                    top_logprobs=top))
     return ChatLogprobs(content=content)

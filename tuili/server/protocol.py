@@ -6,7 +6,7 @@ declared here are OpenAI's (and vLLM's for its extra fields) and are part of the
 OpenAPI schema; `tuili.sampling.SamplingParams` checks the sampling fields again when the
 engine builds them, so the two must agree (a test sends the boundary values to both).
 
-Fields OpenAI defines that tuili cannot honour (echo, suffix, best_of) are
+Fields OpenAI defines that tuili cannot honour (suffix, best_of) are
 declared so that a request using them is refused with a clear 400 instead of being answered
 as if they had been applied. Fields of OpenAI's and vLLM's that change what a request means
 (`functions`, `guided_whitespace_pattern`, `chat_template`, ...: `_REFUSED`)
@@ -39,7 +39,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 _SAMPLING_REFUSED: dict[str, object] = {
     "functions": _NEUTRAL, "function_call": "none",
-    "prediction": _NEUTRAL, "prompt_logprobs": _NEUTRAL, "use_beam_search": False,
+    "prediction": _NEUTRAL, "use_beam_search": False,
     "logits_processors": _NEUTRAL, "return_tokens_as_token_ids": False,
     # vLLM's structured-output options beyond what tuili's grammar engine (xgrammar) takes.
     "guided_whitespace_pattern": _NEUTRAL, "structural_tag": _NEUTRAL, "guided_decoding_backend": "xgrammar",
@@ -211,6 +211,9 @@ class _SamplingFields(_Request):
     # Structured output (tuili/server/structured.py): OpenAI's and vLLM's ways to ask for it.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="vLLM's: each prompt token's logprob and this many most likely alternatives"
+    )
 
     _refused = _SAMPLING_REFUSED
 
@@ -250,15 +253,18 @@ class _SamplingFields(_Request):
         _refuse_meaningful_extras(self.model_extra, self._refused)
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            # As vLLM: the prompt's logprobs are a whole-response field.
+            raise UnsupportedFieldError("prompt_logprobs", "prompt_logprobs is not supported with stream=true")
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids, or a list of such lists"
     )
-    max_tokens: int | None = Field(16, ge=1, description="null: up to the context length")
+    max_tokens: int | None = Field(16, ge=0, description="null: up to the context length; 0 only with echo")
     logprobs: int | None = Field(None, ge=0, le=20, description="log probabilities of this many most likely tokens")
-    echo: bool = Field(False, description="not supported: must be false")
+    echo: bool = Field(False, description="prepend the prompt to the text (and its tokens to logprobs)")
     suffix: str | None = Field(None, description="not supported: must be absent")
     best_of: int | None = Field(None, description="not supported beyond best_of == n")
 
@@ -266,8 +272,8 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedFieldError("echo", "echo=true is not supported by tuili")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedFieldError("max_tokens", "max_tokens=0 is only allowed with echo=true (it returns the prompt)")
         if self.suffix is not None:
             raise UnsupportedFieldError("suffix", "suffix is not supported by tuili")
         if self.best_of is not None and self.best_of != self.n:
@@ -402,12 +408,32 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per generated token."""
+    """The legacy completions format: parallel lists, one entry per generated token (with echo,
+    per prompt token first: the prompt's first token has null logprob and top_logprobs)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob`` as its server writes it in ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs field: per prompt position, null for the first, then token id -> Logprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _omit_null_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    """Responses carry vLLM's prompt_logprobs only when it was asked for."""
+    if data.get("prompt_logprobs", ...) is None:
+        del data["prompt_logprobs"]
+    return data
 
 
 class CompletionChoice(BaseModel):
@@ -415,6 +441,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict[str, Any]:
+        return _omit_null_prompt_logprobs(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -474,6 +505,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict[str, Any]:
+        return _omit_null_prompt_logprobs(handler(self))
 
 
 class DeltaFunctionCall(BaseModel):

@@ -92,9 +92,10 @@ class PromptTokenizer:
         """The model's chat template text (None without a tokenizer or template)."""
         return None if self._tokenizer is None else self._tokenizer.hf_tokenizer.chat_template
 
-    async def decode(self, token_ids: Sequence[int]) -> str:
+    async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self.check_ids(token_ids, "tokens")
-        return await self._run(lambda t: t.decode(list(token_ids)), large=len(token_ids) > self.LARGE_TOKENS)
+        return await self._run(lambda t: t.decode(list(token_ids), skip_special_tokens),
+                               large=len(token_ids) > self.LARGE_TOKENS)
 
     def check_ids(self, token_ids: Sequence[int], field: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
