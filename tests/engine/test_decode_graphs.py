@@ -16,20 +16,6 @@ from tuili import LLM, SamplingParams, kernels
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU graphs replay the native kernels")
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    """Qwen3's features (q/k norms, tied embeddings) in bfloat16, as written by transformers."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.1,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("qwen3") / "bf16"
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
 def generate(path, prompts, params, **options):
     llm = LLM(model=str(path), device="cpu", block_size=4, kv_cache_memory=1 << 22, max_model_len=128, **options)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
@@ -40,15 +26,15 @@ PROMPTS = [[5, 17, 250, 3, 99], [42], list(range(30, 53)), [7, 7, 7, 200, 201]]
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])
-def test_graph_steps_equal_eager_steps(tiny_qwen3, quantization):
+def test_graph_steps_equal_eager_steps(tiny_qwen3_bf16, quantization):
     # Different lengths: the decode batch shrinks from 4 to 1 as requests finish, and sampled
     # with a seed so that logits, not only their argmax, must agree. int4: the tied output
     # matrix is an int8 copy run by torch's op, so the graph stops before the logits; int8: every
     # linear is torch's op, so nothing is replayed.
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + 5 * i, logprobs=3) for i in range(4)]
     options = dict(dtype="bfloat16", quantization=quantization)
-    llm, replayed = generate(tiny_qwen3, PROMPTS, params, **options)
-    _, eager = generate(tiny_qwen3, PROMPTS, params, enforce_eager=True, **options)
+    llm, replayed = generate(tiny_qwen3_bf16, PROMPTS, params, **options)
+    _, eager = generate(tiny_qwen3_bf16, PROMPTS, params, enforce_eager=True, **options)
     assert replayed == eager
     graphs = llm.engine.runner.graphs
     if quantization == "int8":

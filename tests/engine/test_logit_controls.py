@@ -14,20 +14,6 @@ from tuili import LLM, SamplingParams, StructuredOutputsParams, kernels
 from tuili.errors import RequestError
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_bf16(tmp_path_factory):
-    """bfloat16, so that every decode step of up to 4 sequences is captured in a graph."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.1,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("qwen3") / "bf16"
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
 def run(path, prompts, params, **options):
     llm = LLM(model=str(path), device="cpu", block_size=4, kv_cache_memory=1 << 22, max_model_len=128, **options)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)

@@ -232,17 +232,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         call = await _answer_errors(start_response(backend, body, arrival), ResponsesRequest)
         if body.stream:
             return _EventStream(stream_response(call), on_close=lambda: driver.release(call.gen.submission))
-        try:
-            result = await _unless_disconnected(request, complete_response(call))
-            if result is None:  # the client left; nobody reads this
-                return Response(status_code=499)
-            return Response(result.model_dump_json(), media_type="application/json")
-        except ApiError:
-            raise
-        except Exception as error:
-            raise as_api_error(error) from error
-        finally:
-            driver.release(call.gen.submission)
+        return await _whole_response(request, complete_response(call), lambda: driver.release(call.gen.submission))
 
     embedder = Embedder(backend, engine.config.pooler_config, engine.model_config.hidden_size)
 
