@@ -142,6 +142,8 @@ def test_probe_quick_measures_saves_and_is_used(capsys):
     # the engine's causal prompt attention, per prompt length, in the dtype --quick measures
     assert set(spec.attention_flops_by_tokens["fp32"]) == set(ENGINE_ATTENTION_TOKENS)
     assert "engine attention fp32 1024 tokens" in out
+    # the DeltaNet prompt kernel, where the native kernels run
+    assert spec.deltanet_prefill_flops["fp32"] > 0 and "engine deltanet fp32 256 tokens" in out
 
 
 def test_probe_of_a_missing_gpu_is_a_clear_error(capsys):

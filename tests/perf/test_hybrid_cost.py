@@ -16,6 +16,7 @@ from tuili import LLM
 from tuili.cli import main
 from tuili.config import ModelConfig
 from tuili.engine.pool import kv_bytes_per_block, state_bytes_per_slot
+from tuili.errors import TuiliError
 from tuili.perf.cost import ModelCost
 from tuili.perf.hardware import HardwareSpec
 from tuili.perf.measure import engine_storage
@@ -140,3 +141,28 @@ def test_plan_measure_runs_on_a_hybrid_moe(tmp_path, capsys, monkeypatch):
     assert report["decode_steps"] == 3
     for row in rows.values():
         assert row["predicted"] > 0 and row["measured"] > 0
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["float", "packed"])
+def test_a_hybrid_prompts_rule_is_charged_at_its_kernels_measured_rate(packed):
+    """The DeltaNet rule's FLOPs of a prompt (7 per state value and token, by hand) take the
+    probed rate of the prompt kernel, the rest the linears'; a spec without it, a decode step and
+    a model without linear attention are untouched, and a spec saved as JSON keeps it."""
+    config = _config("qwen3_5")
+    cost = ModelCost.from_config(config)
+    assert cost.prefill_state_flops(100) == 100 * 3 * 7 * 6 * 16 * 8
+    card = HardwareSpec(name="cpu", peak_flops={"fp32": 1e11}, memory_bandwidth=1e10, memory_bytes=2**33)
+    measured = HardwareSpec(**{**card.to_dict(), "deltanet_prefill_flops": {"fp32": 2e9}})
+    assert HardwareSpec.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+    inputs = PlanInputs(weights="fp32", kv_dtype="fp32", conv_state_dtype="fp32", packed_linears=packed,
+                        compute_dtype="fp32")
+    base, slow = Roofline(cost, card, inputs), Roofline(cost, measured, inputs)
+    extra = cost.prefill_state_flops(100) * (1 / 2e9 - 1 / 1e11)
+    assert slow.prefill(0, 100).seconds - base.prefill(0, 100).seconds == pytest.approx(extra, rel=1e-6)
+    assert slow.decode_uniform(100, 1).seconds == base.decode_uniform(100, 1).seconds
+    llama = ModelCost.from_config({"model_type": "llama", "vocab_size": 320, "hidden_size": 48,
+                                   "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 6,
+                                   "num_key_value_heads": 2})  # fmt: skip
+    assert llama.prefill_state_flops(100) == 0
+    with pytest.raises(TuiliError, match=r"deltanet_prefill_flops\['fp32'\]"):
+        HardwareSpec(**{**card.to_dict(), "deltanet_prefill_flops": {"fp32": -1.0}})

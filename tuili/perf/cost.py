@@ -60,10 +60,12 @@ class ModelCost:
         self._attn_flops_per_key = 4 * shape.num_heads * shape.head_dim
         self._token_flops = sum(2 * self._active_numel(w) for w in self.weights
                                 if w.op in ("matmul", "conv") and w.kind != "lm_head")
+        self._state_flops_per_token = 0
         if shape.linear is not None:
             la = shape.linear
             state = la.value_heads * la.key_dim * la.value_dim
-            self._token_flops += shape.linear_layers * DELTANET_FLOPS_PER_STATE_VALUE * state
+            self._state_flops_per_token = shape.linear_layers * DELTANET_FLOPS_PER_STATE_VALUE * state
+            self._token_flops += self._state_flops_per_token
         self._lm_head_flops = 2 * shape.hidden_size * shape.vocab_size
 
     @classmethod
@@ -122,6 +124,12 @@ class ModelCost:
         _check_count("start", start, 0)
         _check_count("length", length, 1)
         return self._attn_flops_per_key * self._keys_attended(start, length)
+
+    def prefill_state_flops(self, length: int) -> int:
+        """The part of prefill_flops that is the Gated DeltaNet rule on the state (0 without
+        linear attention)."""
+        _check_count("length", length, 1)
+        return length * self._state_flops_per_token
 
     def decode_flops(self, context_lens: Sequence[int]) -> int:
         """FLOPs of one decode step: one new token per sequence, each at its context length

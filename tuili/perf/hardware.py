@@ -77,6 +77,10 @@ class HardwareSpec:
     (tuili/layers/attention.py) at each prompt length of ENGINE_ATTENTION_TOKENS, its FLOPs
     counted as the cost model counts them (the causal half only). It runs several times below the
     linears' rate, so a prompt's attention is charged at its own rate.
+    ``deltanet_prefill_flops``, per dtype: the FLOP/s of tuili's Gated DeltaNet prompt kernel
+    (csrc/deltanet.c, token by token) on a prompt, its FLOPs counted as the cost model counts the
+    rule's (7 per state value and token); a hybrid's prompt charges its rule at this rate.
+    Measured only where the native CPU kernels run.
     """
 
     name: str
@@ -94,6 +98,7 @@ class HardwareSpec:
     linear_prefill_flops: dict[str, float] = field(default_factory=dict)
     linear_flops_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
     attention_flops_by_tokens: dict[str, dict[int, float]] = field(default_factory=dict)
+    deltanet_prefill_flops: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -123,7 +128,7 @@ class HardwareSpec:
                     f"{name} of {self.name!r}={getattr(self, name)!r} is invalid: expected seconds per weight "
                     f"value, >= 0 and well under a millisecond"
                 )
-        for name in ("linear_stream_bandwidth", "linear_prefill_flops"):
+        for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops"):
             for dtype, value in getattr(self, name).items():
                 if dtype not in PEAK_DTYPES:
                     raise TuiliError(
@@ -160,6 +165,10 @@ class HardwareSpec:
         (attention_flops_by_tokens, interpolated); None where nothing was measured."""
         curve = self.attention_flops_by_tokens.get(dtype)
         return _interpolate(curve, tokens) if curve else None
+
+    def deltanet_flops(self, dtype: str) -> float | None:
+        """FLOP/s of tuili's DeltaNet prompt kernel in ``dtype``; None where not measured."""
+        return self.deltanet_prefill_flops.get(dtype)
 
     def flops(self, dtype: str = "bf16") -> float:
         """Peak FLOP/s for matmuls in ``dtype``; a dtype the device lacks falls back to the 16-bit
@@ -218,7 +227,7 @@ class HardwareSpec:
                for name in ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value")},
             **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
                       for k, v in _mapping(where, name, data.get(name)).items()}
-               for name in ("linear_stream_bandwidth", "linear_prefill_flops")},
+               for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops")},
             **{name: {
                 str(dtype).lower(): {
                     _size(f"{where} {name}[{dtype!r}]", size): _number(f"{where} {name}[{dtype!r}][{size!r}]", value)

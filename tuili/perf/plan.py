@@ -178,30 +178,42 @@ class Roofline:
         measured = self.hardware.attention_flops(self.compute_dtype, tokens)
         return self.linear_flops(tokens) if measured is None else min(measured, self.peak)
 
-    def _engine_floor(self, flops: float, nbytes: float, weight_bytes: float, rows: int, attention: float) -> float:
+    def deltanet_flops(self, rows: int) -> float:
+        """FLOP/s of the engine's Gated DeltaNet prompt kernel, as probed (capped by the peak);
+        the linears' rate at that many rows where nothing was measured."""
+        measured = self.hardware.deltanet_flops(self.compute_dtype)
+        return self.linear_flops(rows) if measured is None else min(measured, self.peak)
+
+    def _engine_floor(
+        self, flops: float, nbytes: float, weight_bytes: float, rows: int, attention: float, state: float,
+    ) -> float:  # fmt: skip
         """The step's time at the measured rates of the engine's own kernels: the weights at their
         linears' streaming rate (the rest of the bytes at the hardware's), the ``attention`` FLOPs
-        of a prompt at the attention's rate and the other FLOPs at the linears' rate for products of
-        the step's ``rows``. Equal to the roofline where the probe measured nothing."""
+        of a prompt at the attention's rate, the ``state`` FLOPs (a hybrid's DeltaNet rule) at
+        its kernel's, and the other FLOPs at the linears' rate for products of the step's
+        ``rows``. Equal to the roofline where the probe measured nothing."""
         # The roofline's memory time plus the weights' extra time at the slower rate: exactly the
         # roofline (no rounding left over) where the rates equal the hardware's.
         memory = nbytes / self.bandwidth + weight_bytes * (1 / self.stream - 1 / self.bandwidth)
         linear_rate = self.linear_flops(rows)
         attention_rate = self.attention_flops(rows) if attention else linear_rate
-        if attention_rate == linear_rate:
+        state_rate = self.deltanet_flops(rows) if state else linear_rate
+        if attention_rate == linear_rate == state_rate:
             compute = flops / linear_rate
         else:
-            compute = (flops - attention) / linear_rate + attention / attention_rate
+            compute = (flops - attention - state) / linear_rate + attention / attention_rate + state / state_rate
         return max(compute / self.tp, memory)
 
     def _step(
-        self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float, attention: float = 0.0
-    ) -> StepCost:
+        self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float, attention: float = 0.0,
+        state: float = 0.0,
+    ) -> StepCost:  # fmt: skip
         overhead = self.overhead(step)
         packed = self._packed_work(step)
         if packed is None:
             roofline = self._roofline(flops, nbytes)
-            kernels = max(0.0, self._engine_floor(flops, nbytes, weight_bytes, step.tokens, attention) - roofline)
+            floor = self._engine_floor(flops, nbytes, weight_bytes, step.tokens, attention, state)
+            kernels = max(0.0, floor - roofline)
             return StepCost(flops, nbytes, roofline + kernels + overhead + comm, roofline, overhead, kernels=kernels)
         # The packed linears run in kernels of their own, after one another and the rest: the
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
@@ -214,6 +226,7 @@ class Roofline:
         # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the
         # dequantized tiles of a many-row step through the same matmuls as dense linears (§4.2).
         kernels = self._below_peak(attention, self.attention_flops(step.tokens))
+        kernels += self._below_peak(state, self.deltanet_flops(step.tokens))
         if packed.dequantized:
             kernels += self._below_peak(packed_flops, self.linear_flops(step.tokens))
         return StepCost(
@@ -234,7 +247,8 @@ class Roofline:
         nbytes = weights + self.kv_token_device * length
         comm = self.allreduces * allreduce_seconds(length * self.hidden_bytes, tp, self.link) if tp > 1 else 0.0
         attention = cost.prefill_attention_flops(start, length)
-        return self._step(flops, nbytes, weights, Step(prefill=True, tokens=length), comm, attention)
+        state = cost.prefill_state_flops(length)
+        return self._step(flops, nbytes, weights, Step(prefill=True, tokens=length), comm, attention, state)
 
     def sequence_bytes(self, context: int) -> float:
         """Per device, one decoding sequence's KV reads plus its state read and written back."""

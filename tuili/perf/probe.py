@@ -87,7 +87,8 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
     results += _packed_int4(dev, peaks, sizes)
     linears = _engine_linears(dev, sizes)
     attention = _engine_attention(dev, sizes)
-    results += linears + attention
+    deltanet = _engine_deltanet(dev, sizes)
+    results += linears + attention + deltanet
     read = next(m.value for m in results if m.name == "memory read")
     spec = HardwareSpec(
         name=f"{_device_name(dev)} (probed)",
@@ -99,6 +100,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         **_int4_fields(results),
         **_linear_fields(linears),
         **_attention_fields(attention),
+        **_deltanet_fields(deltanet),
     )
     host = _host_overheads(dev, quick)
     results += host
@@ -120,6 +122,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     fresh = _packed_int4(dev, peaks, sizes) if spec.int4_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
+    deltanet = _engine_deltanet(dev, sizes) if spec.deltanet_prefill_flops else []
     return replace(
         spec,
         memory_bandwidth=read,
@@ -127,6 +130,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
         **(_int4_fields(fresh) if fresh else {}),
         **(_linear_fields(linears) if linears else {}),
         **(_attention_fields(attention) if attention else {}),
+        **(_deltanet_fields(deltanet) if deltanet else {}),
     )
 
 
@@ -426,6 +430,45 @@ def _engine_attention(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
             flops = 4 * heads * head_dim * tokens * (tokens + 1) // 2
             out.append(Measurement(f"{ENGINE_ATTENTION} {dtype} {tokens} tokens", flops / t, "FLOP/s", t))
     return out
+
+
+ENGINE_DELTANET = "engine deltanet"
+DELTANET_HEADS = (16, 16, 128, 128)  # key heads, value heads, key and value head dims (Qwen3.5's)
+DELTANET_TOKENS = 256
+
+
+def _engine_deltanet(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    """tuili's Gated DeltaNet prompt kernel (kernels.deltanet_chunks) over a DELTANET_TOKENS-token
+    prompt of one layer of DELTANET_HEADS, FLOPs counted as the cost model counts the rule's
+    (DELTANET_FLOPS_PER_STATE_VALUE per state value and token; the conv, gates and norm it also
+    runs are in its time). Only where the native CPU kernels run: elsewhere the torch code
+    runs the chunked rule's matmuls, which the linears' rate stands for."""
+    from tuili import kernels
+    from tuili.perf.cost import DELTANET_FLOPS_PER_STATE_VALUE
+
+    if not Platform.detect(dev).native_kernels:
+        return []
+    k_heads, v_heads, dk, dv = DELTANET_HEADS
+    channels, tokens = 2 * k_heads * dk + v_heads * dv, DELTANET_TOKENS
+    out = []
+    for dtype in sizes.skinny_dtypes:
+        torch_dtype = _TORCH_DTYPES[dtype]
+        mixed, z = torch.randn(tokens, channels).to(torch_dtype), torch.randn(tokens, v_heads * dv).to(torch_dtype)
+        b, a = (torch.randn(tokens, v_heads).to(torch_dtype) for _ in range(2))
+        weight, conv = torch.randn(channels, 4).to(torch_dtype), torch.zeros(1, channels, 3, dtype=torch_dtype)
+        state = torch.zeros(1, v_heads, dk, dv)
+        a_log, dt_bias = torch.zeros(v_heads, dtype=torch_dtype), torch.zeros(v_heads, dtype=torch_dtype)
+        norm, result = torch.ones(dv, dtype=torch_dtype), torch.empty(tokens, v_heads * dv, dtype=torch_dtype)
+        run = functools.partial(kernels.deltanet_chunks, mixed, z, b, a, weight, conv, state, [(0, tokens, 0)], [[]],
+                                a_log, dt_bias, norm, k_heads, 1e-6, result)  # fmt: skip
+        t = _time(run, dev, sizes.seconds_per_item)
+        flops = DELTANET_FLOPS_PER_STATE_VALUE * v_heads * dk * dv * tokens
+        out.append(Measurement(f"{ENGINE_DELTANET} {dtype} {tokens} tokens", flops / t, "FLOP/s", t))
+    return out
+
+
+def _deltanet_fields(deltanet: list[Measurement]) -> dict[str, dict]:
+    return {"deltanet_prefill_flops": {m.name.removeprefix(ENGINE_DELTANET).split()[0]: m.value for m in deltanet}}
 
 
 def _attention_fields(attention: list[Measurement]) -> dict[str, dict]:
