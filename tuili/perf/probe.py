@@ -443,7 +443,7 @@ def _engine_deltanet(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     (DELTANET_FLOPS_PER_STATE_VALUE per state value and token; the conv, gates and norm it also
     runs are in its time). Only where the native CPU kernels run: elsewhere the torch code
     runs the chunked rule's matmuls, which the linears' rate stands for."""
-    from tuili import kernels
+    from tuili.kernels import deltanet_chunks
     from tuili.perf.cost import DELTANET_FLOPS_PER_STATE_VALUE
 
     if not Platform.detect(dev).native_kernels:
@@ -459,7 +459,7 @@ def _engine_deltanet(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
         state = torch.zeros(1, v_heads, dk, dv)
         a_log, dt_bias = torch.zeros(v_heads, dtype=torch_dtype), torch.zeros(v_heads, dtype=torch_dtype)
         norm, result = torch.ones(dv, dtype=torch_dtype), torch.empty(tokens, v_heads * dv, dtype=torch_dtype)
-        run = functools.partial(kernels.deltanet_chunks, mixed, z, b, a, weight, conv, state, [(0, tokens, 0)], [[]],
+        run = functools.partial(deltanet_chunks, mixed, z, b, a, weight, conv, state, [(0, tokens, 0)], [[]],
                                 a_log, dt_bias, norm, k_heads, 1e-6, result)  # fmt: skip
         t = _time(run, dev, sizes.seconds_per_item)
         flops = DELTANET_FLOPS_PER_STATE_VALUE * v_heads * dk * dv * tokens
