@@ -416,14 +416,15 @@ def probe(script: str, cache: Path, **env: str) -> subprocess.Popen:
 # from 5 rows), with AVX-512 but not its BF16 and VNNI instructions (the dequantizers then round to bfloat16 in
 # integer arithmetic, linear_small widens bf16 to float32 for FMAs, linear_int4 computes in
 # float32, paged attention converts bf16 keys to float32, prompt attention keeps its AMX path),
-# and with AVX2 only (the portable C code everywhere, and no AMX): flags -> pytest -k.
+# and with AVX2 only (the portable C code everywhere, the DeltaNet kernel's expf SiLU, and no AMX):
+# flags -> pytest -k.
 X86_VARIANTS = {
     "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8": "packed or panel",
     "-mno-avx512bf16 -mno-avx512vnni": "matches_sdpa or split or fused_qkv or tiles or linear_small or int4 "
     "or q8_0 or representable or softmax",
     "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available "
     "or rms_norm or qk_norm or silu or int4 or q8_0 or representable or argmax or fused_qkv or kv_store "
-    "or softmax",
+    "or softmax or deltanet",
 }
 VARIANT_FILES = [
     __file__,
@@ -431,7 +432,7 @@ VARIANT_FILES = [
         str(Path(__file__).with_name(f))
         for f in (
             "test_linear_small.py", "test_linear_amx.py", "test_elementwise.py", "test_linear_int4.py",
-            "test_argmax.py", "test_prompt_attention.py",
+            "test_argmax.py", "test_prompt_attention.py", "test_deltanet_decode.py",
         )
     ),
 ]
