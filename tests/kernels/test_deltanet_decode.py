@@ -3,7 +3,9 @@ tuili/layers/deltanet.py that it replaces (the same layer on the portable platfo
 the gated delta rule on the state slots and the gated RMSNorm, in both projection layouts (Qwen3.5's
 flat views, Qwen3-Next's grouped copies), Hv = Hk and Hv = 2 Hk, float32 and bfloat16. A sequence's
 bits do not depend on the batch or the thread count; a bad slot is refused before anything is
-written; a CPU graph replays the kernel."""
+written; a CPU graph replays the kernel. Prompt chunks (deltanet_chunks, the same arithmetic token by
+token) against the torch chunked rule, with checkpoints inside a chunk, and bit for bit however a
+prompt is split."""
 
 from __future__ import annotations
 
