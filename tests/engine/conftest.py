@@ -45,3 +45,38 @@ def tiny_qwen3_bf16(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3") / "bf16"
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+HYBRIDS = {
+    "dense": (transformers.Qwen3_5TextConfig, "Qwen3_5ForCausalLM", {}),
+    # top-2 of 4 experts and a shared expert: the routing's choices and weights must not move either
+    "moe": (transformers.Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM",
+            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_checkpoint(tmp_path_factory):
+    """`make(kind, initializer_range=0.1)`: the path of a tiny random Qwen3.5 ("dense", or "moe":
+    with a mixture of experts) written by transformers, three Gated DeltaNet layers then one of
+    gated full attention; written once per kind and range. A small range makes a model whose
+    greedy text falls into cycles (prompt lookup then predicts it)."""
+    written = {}
+
+    def make(kind: str, initializer_range: float = 0.1):
+        if (kind, initializer_range) not in written:
+            config_class, architecture, extra = HYBRIDS[kind]
+            torch.manual_seed(0)
+            config = config_class(
+                vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=256,
+                initializer_range=initializer_range, **extra,
+            )  # fmt: skip
+            config.architectures = [architecture]
+            path = tmp_path_factory.mktemp("hybrid") / kind
+            transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+            written[kind, initializer_range] = path
+        return written[kind, initializer_range]
+
+    return make

@@ -133,30 +133,10 @@ def test_outputs_do_not_depend_on_the_batch_and_the_cache_or_the_chunks(tiny_mod
     assert _differences(runs) == []
 
 
-HYBRIDS = {
-    "dense": (transformers.Qwen3_5TextConfig, "Qwen3_5ForCausalLM", {}),
-    # top-2 of 4 experts and a shared expert: the routing's choices and weights must not move either
-    "moe": (transformers.Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM",
-            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)),
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module", params=list(HYBRIDS))
-def tiny_hybrid(request, tmp_path_factory):
-    """A tiny random Qwen3.5 (dense, or with a mixture of experts): three Gated DeltaNet layers,
-    then one of gated full attention."""
-    config_class, architecture, extra = HYBRIDS[request.param]
-    torch.manual_seed(0)
-    config = config_class(
-        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=256, initializer_range=0.1,
-        **extra,
-    )  # fmt: skip
-    config.architectures = [architecture]
-    path = tmp_path_factory.mktemp("invariance") / request.param
-    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
-    return path
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def tiny_hybrid(request, tiny_hybrid_checkpoint):
+    """A tiny random Qwen3.5, dense or with a mixture of experts (tests/engine/conftest.py)."""
+    return tiny_hybrid_checkpoint(request.param)
 
 
 def test_a_hybrid_models_outputs_do_not_depend_on_the_batch_the_chunks_the_cache_or_preemption(tiny_hybrid):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tuili.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from tuili.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, SpeculativeConfig
 from tuili.errors import TuiliError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,10 @@ class PoolPlan:
     # Hybrid models with prefix caching: checkpoints of the linear-attention state at block
     # boundaries (tuili/engine/state_checkpoints.py), state_bytes_per_slot each, from the same budget.
     num_state_checkpoints: int = 0
+    # Hybrid models with speculative decoding: per state slot, this many more rows (the most
+    # proposals a step verifies), for the state after each proposed position of a verification
+    # chunk, so that a rejection leaves the slot at the last accepted one (docs/engine.md).
+    verify_rows_per_slot: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -115,11 +119,14 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
     block_bytes = kv_bytes_per_block(model, config.block_size, kv_dtype)
     budget = config.kv_cache_memory or default_kv_cache_memory(device, config.gpu_memory_utilization)
     slot_bytes = state_bytes_per_slot(model, dtype)
-    num_slots = num_checkpoints = 0
+    num_slots = num_checkpoints = verify_rows = 0
     if slot_bytes:
         total = budget
-        num_slots = _state_slots(model, config, budget, block_bytes, slot_bytes)
-        budget -= num_slots * slot_bytes
+        spec = config.speculative_config
+        verify_rows = spec.num_speculative_tokens if isinstance(spec, SpeculativeConfig) else 0
+        sequence_bytes = slot_bytes * (1 + verify_rows)  # a slot and its verification rows
+        num_slots = _state_slots(model, config, budget, block_bytes, sequence_bytes)
+        budget -= num_slots * sequence_bytes
         if config.enable_prefix_caching:
             # After the slots (a cache never costs concurrency), and above the KV blocks' floor.
             if config.max_model_len is not None:
@@ -145,7 +152,7 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
     num_host_blocks = config.kv_offload_memory // block_bytes if config.enable_prefix_caching else 0
     return PoolPlan(
         num_blocks, config.block_size, num_host_blocks, kv_dtype, max_len, block_bytes, num_slots, slot_bytes,
-        num_checkpoints,
+        num_checkpoints, verify_rows,
     )  # fmt: skip
 
 

@@ -94,9 +94,14 @@ class ModelRunner:
         if linear_layers and pool.num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs a pool plan with state slots")
         self.num_state_slots = pool.num_state_slots  # checkpoint c is state row num_state_slots + c
+        # Speculative decoding: slot s's state after the first t tokens of a verification chunk
+        # (1 <= t <= k) is row verify_row(s, t), after the checkpoints; rows tied to a slot
+        # cannot leak.
+        self.verify_rows_per_slot = pool.verify_rows_per_slot
+        self._first_verify_row = pool.num_state_slots + pool.num_state_checkpoints
         for layer in linear_layers:
             conv_dim, kernel, heads = layer.state_shapes()
-            rows = pool.num_state_slots + pool.num_state_checkpoints
+            rows = self._first_verify_row + pool.num_state_slots * pool.verify_rows_per_slot
             layer.state = DeltaNetState.allocate(rows, conv_dim, kernel, heads, dtype, device)
         # The prefix cache's second tier: the same layout in host memory (pinned on a GPU so
         # host-to-device copies run asynchronously), as raw bytes (index_put has no float8
@@ -164,7 +169,39 @@ class ModelRunner:
                 verified.append(Proposal(list(item.draft), None if probs is None else probs[: len(item.draft)]))
             else:
                 verified.append(None)
-        return StepResult(verify(logits, rows, verified), scored)
+        sampled = verify(logits, rows, verified)
+        if self.hybrid:
+            self._keep_accepted_states(sampling, sampled)
+        return StepResult(sampled, scored)
+
+    def verify_row(self, slot: int, tokens: int) -> int:
+        """The state row that holds slot `slot`'s state after the first `tokens` tokens of its
+        verification chunk (its last sampled token, then tokens - 1 proposals)."""
+        assert 1 <= tokens <= self.verify_rows_per_slot, (tokens, self.verify_rows_per_slot)
+        return self._first_verify_row + slot * self.verify_rows_per_slot + tokens - 1
+
+    def _keep_accepted_states(self, sampling: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
+        """Leave each verifying hybrid sequence's state slot at its last accepted position. The
+        chunk ran its last token and every proposal, so the slot holds the state after all of
+        them; a sequence that kept `a` < k proposals (it emits a + 1 tokens) needs the state
+        after a + 1 of the chunk's tokens, which the forward saved in its verification row."""
+        slots, rows = [], []
+        for item, tokens in zip(sampling, sampled, strict=True):
+            kept = len(tokens) - 1
+            if item.draft and kept < len(item.draft):
+                slot_id = item.seq.state_slot
+                assert slot_id is not None
+                slots.append(slot_id)
+                rows.append(self.verify_row(slot_id, kept + 1))
+        if not slots:
+            return
+        slot_index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for layer in self.model.linear_attention_layers():
+            state = layer.state
+            assert state is not None
+            state.conv[slot_index] = state.conv[row_index]
+            state.recurrent[slot_index] = state.recurrent[row_index]
 
     @torch.inference_mode()
     def sample_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -359,6 +396,10 @@ class ModelRunner:
                     restores.append((state_slot, self.num_state_slots + item.restore_checkpoint))
                 for depth, checkpoint in item.save_checkpoints:
                     saves.append((query_start, depth - start, self.num_state_slots + checkpoint))
+                # A verification chunk [last sampled token, d_1..d_k] saves the state after each
+                # of its first k tokens: keeping a < k proposals restores the one after a + 1.
+                for tokens in range(1, len(item.draft) + 1):
+                    saves.append((query_start, tokens, self.verify_row(state_slot, tokens)))
             input_ids.extend(item.token_ids())
             span = range(start, start + n)
             positions.extend(span)

@@ -11,7 +11,6 @@ from tuili.engine.pool import PoolPlan
 from tuili.engine.spec.draft import DraftModel
 from tuili.engine.spec.speculator import PromptLookup, Proposer, Speculator
 from tuili.engine.stopping import StopTokens
-from tuili.errors import TuiliError
 from tuili.platform import Platform
 
 
@@ -21,11 +20,6 @@ def build_speculator(
 ) -> Speculator:  # fmt: skip
     spec = config.speculative_config
     assert isinstance(spec, SpeculativeConfig)  # EngineConfig.validate parsed it
-    if target.is_hybrid:
-        raise TuiliError(
-            f"speculative_config is not supported for {target.architecture} yet: rejected tokens would need "
-            "its linear-attention state restored per proposal position"
-        )
     proposer: Proposer
     if spec.method == "ngram":
         proposer = PromptLookup(spec)

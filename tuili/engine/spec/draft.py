@@ -52,8 +52,10 @@ class DraftModel:
         )
         cfg = loaded.config
         if cfg.is_hybrid:
-            raise TuiliError(f"speculative_config model={spec.model!r} is a hybrid model: a draft model must be "
-                             "full attention (its KV is rolled back on rejection)")
+            raise TuiliError(f"speculative_config model={spec.model!r} is a hybrid model ({cfg.architecture}): a "
+                             "draft model must be full attention (its KV is rolled back on rejection, its "
+                             "linear-attention state would not be); for a hybrid target use 'ngram', a "
+                             "full-attention draft with its tokenizer, or 'mtp'")
         if cfg.vocab_size > target_vocab:
             raise TuiliError(f"speculative_config model={spec.model!r} has vocab_size={cfg.vocab_size}, more than "
                              f"the target's {target_vocab}: a draft must share the target's tokenizer")
