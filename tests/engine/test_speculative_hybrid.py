@@ -23,7 +23,7 @@ PROMPTS = [
     list(range(40, 80)),
     [100 + (i * 37) % 150 for i in range(30)],
 ]
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 INIT = 0.02  # the checkpoints' initializer_range: greedy text with cycles
 
 # float32 sizes of the tiny Qwen3.5 (tests/engine/conftest.py), block size 16
@@ -101,7 +101,7 @@ def test_greedy_output_is_unchanged_with_preemption_and_state_checkpoint_hits(me
                                                                               reference):
     k = 4 if method == "ngram" else 3
     # State for 4 sequences (a slot and k verification rows each), 4 checkpoints and 12 KV blocks
-    # for 4 sequences growing to 58-72 tokens: preemption is certain.
+    # for 4 sequences growing to 50-64 tokens (4 blocks each): preemption is certain.
     memory = 4 * SLOT * (1 + k) + 4 * SLOT + 12 * BLOCK
     llm = LLM(str(hybrid), dtype="float32", kv_cache_memory=memory, max_model_len=128, max_num_seqs=4,
               state_checkpoint_interval=1, speculative_config=spec_config(method, hybrid_draft))
@@ -119,9 +119,9 @@ def test_greedy_output_is_unchanged_with_preemption_and_state_checkpoint_hits(me
 
 def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint):
     path = str(tiny_hybrid_checkpoint("moe", INIT))
-    want = token_ids(LLM(path, dtype="float32").generate(prompts(), GREEDY))
+    want = token_ids(LLM(path, dtype="float32").generate(prompts()[:2], GREEDY))
     llm = LLM(path, dtype="float32", speculative_config=spec_config("ngram", None))
-    assert token_ids(llm.generate(prompts(), GREEDY)) == want
+    assert token_ids(llm.generate(prompts()[:2], GREEDY)) == want
     spec = llm.engine.stats().spec
     assert spec.num_accepted_tokens > 5 and spec.num_proposed_tokens - spec.num_accepted_tokens > 5, spec
     assert_nothing_held(llm)
@@ -130,7 +130,7 @@ def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint):
 def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
     """The DeltaNet kernels run a verification chunk token by token, as decodes: in bf16 the
     tokens and their logprobs are the same bits as without speculation."""
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     base = LLM(str(hybrid), dtype="bfloat16").generate(prompts(), params)
     llm = LLM(str(hybrid), dtype="bfloat16", speculative_config=spec_config("ngram", None))
     got = llm.generate(prompts(), params)
@@ -142,9 +142,9 @@ def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
     assert_nothing_held(llm)
 
 
-def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid, hybrid_draft):
+def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid, reference):
     llm = LLM(str(hybrid), dtype="float32", max_model_len=128, state_checkpoint_interval=1,
-              speculative_config=spec_config("draft_model", hybrid_draft))
+              speculative_config=spec_config("ngram", None))
     engine = llm.engine
     aborted = set()
 
@@ -154,7 +154,7 @@ def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid, hybr
                 aborted.add(out.request_id)
                 engine.abort_request(out.request_id)
 
-    params = [SamplingParams(temperature=t, max_tokens=40, ignore_eos=True, seed=s)
+    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=s)
               for s, t in enumerate([0, 0.8, 0, 1.0])]
     outs = llm.generate(prompts(), params, on_step=abort_some)
     assert aborted and any(o.outputs[0].finish_reason == "abort" for o in outs)
@@ -164,8 +164,7 @@ def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid, hybr
     assert spec.num_proposed_tokens - spec.num_accepted_tokens > 10, spec
     assert_nothing_held(llm)
     # The engine still serves, and greedy text is still the target's.
-    want = token_ids(LLM(str(hybrid), dtype="float32").generate(prompts()[2:3], GREEDY))
-    assert token_ids(llm.generate(prompts()[2:3], GREEDY)) == want
+    assert token_ids(llm.generate(prompts()[2:3], GREEDY)) == reference[2:3]
 
 
 def test_a_hybrid_draft_model_is_refused_by_name(hybrid):
