@@ -385,7 +385,7 @@ QUANTIZATION_METHODS = ("int8", "int4")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # The keys of vLLM's speculative_config that tuili reads, and tuili's own "adaptive".
 _SPECULATIVE_KEYS = (
     "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization",
@@ -431,8 +431,7 @@ class SpeculativeConfig:
             method = "ngram" if model in ("ngram", "[ngram]") else "draft_model" if model is not None else None
             model = None if method == "ngram" else model
         if method not in SPECULATIVE_METHODS:
-            extra = " (MTP heads are not run yet)" if method == "mtp" else ""
-            raise TuiliError(f"speculative_config method={method!r} is not supported{extra}: expected one of "
+            raise TuiliError(f"speculative_config method={method!r} is not supported: expected one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
 
         def integer(key: str, default: int | None, minimum: int, maximum: int) -> int:
@@ -455,6 +454,9 @@ class SpeculativeConfig:
                              f"of {', '.join(QUANTIZATION_METHODS)}")
         if method == "ngram" and (model is not None or quantization is not None):
             raise TuiliError("speculative_config method='ngram' takes no model or quantization: it needs no draft model")
+        if method == "mtp" and (model is not None or quantization is not None):
+            raise TuiliError("speculative_config method='mtp' takes no model or quantization: it runs the target "
+                             "checkpoint's own multi-token-prediction layers (mtp.*)")
         if method == "draft_model":
             if not isinstance(model, str) or not model:
                 raise TuiliError(f"speculative_config model={model!r} is invalid: method 'draft_model' needs a "

@@ -135,6 +135,7 @@ class LLMEngine:
         if config.speculative_config is not None:
             self.speculator = build_speculator(
                 config, self.model_config, self.model_path, self.pool, self.platform, self.dtype, stop_tokens,
+                self.runner,
             )
         self._observers: list[StepObserver] = []
         self._synchronize = False  # an observer wants device time and the device runs asynchronously

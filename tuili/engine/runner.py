@@ -84,6 +84,10 @@ class ModelRunner:
         # whose products depend on the step's routing, which a graph cannot replay.
         self.graphs: DecodeGraphs | None = None
         self.hybrid = cfg.is_hybrid
+        # With keep_hidden_states(): the last forward's final hidden states, every row in batch
+        # order (speculative decoding's MTP proposer reads them).
+        self.hidden_states: torch.Tensor | None = None
+        self._keep_hidden = False
         if self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
             max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
@@ -137,6 +141,19 @@ class ModelRunner:
                     src = torch.tensor([h for h, _ in copies.to_device])
                     dst = torch.tensor([d for _, d in copies.to_device], device=self.device)
                     device_bytes[dst] = host[src].to(self.device, non_blocking=True)
+
+    def keep_hidden_states(self) -> None:
+        """Keep every forward's final hidden states in `hidden_states`. Decode steps then run
+        eagerly: a CPU graph returns logits only."""
+        self._keep_hidden = True
+        self.graphs = None
+
+    def prepare(
+        self, batch: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The inputs of a forward over `batch`: token ids, positions, attention metadata (KV slots
+        from each sequence's block table) and the rows that sample."""
+        return self._prepare(batch)
 
     @torch.inference_mode()
     def execute(
@@ -219,6 +236,8 @@ class ModelRunner:
                 return logits[rows] if rows else None
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
+        if self._keep_hidden:
+            self.hidden_states = hidden
         if pooling:
             self._pool(batch, hidden)
         if len(sample_index) == 0:
@@ -235,6 +254,8 @@ class ModelRunner:
         sampling rows' logits and the prompt logprobs, from one forward (never a decode graph)."""
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
+        if self._keep_hidden:
+            self.hidden_states = hidden
         if any(item.seq.pooling is not None for item in batch):
             self._pool(batch, hidden)
         scored = score(hidden, spans, self.model.compute_logits)

@@ -1,10 +1,11 @@
-"""Multi-token-prediction weights (`mtp.*` in Qwen3-Next and Qwen3.5 checkpoints), held and not run.
+"""Multi-token prediction (`mtp.*` in Qwen3-Next and Qwen3.5 checkpoints): the weights, held as
+stored, and the network they make, run by speculative decoding's "mtp" method.
 
 These checkpoints carry a small draft network (a projection `mtp.fc`, its input norms, one or
 more decoder layers `mtp.layers.N.*` and a final norm `mtp.norm`) trained to predict the token
-after next, for speculative decoding. tuili does not run speculative decoding yet; the main
-network never reads these weights. They are loaded, as the checkpoint stores them, so that a
-draft runner can be built on them later and so that nothing in the checkpoint is dropped.
+after next. The main network never reads these weights. They are loaded as the checkpoint stores
+them, so that nothing in it is dropped; `MultiTokenPredictor` is built from them only when
+speculative decoding asks for it (tuili/engine/spec/mtp.py).
 
 They are held as buffers, under their checkpoint names (`model.mtp` is the checkpoint's `mtp`
 prefix, `model.get_buffer("mtp.fc.weight")` its `mtp.fc.weight`), in the working dtype on the
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuili.layers.attention import AttentionMetadata
+from tuili.models.llama import Rope
 from tuili.models.weights import WeightPlan
 
 PREFIX = "mtp."
@@ -48,3 +51,46 @@ def multi_token_prediction_weights(plan: WeightPlan) -> HeldWeights | None:
     for name in names:
         held.hold(name.removeprefix(PREFIX), plan.tensors[name]().to(device=plan.device, dtype=plan.dtype))
     return held
+
+
+def mtp_layer_count(held: HeldWeights) -> int:
+    """How many decoder layers (`mtp.layers.N`) the held weights have."""
+    layers = held._modules.get("layers")
+    return len(layers._modules) if layers is not None else 0
+
+
+class MultiTokenPredictor(nn.Module):
+    """The MTP step, as vLLM runs Qwen3-Next's and Qwen3.5's (qwen3_next_mtp.py, qwen3_5_mtp.py):
+    for position p, the target's final hidden state h_p (after its final norm) and the embedding
+    of the token at p + 1 make
+
+        x = fc(concat(pre_fc_norm_embedding(embed(t_{p+1})), pre_fc_norm_hidden(h_p)))
+        y = norm(layer(x))            (a full-attention decoder layer, its own KV cache)
+
+    whose logits through the target's output head predict the token at p + 2. Proposing k > 1
+    tokens repeats the step on its own output: y and the proposed token at position p + 1. With
+    several MTP layers, step j of a chain runs layer j mod n (vLLM's spec_step_idx). The embedding
+    and the output head are the target's; the layers are the target's decoder layer class."""
+
+    def __init__(
+        self, fc: nn.Module, pre_fc_norm_embedding: nn.Module, pre_fc_norm_hidden: nn.Module, layers: list[nn.Module],
+        norm: nn.Module,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.fc = fc
+        self.pre_fc_norm_embedding = pre_fc_norm_embedding
+        self.pre_fc_norm_hidden = pre_fc_norm_hidden
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                step: int = 0) -> torch.Tensor:
+        """embeds: [T, H] the next tokens' embeddings; hidden: [T, H] the states they follow (the
+        target's, or the previous step's output). Returns the normed output [T, H]."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x, residual = self.layers[step % len(self.layers)](self.fc(x), None, rope, meta)
+        return self.norm(x, residual)[0]
+
+    def attention_layers(self) -> list[nn.Module]:
+        """Each layer's attention, in order: the ones with a KV cache."""
+        return [layer.self_attn for layer in self.layers]

@@ -38,7 +38,7 @@ from tuili.layers.deltanet import GatedDeltaNet
 from tuili.layers.norm import OffsetRMSNorm, fused_elementwise
 from tuili.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from tuili.models.llama import MLP, Rope, sparse_moe
-from tuili.models.mtp import multi_token_prediction_weights
+from tuili.models.mtp import PREFIX, MultiTokenPredictor, mtp_layer_count, multi_token_prediction_weights
 from tuili.models.weights import WeightPlan
 
 
@@ -104,10 +104,13 @@ def gated_deltanet(cfg: ModelConfig, plan: WeightPlan, prefix: str) -> GatedDelt
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, index: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, plan: WeightPlan, backend: AttentionBackend, prefix: str, linear: bool, sparse: bool,
+    ) -> None:  # fmt: skip
+        """The layer whose weights are `{prefix}.*`: Gated DeltaNet (`linear`) or gated full
+        attention, then a mixture of experts (`sparse`) or a dense MLP."""
         super().__init__()
-        prefix = f"model.layers.{index}"
-        self.linear = cfg.layer_types[index] == "linear_attention"
+        self.linear = linear
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
         # Exactly one token mixer, under the checkpoint's name for it.
         if self.linear:
@@ -116,7 +119,7 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, plan, backend, f"{prefix}.self_attn")
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
         self.mlp: nn.Module
-        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+        if sparse:
             self.mlp = sparse_moe(cfg, plan, f"{prefix}.mlp")
         else:
             self.mlp = MLP(plan, f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, False)
@@ -143,7 +146,11 @@ class Qwen3NextModel(nn.Module):
         super().__init__()
         self.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, plan, backend, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, plan, backend, f"model.layers.{i}", cfg.layer_types[i] == "linear_attention",
+                               cfg.moe is not None and cfg.moe.sparse_layers[i])
+            for i in range(cfg.num_layers)
+        )  # fmt: skip
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.platform)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
@@ -185,6 +192,38 @@ class Qwen3NextForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the rows of `hidden`."""
         return self.lm_head(hidden)
+
+    def build_mtp(self) -> MultiTokenPredictor:
+        """The runnable MTP network from the held `mtp.*` weights (floats, in the working dtype):
+        its decoder layers are this model's full-attention layers, a mixture of experts where the
+        model has one. The embedding and output head stay the model's (`mtp_forward`)."""
+        held = self.mtp
+        if held is None:
+            raise ValueError(f"{type(self).__name__} has no mtp.* weights")
+        tensors = {f"{PREFIX}{name}": (lambda t=t: t) for name, t in held.named_buffers()}
+        some = next(iter(tensors.values()))()
+        plan = WeightPlan(self.platform, some.dtype, tensors, self.stacked_projections, "the held mtp.* weights")
+        cfg, eps, platform = self.config, self.config.rms_norm_eps, self.platform
+        layers = [
+            HybridDecoderLayer(cfg, plan, self.attention, f"{PREFIX}layers.{i}", False, cfg.moe is not None)
+            for i in range(mtp_layer_count(held))
+        ]
+        norms = [OffsetRMSNorm(cfg.hidden_size, eps, platform) for _ in range(3)]
+        mtp = MultiTokenPredictor(plan.linear(f"{PREFIX}fc", 2 * cfg.hidden_size, cfg.hidden_size, False), *norms[:2],
+                                  layers, norms[2])
+        named = nn.Module()  # so that the norms' parameter names are the checkpoint's (mtp.*)
+        named.add_module(PREFIX.rstrip("."), mtp)
+        plan.fill(named)
+        return mtp
+
+    def mtp_forward(
+        self, mtp: MultiTokenPredictor, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+        meta: AttentionMetadata, step: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """One MTP step at `positions`: the tokens after them (`next_ids`) and the hidden states
+        at them; returns the normed output, whose compute_logits predict the token after next."""
+        embeds, rope = self.model.embed(next_ids, positions)
+        return mtp(embeds, hidden, rope, meta, step)
 
     def attention_layers(self) -> list[GatedAttention]:
         """The full-attention layers, in order: the ones with a KV cache."""

@@ -8,7 +8,9 @@ import torch
 
 from tuili.config import EngineConfig, ModelConfig, SpeculativeConfig
 from tuili.engine.pool import PoolPlan
+from tuili.engine.runner import ModelRunner
 from tuili.engine.spec.draft import DraftModel
+from tuili.engine.spec.mtp import MTPProposer
 from tuili.engine.spec.speculator import PromptLookup, Proposer, Speculator
 from tuili.engine.stopping import StopTokens
 from tuili.platform import Platform
@@ -16,13 +18,15 @@ from tuili.platform import Platform
 
 def build_speculator(
     config: EngineConfig, target: ModelConfig, target_path: Path, pool: PoolPlan, platform: Platform,
-    dtype: torch.dtype, stop_tokens: StopTokens,
+    dtype: torch.dtype, stop_tokens: StopTokens, runner: ModelRunner,
 ) -> Speculator:  # fmt: skip
     spec = config.speculative_config
     assert isinstance(spec, SpeculativeConfig)  # EngineConfig.validate parsed it
     proposer: Proposer
     if spec.method == "ngram":
         proposer = PromptLookup(spec)
+    elif spec.method == "mtp":
+        proposer = MTPProposer(runner, pool, spec.num_speculative_tokens, config.max_num_seqs, str(target_path))
     else:
         proposer = DraftModel(spec, config, str(target_path), target.vocab_size, pool, platform, dtype, stop_tokens)
     return Speculator(spec, proposer, pool.max_model_len)

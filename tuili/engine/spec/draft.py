@@ -31,7 +31,7 @@ from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.spec.verify import Proposal
 from tuili.engine.stopping import StopTokens
 from tuili.errors import TuiliError
-from tuili.layers.sampler import Sampler, SamplingRow
+from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
 from tuili.models.loader import load_model
 from tuili.platform import Platform
 
@@ -115,6 +115,9 @@ class DraftModel:
             if rows:
                 proposals[i].probs = torch.stack(rows)
         return proposals
+
+    def observe(self, batch: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
+        pass  # the shadow syncs to the target's tokens when it next proposes
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq.seq_id, None)

@@ -3,7 +3,8 @@
     proposals = speculator.propose(scheduler.running)   # sets Sequence.spec_token_ids
     out = scheduler.schedule()                           # verification chunks where room allows
     tokens = runner.execute(out.scheduled, proposals)    # verify.py accepts and samples
-    speculator.record(out, tokens, seconds)              # acceptance, step cost, counters
+    speculator.record(out, tokens, seconds)              # the proposer observes the step (MTP);
+                                                         # acceptance, step cost, counters
 
 How many tokens each sequence is offered is AdaptiveK's choice, capped so that no proposal
 passes max_tokens (the target's token after the proposals is always emitted) or max_model_len.
@@ -17,7 +18,7 @@ from typing import Protocol
 
 from tuili.config import SpeculativeConfig
 from tuili.engine.request import Sequence, SequenceStatus
-from tuili.engine.scheduler import SchedulerOutput
+from tuili.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tuili.engine.spec.adaptive import AdaptiveK
 from tuili.engine.spec.ngram import NgramProposer
 from tuili.engine.spec.verify import Proposal
@@ -47,6 +48,9 @@ class SpecStats:
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]: ...
 
+    def observe(self, batch: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
+        """After each target forward (MTP reads the target's hidden states here)."""
+
     def release(self, seq: Sequence) -> None: ...
 
 
@@ -58,6 +62,9 @@ class PromptLookup:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         return [Proposal(self.ngram.propose(seq.token_ids, k)) for seq, k in zip(seqs, ks, strict=True)]
+
+    def observe(self, batch: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
+        pass
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -94,7 +101,7 @@ class Speculator:
             return {}
         started = time.perf_counter()
         proposals = self.proposer.propose([seq for seq, _ in chosen], [k for _, k in chosen])
-        if self.config.method == "draft_model":
+        if self.config.method != "ngram":  # a model's forwards, one per proposal depth
             forwards = max(k for _, k in chosen)
             self.adaptive.record_draft_forward((time.perf_counter() - started) / forwards)
         out = {}
@@ -109,6 +116,7 @@ class Speculator:
         """After the forward: the proposals each verifying sequence kept (for Scheduler.update),
         counted in the stats and fed to the adaptive choice with the step's time."""
         accepted: dict[Sequence, int] = {}
+        self.proposer.observe(out.scheduled, tokens)
         sampling = [item for item in out.scheduled if item.samples]
         for item, new in zip(sampling, tokens, strict=True):
             if item.draft:
