@@ -230,7 +230,7 @@ def test_no_blocks_leak_after_aborts_mid_draft_and_errors(tiny_llama, tiny_llama
 
 @pytest.mark.parametrize(("config", "message"), [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle' is not supported"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "MTP heads are not run yet"),
+    ({"method": "mtp", "model": "x", "num_speculative_tokens": 2}, "method='mtp' takes no model"),
     ({"method": "ngram"}, "num_speculative_tokens=None is invalid"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),

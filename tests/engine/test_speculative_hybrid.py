@@ -1,6 +1,8 @@
 """Speculative decoding with a hybrid target (Qwen3.5: Gated DeltaNet layers beside full
 attention): a verification chunk saves the linear-attention state after each of its positions,
-and a rejection leaves the sequence's slot at the last accepted one (tuili/engine/runner.py).
+and a rejection leaves the sequence's slot at the last accepted one (tuili/engine/runner.py);
+and the checkpoint's own multi-token-prediction layers as the proposer ("mtp",
+tuili/engine/spec/mtp.py), checked against transformers' Qwen3.5 decoder layer and RMSNorm.
 
 Greedy outputs are token for token those without speculation — in float32, with preemption and
 prefix-cache hits (state checkpoints) in the mix, and in bf16 on the native CPU path, whose
@@ -10,9 +12,12 @@ falls into cycles (small initial weights), so prompt lookup both hits and misses
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from tuili import LLM, SamplingParams
 from tuili.errors import TuiliError
@@ -25,6 +30,7 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 INIT = 0.02  # the checkpoints' initializer_range: greedy text with cycles
+SMALL = 16 << 20  # a KV budget the tiny models fill quickly (the CPU default, 2 GiB, takes seconds to allocate)
 
 # float32 sizes of the tiny Qwen3.5 (tests/engine/conftest.py), block size 16
 BLOCK = 2 * 16 * 2 * 32 * 4  # K+V x tokens x KV heads x head dim x float32, one attention layer
@@ -87,7 +93,7 @@ def hybrid_draft(hybrid, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(hybrid):
-    return token_ids(LLM(str(hybrid), dtype="float32").generate(prompts(), GREEDY))
+    return token_ids(LLM(str(hybrid), dtype="float32", kv_cache_memory=SMALL).generate(prompts(), GREEDY))
 
 
 def spec_config(method: str, draft) -> dict:
@@ -119,8 +125,8 @@ def test_greedy_output_is_unchanged_with_preemption_and_state_checkpoint_hits(me
 
 def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint):
     path = str(tiny_hybrid_checkpoint("moe", INIT))
-    want = token_ids(LLM(path, dtype="float32").generate(prompts()[:2], GREEDY))
-    llm = LLM(path, dtype="float32", speculative_config=spec_config("ngram", None))
+    want = token_ids(LLM(path, dtype="float32", kv_cache_memory=SMALL).generate(prompts()[:2], GREEDY))
+    llm = LLM(path, dtype="float32", kv_cache_memory=SMALL, speculative_config=spec_config("ngram", None))
     assert token_ids(llm.generate(prompts()[:2], GREEDY)) == want
     spec = llm.engine.stats().spec
     assert spec.num_accepted_tokens > 5 and spec.num_proposed_tokens - spec.num_accepted_tokens > 5, spec
@@ -131,8 +137,8 @@ def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
     """The DeltaNet kernels run a verification chunk token by token, as decodes: in bf16 the
     tokens and their logprobs are the same bits as without speculation."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    base = LLM(str(hybrid), dtype="bfloat16").generate(prompts(), params)
-    llm = LLM(str(hybrid), dtype="bfloat16", speculative_config=spec_config("ngram", None))
+    base = LLM(str(hybrid), dtype="bfloat16", kv_cache_memory=SMALL).generate(prompts(), params)
+    llm = LLM(str(hybrid), dtype="bfloat16", kv_cache_memory=SMALL, speculative_config=spec_config("ngram", None))
     got = llm.generate(prompts(), params)
     assert token_ids(got) == token_ids(base)
     for mine, theirs in zip(got, base, strict=True):
@@ -142,9 +148,128 @@ def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
     assert_nothing_held(llm)
 
 
-def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid, reference):
-    llm = LLM(str(hybrid), dtype="float32", max_model_len=128, state_checkpoint_interval=1,
-              speculative_config=spec_config("ngram", None))
+def test_a_hybrid_draft_model_is_refused_by_name(hybrid):
+    with pytest.raises(TuiliError, match="is a hybrid model .*draft model must be full attention"):
+        LLM(str(hybrid), dtype="float32", kv_cache_memory=SMALL,
+            speculative_config={"model": "self", "quantization": "int4", "num_speculative_tokens": 2})
+
+
+# ---- MTP ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp(hybrid, tmp_path_factory):
+    """The tiny Qwen3.5 with random mtp.* tensors added (transformers writes none): one MTP
+    decoder layer shaped as the model's full-attention layer, fc, its input norms and mtp.norm.
+    fc's embedding half is near the identity, so that the step predicts roughly what the
+    target's bigram does, and its proposals are sometimes kept."""
+    path = tmp_path_factory.mktemp("hybrid") / "mtp"
+    shutil.copytree(hybrid, path)
+    tensors = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+
+    def rand(*shape, scale):
+        return torch.randn(shape, generator=generator) * scale
+
+    layer = "model.layers.3."  # the full-attention layer
+    mtp = {f"mtp.layers.0.{name.removeprefix(layer)}": rand(*t.shape, scale=0.02 if t.dim() > 1 else 0.1)
+           for name, t in tensors.items() if name.startswith(layer)}  # fmt: skip
+    hidden = tensors["model.norm.weight"].shape[0]
+    mtp["mtp.fc.weight"] = rand(hidden, 2 * hidden, scale=0.02) + torch.cat(
+        [torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = rand(hidden, scale=0.1)
+    save_file(tensors | mtp, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+
+
+def test_the_mtp_step_matches_transformers_layers(hybrid_mtp):
+    """The MTP output at a prompt's last position and its chained proposals against the same
+    step composed of transformers' own Qwen3.5 classes (decoder layer, RMSNorm) loaded with the
+    mtp.* tensors: fc(concat(norm_e(embed(t_{p+1})), norm_h(h_p))), the layer, mtp.norm, the
+    target's head; h_p the target's final hidden state; a chained step takes the previous
+    output and the proposal before it."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    prompt = PROMPTS[2]
+    llm = LLM(str(hybrid_mtp), dtype="float32", kv_cache_memory=SMALL,
+              speculative_config=MTP | {"num_speculative_tokens": 2})
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8))
+    engine.step()  # the prompt: its MTP entries, and the output at its last position
+    (seq,) = engine.scheduler.running
+    proposer = engine.speculator.proposer
+    ours, position = proposer._last[seq.seq_id]
+    assert position == len(prompt) - 1
+    proposal = proposer.propose([seq], [2])[0].token_ids
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hybrid_mtp, dtype=torch.float32).eval()
+    config = hf.config
+    config._attn_implementation = "eager"
+    mtp = load_file(hybrid_mtp / "model.safetensors")
+    layer = Qwen3_5DecoderLayer(config, layer_idx=3).eval()  # layer 3 is full attention
+    layer.load_state_dict({n.removeprefix("mtp.layers.0."): t for n, t in mtp.items() if n.startswith("mtp.layers.0.")})
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norms[name].load_state_dict({"weight": mtp[f"mtp.{name}.weight"]})
+    fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+    fc.load_state_dict({"weight": mtp["mtp.fc.weight"]})
+    ids = prompt + seq.token_ids[len(prompt):]  # the prompt and the token the target sampled
+
+    def mtp_step(next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        embeds = hf.model.embed_tokens(torch.tensor([next_ids]))
+        x = fc(torch.cat([norms["pre_fc_norm_embedding"](embeds), norms["pre_fc_norm_hidden"](hidden)], dim=-1))
+        length = x.shape[1]
+        positions = torch.arange(length).view(1, 1, -1).expand(3, 1, -1)
+        mask = torch.full((length, length), float("-inf")).triu(1).view(1, 1, length, length)
+        y = layer(x, position_embeddings=hf.model.rotary_emb(x, positions), attention_mask=mask)
+        return norms["norm"](y)
+
+    with torch.no_grad():
+        h = hf.model(torch.tensor([prompt])).last_hidden_state  # after the final norm
+        y = mtp_step(ids[1:], h)
+        want = hf.lm_head(y[0, -1])
+        got = engine.model.compute_logits(ours[None])[0]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        # The chain: one more position, fed the first proposal and the last output.
+        first = int(want.argmax())
+        y2 = mtp_step(ids[1:] + [first], torch.cat([h, y[:, -1:]], dim=1))
+        assert proposal == [first, int(hf.lm_head(y2[0, -1]).argmax())]
+
+
+def test_mtp_greedy_output_is_unchanged_with_preemption_and_prefix_hits(hybrid_mtp, reference):
+    k = MTP["num_speculative_tokens"]
+    memory = 4 * SLOT * (1 + k) + 4 * SLOT + 12 * BLOCK
+    llm = LLM(str(hybrid_mtp), dtype="float32", kv_cache_memory=memory, max_model_len=128, max_num_seqs=4,
+              state_checkpoint_interval=1, speculative_config=MTP)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == reference
+    assert token_ids(llm.generate(prompts(slice(None, None, -1)), GREEDY)) == reference[::-1]
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.state_checkpoints.restored > 0
+    spec = stats.spec
+    assert spec.method == "mtp"
+    assert spec.num_accepted_tokens > 5 and spec.num_proposed_tokens - spec.num_accepted_tokens > 10, spec
+    assert spec.num_emitted_tokens == spec.num_verifications + spec.num_accepted_tokens
+    assert_nothing_held(llm)
+    assert not llm.engine.speculator.proposer._last
+
+
+@pytest.mark.parametrize("checkpoint", ["hybrid", "llama"])
+def test_mtp_without_mtp_weights_is_refused_by_name(checkpoint, hybrid, tiny_llama):
+    path = hybrid if checkpoint == "hybrid" else tiny_llama
+    with pytest.raises(TuiliError, match=r"method='mtp' needs a checkpoint with multi-token-prediction weights"):
+        LLM(str(path), dtype="float32", kv_cache_memory=SMALL, speculative_config=MTP)
+
+
+def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid_mtp, reference):
+    """With MTP proposals (and the hybrid's verification rows): greedy and sampled requests,
+    some aborted mid-generation, one refused; every block, slot and kept MTP output is freed."""
+    llm = LLM(str(hybrid_mtp), dtype="float32", kv_cache_memory=SMALL, max_model_len=128,
+              state_checkpoint_interval=1, speculative_config=MTP)
     engine = llm.engine
     aborted = set()
 
@@ -163,11 +288,6 @@ def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid, refe
     spec = engine.stats().spec
     assert spec.num_proposed_tokens - spec.num_accepted_tokens > 10, spec
     assert_nothing_held(llm)
+    assert not engine.speculator.proposer._last
     # The engine still serves, and greedy text is still the target's.
     assert token_ids(llm.generate(prompts()[2:3], GREEDY)) == reference[2:3]
-
-
-def test_a_hybrid_draft_model_is_refused_by_name(hybrid):
-    with pytest.raises(TuiliError, match="is a hybrid model .*draft model must be full attention"):
-        LLM(str(hybrid), dtype="float32",
-            speculative_config={"model": "self", "quantization": "int4", "num_speculative_tokens": 2})

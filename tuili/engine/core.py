@@ -34,6 +34,7 @@ from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import Scheduler, SchedulerOutput
 from tuili.engine.spec.build import build_speculator
 from tuili.engine.spec.draft import DraftModel
+from tuili.engine.spec.mtp import MTPProposer
 from tuili.engine.state_checkpoints import StateCheckpoints
 from tuili.engine.state_slots import StateSlots
 from tuili.engine.stats import EngineStats, StepObserver, StepRecord
@@ -181,9 +182,9 @@ class LLMEngine:
             self.parallel.stop()
 
     def draft_weight_bytes(self) -> int:
-        """Bytes of weights one forward of the speculative draft model reads (0 without one)."""
+        """Bytes of weights one forward of the speculative draft model or MTP step reads (0 without one)."""
         proposer = self.speculator.proposer if self.speculator is not None else None
-        return proposer.weight_bytes() if isinstance(proposer, DraftModel) else 0
+        return proposer.weight_bytes() if isinstance(proposer, (DraftModel, MTPProposer)) else 0
 
     def add_observer(self, observer: StepObserver) -> None:
         """Hand every later step's StepRecord to `observer` (tuili/engine/stats.py)."""
@@ -435,7 +436,7 @@ class LLMEngine:
             synchronized=self._synchronize or self.device.type != "cuda",
             verify_chunks=out.verify_chunks(), num_accepted=sum(accepted.values()) if accepted else 0,
             draft_forwards=max((len(p.token_ids) for p in proposals.values()), default=0)
-            if proposals and self.speculator is not None and self.speculator.config.method == "draft_model" else 0,
+            if proposals and self.speculator is not None and self.speculator.config.method != "ngram" else 0,
         )
         for observer in self._observers:
             observer.on_step(record)
