@@ -401,7 +401,8 @@ class SpeculativeConfig:
     `method` "ngram" proposes by prompt lookup (the n-gram of `prompt_lookup_min`..`_max`
     tokens ending the text, found earlier in prompt or output); "draft_model" runs `model`, a
     smaller checkpoint with the target's vocabulary, or "self": the target's own checkpoint
-    quantized as `quantization` says ("int4" drafting for a bf16 model). `num_speculative_tokens`
+    quantized as `quantization` says ("int4" drafting for a bf16 model); "mtp" runs the target
+    checkpoint's own multi-token-prediction layers (`mtp.*`). `num_speculative_tokens`
     is the most tokens proposed per sequence per step; with `adaptive` (default) the engine
     proposes fewer, or none, where measured acceptance and step cost say they would not pay."""
 

@@ -105,10 +105,10 @@ def load_model(
     if issubclass(network_class, Qwen3NextForCausalLM):
         mtp = [name for name in tensors if name.startswith("mtp.")]
         if mtp:
-            # The multi-token-prediction head is a draft model for speculative decoding, which
-            # tuili does not run yet: held beside the network (model.mtp), not run.
-            logger.info("holding %d multi-token-prediction tensors (mtp.*) for speculative decoding: "
-                        "loaded, not run", len(mtp))
+            # The multi-token-prediction head is a draft for speculative decoding: held beside
+            # the network (model.mtp), run only by speculative_config {"method": "mtp"}.
+            logger.info("holding %d multi-token-prediction tensors (mtp.*) for speculative decoding "
+                        "(speculative_config method 'mtp')", len(mtp))
     gguf_packed = ckpt if quantization is None and packed_dtype is not None else None
     sharded, network_cfg = None, cfg
     if tensor_parallel is not None:

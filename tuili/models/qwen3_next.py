@@ -23,7 +23,8 @@ Qwen3.5-MoE's router always renormalises its top-k weights and every layer is a 
 (tuili/config.py reads it so); Qwen3.5 dense has a SwiGLU MLP in every layer.
 
 Multi-token-prediction weights (`mtp.*`) are not part of this network's forward; they are loaded
-and held by `model.mtp` (tuili/models/mtp.py) for speculative decoding.
+and held by `model.mtp` (tuili/models/mtp.py), and `build_mtp` makes the MTP network of them for
+speculative decoding (`mtp_forward` runs it with this model's embedding).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from tuili.engine.spec.draft import DraftModel
 from tuili.engine.spec.mtp import MTPProposer
 from tuili.engine.spec.speculator import PromptLookup, Proposer, Speculator
 from tuili.engine.stopping import StopTokens
+from tuili.errors import TuiliError
 from tuili.platform import Platform
 
 
@@ -22,6 +23,15 @@ def build_speculator(
 ) -> Speculator:  # fmt: skip
     spec = config.speculative_config
     assert isinstance(spec, SpeculativeConfig)  # EngineConfig.validate parsed it
+    if config.tensor_parallel_size > 1 and (target.is_hybrid or spec.method == "mtp"):
+        # Rank 0 alone verifies: the workers' linear-attention states would not roll back, and
+        # they do not run the MTP layers.
+        raise TuiliError(
+            f"speculative_config method={spec.method!r} is not supported with tensor_parallel_size="
+            f"{config.tensor_parallel_size} for {target.architecture} yet"
+            + (": MTP runs on one device" if spec.method == "mtp" else
+               ": a rejection's linear-attention state is restored on rank 0 only")
+        )  # fmt: skip
     proposer: Proposer
     if spec.method == "ngram":
         proposer = PromptLookup(spec)
