@@ -133,6 +133,19 @@ def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint):
     assert_nothing_held(llm)
 
 
+def test_the_portable_torch_path_keeps_the_accepted_state_too(hybrid, monkeypatch):
+    """Without the native kernels a verification chunk runs the chunked rule in pieces cut at
+    every saved position (tuili/layers/deltanet.py `_pieces`); float32 greedy text is the same."""
+    monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    want = token_ids(LLM(str(hybrid), dtype="float32", kv_cache_memory=SMALL).generate(prompts(slice(0, 3, 2)), GREEDY))
+    llm = LLM(str(hybrid), dtype="float32", kv_cache_memory=SMALL, speculative_config=spec_config("ngram", None))
+    assert not llm.engine.platform.native_kernels
+    assert token_ids(llm.generate(prompts(slice(0, 3, 2)), GREEDY)) == want
+    spec = llm.engine.stats().spec
+    assert spec.num_accepted_tokens > 5 and spec.num_proposed_tokens - spec.num_accepted_tokens > 5, spec
+    assert_nothing_held(llm)
+
+
 def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
     """The DeltaNet kernels run a verification chunk token by token, as decodes: in bf16 the
     tokens and their logprobs are the same bits as without speculation."""
