@@ -378,6 +378,8 @@ class LLMEngine:
         self.runner.copy_blocks(out.copies)
         result = self.runner.execute(out.scheduled, proposals)
         sampled = result.sampled
+        if self.speculator is not None:  # MTP's pass over the step's hidden states is the step's time too
+            self.speculator.proposer.observe(out.scheduled, sampled)
         if self._synchronize:
             torch.cuda.synchronize(self.device)  # a step without sampling returns before the GPU is done
         finished = time.perf_counter()

@@ -3,8 +3,8 @@
     proposals = speculator.propose(scheduler.running)   # sets Sequence.spec_token_ids
     out = scheduler.schedule()                           # verification chunks where room allows
     tokens = runner.execute(out.scheduled, proposals)    # verify.py accepts and samples
-    speculator.record(out, tokens, seconds)              # the proposer observes the step (MTP);
-                                                         # acceptance, step cost, counters
+    speculator.proposer.observe(out.scheduled, tokens)   # MTP reads the step's hidden states
+    speculator.record(out, tokens, seconds)              # acceptance, step cost, counters
 
 How many tokens each sequence is offered is AdaptiveK's choice, capped so that no proposal
 passes max_tokens (the target's token after the proposals is always emitted) or max_model_len.
@@ -116,7 +116,6 @@ class Speculator:
         """After the forward: the proposals each verifying sequence kept (for Scheduler.update),
         counted in the stats and fed to the adaptive choice with the step's time."""
         accepted: dict[Sequence, int] = {}
-        self.proposer.observe(out.scheduled, tokens)
         sampling = [item for item in out.scheduled if item.samples]
         for item, new in zip(sampling, tokens, strict=True):
             if item.draft:
