@@ -99,13 +99,15 @@ def reference(hybrid):
 def spec_config(method: str, draft) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    if method == "self_int4":  # the hybrid target itself, quantized: a hybrid draft
+        return {"model": "self", "quantization": "int4", "num_speculative_tokens": 3, "adaptive": False}
     return {"model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_int4"])
 def test_greedy_output_is_unchanged_with_preemption_and_state_checkpoint_hits(method, hybrid, hybrid_draft,
                                                                               reference):
-    k = 4 if method == "ngram" else 3
+    k = spec_config(method, hybrid_draft)["num_speculative_tokens"]
     # State for 4 sequences (a slot and k verification rows each), 4 checkpoints and 12 KV blocks
     # for 4 sequences growing to 50-64 tokens (4 blocks each): preemption is certain.
     memory = 4 * SLOT * (1 + k) + 4 * SLOT + 12 * BLOCK
@@ -121,6 +123,36 @@ def test_greedy_output_is_unchanged_with_preemption_and_state_checkpoint_hits(me
     assert spec.num_accepted_tokens > 10, spec  # proposals kept, ...
     assert spec.num_proposed_tokens - spec.num_accepted_tokens > 10, spec  # ... and rejected
     assert_nothing_held(llm)
+    if method == "self_int4":  # a hybrid draft: its shadows' state slots are free again too
+        slots = llm.engine.speculator.proposer.state_slots
+        assert slots.num_free == slots.num_slots
+
+
+def test_a_hybrid_drafts_state_is_rewound_to_where_the_texts_agree(hybrid):
+    """A hybrid draft (the target quantized to int4) whose proposals were rejected continues from
+    the state after the tokens it shares with the target: after every step, its shadow's state is
+    the state the same int4 model reaches by a prefill of those tokens."""
+    llm = LLM(str(hybrid), dtype="float32", kv_cache_memory=SMALL, speculative_config=spec_config("self_int4", None))
+    reference = LLM(str(hybrid), dtype="float32", kv_cache_memory=SMALL, quantization="int4", max_num_seqs=1,
+                    enable_prefix_caching=False)
+    engine, proposer = llm.engine, llm.engine.speculator.proposer
+    engine.add_request({"prompt_token_ids": PROMPTS[3]}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished_requests():
+        rejected = engine.stats().spec.num_proposed_tokens - engine.stats().spec.num_accepted_tokens
+        engine.step()
+        (shadow,) = proposer._shadows.values() or [None]
+        if shadow is None or not rejected:
+            continue
+        depth = proposer._slot_depth[shadow.seq_id]
+        reference.generate({"prompt_token_ids": shadow.token_ids[:depth]}, SamplingParams(max_tokens=1))
+        for ours, theirs in zip(proposer.runner.model.linear_attention_layers(),
+                                reference.engine.runner.model.linear_attention_layers(), strict=True):
+            # the reference's one sequence ran in slot 0, which keeps its state after it finished
+            torch.testing.assert_close(ours.state.recurrent[shadow.state_slot], theirs.state.recurrent[0])
+            torch.testing.assert_close(ours.state.conv[shadow.state_slot], theirs.state.conv[0])
+        checked += 1
+    assert checked >= 5
 
 
 def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint):
@@ -159,12 +191,6 @@ def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
             {t: p.logprob for t, p in row.items()} for row in theirs.outputs[0].logprobs]
     assert llm.engine.stats().spec.num_accepted_tokens > 5
     assert_nothing_held(llm)
-
-
-def test_a_hybrid_draft_model_is_refused_by_name(hybrid):
-    with pytest.raises(TuiliError, match="is a hybrid model .*draft model must be full attention"):
-        LLM(str(hybrid), dtype="float32", kv_cache_memory=SMALL,
-            speculative_config={"model": "self", "quantization": "int4", "num_speculative_tokens": 2})
 
 
 # ---- MTP ------------------------------------------------------------------------------------

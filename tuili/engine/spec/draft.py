@@ -24,11 +24,12 @@ import torch
 
 from tuili.config import SELF_DRAFT, EngineConfig, SpeculativeConfig, packed_compute_dtype
 from tuili.engine.block_manager import BlockManager
-from tuili.engine.pool import PoolPlan, kv_bytes_per_block
+from tuili.engine.pool import PoolPlan, kv_bytes_per_block, state_bytes_per_slot
 from tuili.engine.request import Sequence
 from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.spec.verify import Proposal
+from tuili.engine.state_slots import StateSlots
 from tuili.engine.stopping import StopTokens
 from tuili.errors import TuiliError
 from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
@@ -51,22 +52,27 @@ class DraftModel:
             packed_compute_dtype(config.dtype, platform.device, dtype),
         )
         cfg = loaded.config
-        if cfg.is_hybrid:
-            raise TuiliError(f"speculative_config model={spec.model!r} is a hybrid model ({cfg.architecture}): a "
-                             "draft model must be full attention (its KV is rolled back on rejection, its "
-                             "linear-attention state would not be); for a hybrid target use 'ngram', a "
-                             "full-attention draft with its tokenizer, or 'mtp'")
         if cfg.vocab_size > target_vocab:
             raise TuiliError(f"speculative_config model={spec.model!r} has vocab_size={cfg.vocab_size}, more than "
                              f"the target's {target_vocab}: a draft must share the target's tokenizer")
         self.vocab_size = target_vocab
         self.stop_tokens = stop_tokens
         block_bytes = kv_bytes_per_block(cfg, pool.block_size, dtype)
-        self.pool = PoolPlan(pool.num_blocks, pool.block_size, 0, dtype, pool.max_model_len, block_bytes)
+        # A hybrid draft: a state slot per shadow, and a ring of `_ring` state rows per slot for
+        # the states after its last forwards (rows of the pool's checkpoint kind), so that a
+        # shadow whose proposals were rejected restores the state where its text still agrees.
+        slot_bytes = state_bytes_per_slot(cfg, dtype)
+        num_slots = config.max_num_seqs if cfg.is_hybrid else 0
+        self._ring = spec.num_speculative_tokens + 2
+        self.pool = PoolPlan(pool.num_blocks, pool.block_size, 0, dtype, pool.max_model_len, block_bytes, num_slots,
+                             slot_bytes, num_slots * self._ring)  # fmt: skip
+        self.state_slots = StateSlots(num_slots) if num_slots else None
         logger.info(
-            "draft model %s%s: its own KV pool of %d blocks (%.1f MiB)", path,
+            "draft model %s%s: its own KV pool of %d blocks (%.1f MiB)%s", path,
             f" ({spec.quantization})" if spec.quantization else "", pool.num_blocks,
             pool.num_blocks * block_bytes / 2**20,
+            f" and linear-attention state for {num_slots} sequences ({num_slots * (1 + self._ring) * slot_bytes / 2**20:.1f} MiB)"
+            if num_slots else "",
         )  # fmt: skip
         self.runner = ModelRunner(loaded.model, self.pool, RunnerConfig(platform.device, dtype, stop_tokens,
                                                                          config.enforce_eager))
@@ -75,6 +81,11 @@ class DraftModel:
         self._shadows: dict[int, Sequence] = {}  # by the target sequence's seq_id
         self._generators: dict[int, torch.Generator] = {}
         self._synced: dict[int, int] = {}  # by seq_id: target tokens the shadow's tokens equalled at the last sync
+        # Hybrid drafts, by seq_id: the depth the slot's state is after; depth -> ring row holding
+        # the state after it; the ring row the next forward starts from.
+        self._slot_depth: dict[int, int] = {}
+        self._saved: dict[int, dict[int, int]] = {}
+        self._restore: dict[int, int] = {}
 
     def weight_bytes(self) -> int:
         """Bytes of weights one draft forward of one sequence reads."""
@@ -85,7 +96,7 @@ class DraftModel:
         active: list[tuple[int, Sequence, int]] = []  # (index, shadow, k)
         for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
             shadow = self._sync(seq)
-            if self.blocks.can_grow(shadow, shadow.num_tokens + k - 1):
+            if shadow is not None and self.blocks.can_grow(shadow, shadow.num_tokens + k - 1):
                 self.blocks.grow(shadow, shadow.num_tokens + k - 1)
                 active.append((i, shadow, k))
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
@@ -97,7 +108,7 @@ class DraftModel:
             for _, shadow, k in active:
                 missing = shadow.num_tokens - shadow.num_computed_tokens
                 n = missing if missing > k + 1 else 1
-                batch.append(ScheduledSeq(shadow, shadow.num_computed_tokens, n, n == missing))
+                batch.append(self._item(shadow, n, n == missing))
             logits = self.runner.sample_logits(batch)
             for item in batch:
                 item.seq.num_computed_tokens += item.num_tokens
@@ -124,15 +135,39 @@ class DraftModel:
         if shadow is not None:
             self.blocks.free(shadow)
             self.runner.release(shadow)
-        self._generators.pop(seq.seq_id, None)
-        self._synced.pop(seq.seq_id, None)
+            if self.state_slots is not None:
+                self.state_slots.free(shadow)
+        for kept in (self._generators, self._synced, self._slot_depth, self._saved, self._restore):
+            kept.pop(seq.seq_id, None)
 
-    def _sync(self, seq: Sequence) -> Sequence:
-        """The shadow of `seq` holding its tokens, its KV valid up to where they differ."""
+    def _item(self, shadow: Sequence, n: int, samples: bool) -> ScheduledSeq:
+        """The shadow's next n tokens as a forward's item; a hybrid draft's restores the ring row
+        its sync chose and saves the state after the n tokens into the ring."""
+        start = shadow.num_computed_tokens
+        if self.state_slots is None:
+            return ScheduledSeq(shadow, start, n, samples)
+        slot = shadow.state_slot
+        assert slot is not None
+        seq_id, depth = shadow.seq_id, start + n
+        row = slot * self._ring + depth % self._ring
+        saved = self._saved.setdefault(seq_id, {})
+        for stale in [d for d, r in saved.items() if r == row]:
+            del saved[stale]
+        saved[depth] = row
+        self._slot_depth[seq_id] = depth
+        return ScheduledSeq(shadow, start, n, samples, self._restore.pop(seq_id, None), ((depth, row),))
+
+    def _sync(self, seq: Sequence) -> Sequence | None:
+        """The shadow of `seq` holding its tokens, its KV valid up to where they differ (None: a
+        hybrid draft with no free state slot)."""
         shadow = self._shadows.get(seq.seq_id)
         if shadow is None:
+            if self.state_slots is not None and not self.state_slots.num_free:
+                return None
             shadow = dataclasses.replace(seq, token_ids=[], block_table=[], block_digests=[], num_computed_tokens=0,
                                          spec_token_ids=[], state_slot=None)
+            if self.state_slots is not None:
+                self.state_slots.take(shadow)
             self._shadows[seq.seq_id] = shadow
         # The shadow's tokens are the target's as of the last sync, then that step's proposals:
         # only those can differ from the target's tokens now.
@@ -143,11 +178,25 @@ class DraftModel:
         old, new = shadow.token_ids, seq.token_ids
         while valid < limit and old[valid] == new[valid]:
             valid += 1
+        if self.state_slots is not None:
+            valid = self._rewind_state(seq.seq_id, valid)
         shadow.token_ids = list(new)
         shadow.num_computed_tokens = valid
         self._synced[seq.seq_id] = seq.num_tokens
         self.blocks.trim(shadow, valid)
         return shadow
+
+    def _rewind_state(self, seq_id: int, valid: int) -> int:
+        """Where a hybrid shadow resumes: `valid` if its slot holds the state after `valid`
+        tokens or a ring row does (restored before its next forward), else 0 (recomputed)."""
+        self._restore.pop(seq_id, None)
+        if valid == self._slot_depth.get(seq_id, 0) or valid == 0:
+            return valid
+        row = self._saved.get(seq_id, {}).get(valid)
+        if row is None:
+            return 0
+        self._restore[seq_id] = row
+        return valid
 
     def _row(self, seq: Sequence, shadow: Sequence) -> SamplingRow:
         params = seq.params
