@@ -13,6 +13,14 @@ min_tokens, temperature, top-k/p, min-p) from the draft's logits: greedy request
 arg-max, others draw from q and hand q to the rejection sampler. A seeded request's draft draws
 come from a generator of its own, derived from the seed but distinct from the target's stream.
 A shadow that cannot get blocks proposes nothing this step.
+
+A hybrid draft (linear-attention layers, e.g. the quantized copy of a Qwen3.5 target) cannot trim
+its state like blocks: each shadow holds a state slot of the draft's, and every forward saves
+the state after its last token into a ring of k + 2 rows of that slot (the pool's checkpoint
+rows). A sync that rewinds the shadow to where its text still agrees with the target's restores
+the row of that depth before its next forward; the ring covers every depth a rewind can reach
+(the last proposals' forwards), and a shadow whose depth is no longer there recomputes from its
+first token.
 """
 
 from __future__ import annotations
