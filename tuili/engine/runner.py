@@ -22,7 +22,14 @@ from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.spec.verify import Proposal, verify
 from tuili.engine.stopping import StopTokens
-from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
+from tuili.layers.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    CausalSpan,
+    KVCache,
+    NativeCpuAttention,
+    PagedBatch,
+)
 from tuili.layers.deltanet import DeltaNetState, StateBatch
 from tuili.layers.grammar import GrammarCompiler, GrammarState, TokenMasks
 from tuili.layers.linear import PanelLinear
@@ -74,9 +81,9 @@ class ModelRunner:
         self._pooled: dict[int, list[float]] = {}
         cfg = model.config
         kv_dtype = pool.kv_dtype
-        # Decodes go to the attention backend's paged kernel where it has one (the native CPU
-        # backend), else into gathered groups.
-        self.native_attention = model.attention.reads_paged_decodes
+        # Decodes go to the attention backend's paged reader where it has one (the native CPU
+        # kernel; the portable fixed-order attention), else into gathered groups.
+        self.paged_decodes = model.attention.reads_paged_decodes
         # ... and every prompt chunk too, where the backend asks (its batch-invariant mode).
         self.paged_prompts = model.attention.reads_paged_prompts
         # Pure decode steps replay CPU graphs where the native kernels do all their work: not in
@@ -84,7 +91,8 @@ class ModelRunner:
         # whose products depend on the step's routing, which a graph cannot replay.
         self.graphs: DecodeGraphs | None = None
         self.hybrid = cfg.is_hybrid
-        if self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
+        native_cpu = isinstance(model.attention, NativeCpuAttention)  # the graphs replay native calls only
+        if native_cpu and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
             max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (pool.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -378,7 +386,7 @@ class ModelRunner:
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
         groups = [self._group([chunk]) for chunk in chunks]
-        if decodes and self.native_attention:
+        if decodes and self.paged_decodes:
             meta = AttentionMetadata(slot_mapping, groups, spans, self._paged_batch(decodes))
         else:
             meta = AttentionMetadata(slot_mapping, ([self._group(decodes)] if decodes else []) + groups, spans)
