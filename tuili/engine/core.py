@@ -119,6 +119,7 @@ class LLMEngine:
         # and restores a cached prefix's linear-attention state from a checkpoint.
         checkpoints = StateCheckpoints(
             self.pool.num_state_checkpoints, self.pool.block_size, config.state_checkpoint_interval,
+            self.pool.num_host_checkpoints,
         ) if self.pool.num_state_checkpoints else None  # fmt: skip
         max_num_seqs = min(config.max_num_seqs, self.pool.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(

@@ -119,27 +119,47 @@ class ModelRunner:
             )
             for _ in model.attention_layers()
         ] if pool.num_host_blocks else []
+        # ... and a hybrid's state checkpoints spilled there: each linear layer's conv and
+        # recurrent rows, one host row per checkpoint.
+        self._host_states = [
+            tuple(torch.zeros(pool.num_host_checkpoints, *t.shape[1:], dtype=t.dtype, pin_memory=pin)
+                  for t in (layer.state.conv, layer.state.recurrent))
+            for layer in linear_layers if layer.state is not None
+        ] if pool.num_host_checkpoints else []  # fmt: skip
 
     @torch.inference_mode()
     def copy_blocks(self, copies: BlockCopies) -> None:
-        """Spill evicted blocks to the host pool, then bring host hits back, before the forward
-        that may overwrite them. Device-to-host copies are synchronous (the host pool is read
-        by later steps); host-to-device ones are queued on the compute stream, ahead of the
-        forward that reads them."""
-        if not (copies.to_host or copies.to_device):
+        """Spill evicted blocks (and state checkpoints) to the host tier, then bring host hits
+        back, before the forward that may overwrite them. Device-to-host copies are synchronous
+        (the host pool is read by later steps); host-to-device ones are queued on the compute
+        stream, ahead of the forward that reads them."""
+        if not copies:
             return
-        for host_pools, attn in zip(self._host_pools, self.model.attention_layers(), strict=True):
-            assert attn.kv_cache is not None
-            for host, device_pool in zip(host_pools, (attn.kv_cache.key, attn.kv_cache.value), strict=True):
-                device_bytes = device_pool.unsqueeze(-1).view(torch.uint8)
-                if copies.to_host:
-                    src = torch.tensor([d for d, _ in copies.to_host], device=self.device)
-                    dst = torch.tensor([h for _, h in copies.to_host])
-                    host[dst] = device_bytes[src].cpu()
-                if copies.to_device:
-                    src = torch.tensor([h for h, _ in copies.to_device])
-                    dst = torch.tensor([d for _, d in copies.to_device], device=self.device)
-                    device_bytes[dst] = host[src].to(self.device, non_blocking=True)
+        if copies.to_host or copies.to_device:
+            for host_pools, attn in zip(self._host_pools, self.model.attention_layers(), strict=True):
+                assert attn.kv_cache is not None
+                for host, device_pool in zip(host_pools, (attn.kv_cache.key, attn.kv_cache.value), strict=True):
+                    self._copy_rows(host, device_pool.unsqueeze(-1).view(torch.uint8), copies.to_host, copies.to_device)
+        if copies.states_to_host or copies.states_to_device:
+            row = self.num_state_slots  # checkpoint c is state row num_state_slots + c
+            to_host = [(row + c, h) for c, h in copies.states_to_host]
+            to_device = [(h, row + c) for h, c in copies.states_to_device]
+            for host_states, layer in zip(self._host_states, self.model.linear_attention_layers(), strict=True):
+                assert layer.state is not None
+                for host, device_rows in zip(host_states, (layer.state.conv, layer.state.recurrent), strict=True):
+                    self._copy_rows(host, device_rows, to_host, to_device)
+
+    def _copy_rows(
+        self, host: torch.Tensor, device_rows: torch.Tensor, to_host: list[tuple[int, int]],
+        to_device: list[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        """Rows of `device_rows` to rows of `host` ((device row, host row) pairs), then back."""
+        if to_host:
+            src = torch.tensor([d for d, _ in to_host], device=self.device)
+            host[torch.tensor([h for _, h in to_host])] = device_rows[src].cpu()
+        if to_device:
+            dst = torch.tensor([d for _, d in to_device], device=self.device)
+            device_rows[dst] = host[torch.tensor([h for h, _ in to_device])].to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(

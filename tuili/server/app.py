@@ -129,6 +129,8 @@ def _checkpoint_samples(stats: CheckpointStats | None) -> dict[str, float]:
         "tuili:state_checkpoints_evicted_total": float(stats.evicted),
         "tuili:state_checkpoints_filed": float(stats.filed),
         "tuili:state_checkpoints_capacity": float(stats.capacity),
+        "tuili:state_checkpoints_spilled_total": float(stats.spilled),
+        "tuili:state_checkpoints_host_restored_total": float(stats.host_restored),
     }
 
 
