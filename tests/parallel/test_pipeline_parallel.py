@@ -33,6 +33,11 @@ from tuili.engine.scheduler import ScheduledSeq
 from tuili.errors import TuiliError
 from tuili.parallel.pipeline import PipelineStage, check_supported
 from tuili.parallel.pipeline_runner import split_batch
+from tuili.perf.checkpoint import read_config
+from tuili.perf.cost import ModelCost
+from tuili.perf.formats import weight_format
+from tuili.perf.hardware import preset
+from tuili.perf.plan import PlanInputs, make_plan
 
 PROMPTS = [[5, 17, 250, 3, 99, 100, 101, 7, 8, 9, 10, 11, 12, 13], [42], list(range(30, 53)), [7, 7, 7, 200, 201]]
 COMMON = dict(vocab_size=320, hidden_size=96, max_position_embeddings=4096, initializer_range=0.1, rms_norm_eps=1e-6)
@@ -106,6 +111,8 @@ def test_pipeline_matches_one_stage(tmp_path):
     assert sum(per_rank) == whole_bytes
     assert max(per_rank) <= whole_bytes / 2 * 1.01, (per_rank, whole_bytes)
     assert comm > 0
+    # ... and exactly what `tuili plan --pp 2` predicts per device.
+    assert per_rank == ModelCost.from_config(read_config(str(path / "config.json"))).weight_bytes_per_stage("fp32", 2)
 
 
 def test_layers_split_contiguously_the_first_stages_taking_the_extra():
@@ -140,6 +147,24 @@ def test_what_pipeline_parallelism_refuses_is_named():
                                       moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(TuiliError, match="mixture-of-experts layers, which pipeline parallelism does not run"):
         check_supported(ModelConfig.from_hf_config({**moe.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}), 2)
+
+
+def test_plan_pp_counts_each_stage_its_layers_kv_and_a_tied_table_twice(tmp_path):
+    (tmp_path / "config.json").write_text(transformers.LlamaConfig(**COMMON, **LLAMA_TIED).to_json_string())
+    cost = ModelCost.from_config(read_config(str(tmp_path / "config.json")))
+    whole = cost.weight_bytes("bf16")
+    table = COMMON["vocab_size"] * COMMON["hidden_size"] * 2
+    stages = cost.weight_bytes_per_stage("bf16", 2)  # layers 2 + 1: the last adds the norm and the table again
+    assert sum(stages) == whole + table
+    layer = (stages[0] - table) / 2
+    assert stages[1] == pytest.approx(layer + table + COMMON["hidden_size"] * 2)
+    one, two = (make_plan(cost, preset("h100-sxm"), PlanInputs(weights=weight_format("bf16"), gpus=pp, pp=pp, context=1024)) for pp in (1, 2))
+    assert two["weights_bytes_per_device"] == max(stages) and two["weights_bytes_per_stage"] == stages
+    assert two["gpus"] == 2 and two["replicas"] == 1 and two["stage_transfer_bytes_per_step"] > 0
+    # The first stage holds 2 of the 3 layers' KV: a request takes 2/3 of its bytes there.
+    assert two["max_concurrent_requests"] > one["max_concurrent_requests"] * 1.4
+    with pytest.raises(TuiliError, match="--pp 4 exceeds the model's 3 decoder layers"):
+        cost.weight_bytes_per_stage("bf16", 4)
 
 
 # ---- processes --------------------------------------------------------------------------
