@@ -39,7 +39,9 @@ from tuili.perf.formats import weight_format
 from tuili.perf.hardware import preset
 from tuili.perf.plan import PlanInputs, make_plan
 
-PROMPTS = [[5, 17, 250, 3, 99, 100, 101, 7, 8, 9, 10, 11, 12, 13], [42], list(range(30, 53)), [7, 7, 7, 200, 201]]
+# 566 prompt tokens: their prefill is cut into two micro-batches ([300], [1, 260, 5] tokens);
+# the decode steps (4 tokens) stay whole.
+PROMPTS = [[(7 * i) % 311 + 5 for i in range(300)], [42], [(3 * i) % 317 + 2 for i in range(260)], [7, 7, 200, 201, 5]]
 COMMON = dict(vocab_size=320, hidden_size=96, max_position_embeddings=4096, initializer_range=0.1, rms_norm_eps=1e-6)
 QWEN3 = dict(num_hidden_layers=4, intermediate_size=200, num_attention_heads=12, num_key_value_heads=4, head_dim=16,
              attention_bias=True, tie_word_embeddings=False)
@@ -90,7 +92,7 @@ def test_pipeline_matches_one_stage(tmp_path):
         steps, transfers = engine.stats().num_steps, engine.parallel.num_collectives
         logits, tokens, prompt = _run(llm)
         # Rank 0 sends each micro-batch's hidden states and receives its logits: the logits()
-        # call is one micro-batch (2 transfers), every generate step two (4 transfers).
+        # call is one micro-batch (2 transfers), the prefill two (4), each decode step one (2).
         steps, transfers = engine.stats().num_steps - steps, engine.parallel.num_collectives - transfers
         per_rank = engine.runner.weight_bytes_per_rank()
         comm = engine.communication_seconds()
@@ -105,7 +107,7 @@ def test_pipeline_matches_one_stage(tmp_path):
             for token in w or {}:
                 assert g[token][1] == w[token][1]
                 assert g[token][0] == pytest.approx(w[token][0], abs=1e-5)
-    assert transfers == 2 + 4 * steps, (transfers, steps)
+    assert transfers == 2 + 4 + 2 * (steps - 1), (transfers, steps)
     # 4 layers over 2 stages, the embedding on the first, the head on the second (as big):
     # each stage holds half, and together exactly the whole (no weight is held twice).
     assert sum(per_rank) == whole_bytes
@@ -127,12 +129,16 @@ def test_a_batch_splits_into_contiguous_micro_batches_balanced_by_tokens():
     def shape(runs: list[list[ScheduledSeq]]) -> list[list[int]]:
         return [[item.num_tokens for item in run] for run in runs]
 
-    assert shape(split_batch(items(1, 1, 1, 1), 2)) == [[1, 1], [1, 1]]
-    assert shape(split_batch(items(100, 1, 1, 1), 2)) == [[100], [1, 1, 1]]
-    assert shape(split_batch(items(1, 1, 1, 100), 2)) == [[1, 1, 1], [100]]
-    assert shape(split_batch(items(5, 5, 5), 3)) == [[5], [5], [5]]
-    assert shape(split_batch(items(5), 3)) == [[5]]
-    assert shape(split_batch(items(1, 1, 1, 1, 1), 4)) == [[1, 1], [1], [1], [1]]
+    assert shape(split_batch(items(1, 1, 1, 1), 2, min_tokens=1)) == [[1, 1], [1, 1]]
+    assert shape(split_batch(items(100, 1, 1, 1), 2, min_tokens=1)) == [[100], [1, 1, 1]]
+    assert shape(split_batch(items(1, 1, 1, 100), 2, min_tokens=1)) == [[1, 1, 1], [100]]
+    assert shape(split_batch(items(5, 5, 5), 3, min_tokens=1)) == [[5], [5], [5]]
+    assert shape(split_batch(items(5), 3, min_tokens=1)) == [[5]]
+    assert shape(split_batch(items(1, 1, 1, 1, 1), 4, min_tokens=1)) == [[1, 1], [1], [1], [1]]
+    # By default a run holds 256 tokens or more: decode steps stay whole, long prefills split.
+    assert shape(split_batch(items(*[1] * 64), 2)) == [[1] * 64]
+    assert shape(split_batch(items(300, 1, 260, 5), 2)) == [[300], [1, 260, 5]]
+    assert shape(split_batch(items(300, 300, 300), 4)) == [[300], [300], [300]]
 
 
 def test_what_pipeline_parallelism_refuses_is_named():

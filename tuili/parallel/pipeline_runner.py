@@ -2,7 +2,7 @@
 the scheduler, the block manager and the sampler live on rank 0 (the first stage) only.
 
 A step: rank 0 cuts the scheduled batch into up to M micro-batches (contiguous runs of whole
-items, balanced by tokens), prepares each one's inputs as ModelRunner does (token ids,
+items, balanced by tokens, of MIN_MICRO_BATCH_TOKENS or more: a decode step stays whole), prepares each one's inputs as ModelRunner does (token ids,
 positions, attention metadata, the rows to sample) and broadcasts them all. Then every stage
 goes through the micro-batches in order: receive the residual stream from the stage before
 (the first stage embeds the tokens), run its layers, send the result on without waiting for
@@ -33,6 +33,12 @@ from tuili.parallel.group import TensorParallelGroup
 from tuili.parallel.pipeline import StageNetwork
 
 _EXECUTE, _COPY, _WEIGHTS, _STOP = "execute", "copy", "weights", "stop"
+# A step is cut into micro-batches of at least this many tokens. Each micro-batch makes every
+# stage read all its weights once more, so a small one is weight-streaming-bound and costs
+# more than the overlap it buys: on the 2-core test machine, PP=2 over SmolLM2, decode steps of 4
+# and 16 sequences took 2-3x as long cut in two as whole, and a prefill of 4 x 64 tokens 1.6x,
+# while one of 4 x 256 tokens took 0.7x (docs/engine.md, "Pipeline parallelism").
+MIN_MICRO_BATCH_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -197,12 +203,14 @@ class PipelineModelRunner(ModelRunner):
                 self._run(message[1], message[2])
 
 
-def split_batch(batch: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
-    """`batch` as up to `parts` contiguous runs of whole items, each as near an equal share of
-    the tokens as whole items allow (never an empty run). Contiguous: the sampling rows of the
-    runs, in order, are the batch's."""
-    parts = min(parts, len(batch))
+def split_batch(
+    batch: list[ScheduledSeq], parts: int, min_tokens: int = MIN_MICRO_BATCH_TOKENS,
+) -> list[list[ScheduledSeq]]:
+    """`batch` as up to `parts` contiguous runs of whole items, as many as give each run about
+    `min_tokens` tokens or more, each as near an equal share of the tokens as whole items allow
+    (never an empty run). Contiguous: the sampling rows of the runs, in order, are the batch's."""
     total = sum(item.num_tokens for item in batch)
+    parts = max(1, min(parts, len(batch), total // min_tokens))
     runs: list[list[ScheduledSeq]] = [[]]
     done = 0
     for index, item in enumerate(batch):
