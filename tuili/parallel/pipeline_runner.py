@@ -99,7 +99,7 @@ class PipelineModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Every scheduled token's logits (one micro-batch: the rows are few, for scoring)."""
+        """Every scheduled token's logits, for scoring (one micro-batch: not a serving path)."""
         input_ids, positions, meta, _ = self._prepare(batch)
         every_row = torch.arange(len(input_ids), device=self.device)
         micro = [MicroBatch(input_ids, positions, meta, every_row, [])]
