@@ -516,11 +516,6 @@ class EngineConfig:
         pp = self.pipeline_parallel_size
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
             raise TuiliError(f"pipeline_parallel_size={pp!r} is invalid: expected an integer >= 1")
-        if tp > 1 and pp > 1:
-            raise TuiliError(
-                f"tensor_parallel_size={tp} with pipeline_parallel_size={pp} is not supported yet: "
-                "use one of the two (the other 1)"
-            )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "state_checkpoint_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

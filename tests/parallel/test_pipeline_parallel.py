@@ -1,9 +1,11 @@
 """Pipeline parallelism on CPU with gloo and real processes (tuili/parallel/pipeline*.py).
 
-- PP=2 against PP=1 in float32 on a random Qwen3 checkpoint written by `save_pretrained`:
-  every prompt token's logits within a tight tolerance, 32 greedy tokens and the prompt
-  logprobs of a batch of four uneven prompts identical, every step cut into two micro-batches;
-- each stage's weight bytes, measured by the stage itself: half of the whole;
+- PP=2, and TP=2 x PP=2, against PP=1 in float32 on a random Qwen3 checkpoint written by
+  `save_pretrained`: every prompt token's logits within a tight tolerance, 32 greedy tokens and
+  the prompt logprobs of a batch of four uneven prompts identical, the prefill cut into two
+  micro-batches;
+- each rank's weight bytes, measured by the rank itself: half of the whole per stage (exactly
+  what `tuili plan --pp 2` predicts), a quarter per rank at TP=2 x PP=2;
 - `tuili serve -pp 2` on a tied Llama with 3 layers (stages of 2 and 1 layers): serves the
   tokens the whole model gives; a killed stage fails the request in flight, the server exits
   with status 1 within seconds naming the lost rank, and leaves no process;
@@ -81,17 +83,33 @@ def _run(llm: LLM) -> tuple[torch.Tensor, list[list[int]], list]:
     return logits, [o.outputs[0].token_ids for o in outs], prompt_logprobs
 
 
+def _assert_same(got: tuple, want: tuple, atol: float) -> None:
+    """Logits within `atol`, the greedy tokens identical, the prompt logprobs' tokens and ranks
+    identical and their values within `atol`."""
+    logits, tokens, prompt = got
+    ref_logits, ref_tokens, ref_prompt = want
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=atol)
+    assert tokens == ref_tokens and all(len(t) == 32 for t in tokens)
+    assert len(prompt) == len(ref_prompt)
+    for got_seq, want_seq in zip(prompt, ref_prompt, strict=True):
+        assert [None if p is None else sorted(p) for p in got_seq] == [None if p is None else sorted(p) for p in want_seq]
+        for g, w in zip(got_seq, want_seq, strict=True):
+            for token in w or {}:
+                assert g[token][1] == w[token][1]
+                assert g[token][0] == pytest.approx(w[token][0], abs=atol)
+
+
 def test_pipeline_matches_one_stage(tmp_path):
     path = _save(tmp_path / "qwen3", transformers.Qwen3Config, QWEN3)
     whole = LLM(str(path), **ENGINE)
-    ref_logits, ref_tokens, ref_prompt = _run(whole)
+    reference = _run(whole)
     whole_bytes = whole.engine.weight_bytes()
     del whole
     llm = LLM(str(path), pipeline_parallel_size=2, **ENGINE)
     try:
         engine = llm.engine
         steps, transfers = engine.stats().num_steps, engine.parallel.num_collectives
-        logits, tokens, prompt = _run(llm)
+        result = _run(llm)
         # Rank 0 sends each micro-batch's hidden states and receives its logits: the logits()
         # call is one micro-batch (2 transfers), the prefill two (4), each decode step one (2).
         steps, transfers = engine.stats().num_steps - steps, engine.parallel.num_collectives - transfers
@@ -99,15 +117,8 @@ def test_pipeline_matches_one_stage(tmp_path):
         comm = engine.communication_seconds()
     finally:
         llm.engine.close()
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    assert tokens == ref_tokens and all(len(t) == 32 for t in tokens)
-    assert len(prompt) == len(ref_prompt)
-    for got, want in zip(prompt, ref_prompt, strict=True):
-        assert [None if p is None else sorted(p) for p in got] == [None if p is None else sorted(p) for p in want]
-        for g, w in zip(got, want, strict=True):
-            for token in w or {}:
-                assert g[token][1] == w[token][1]
-                assert g[token][0] == pytest.approx(w[token][0], abs=1e-5)
+    # The stages compute exactly what the whole model does, in the same order.
+    _assert_same(result, reference, atol=1e-5)
     assert transfers == 2 + 4 + 2 * (steps - 1), (transfers, steps)
     # 4 layers over 2 stages, the embedding on the first, the head on the second (as big):
     # each stage holds half, and together exactly the whole (no weight is held twice).
@@ -116,6 +127,17 @@ def test_pipeline_matches_one_stage(tmp_path):
     assert comm > 0
     # ... and exactly what `tuili plan --pp 2` predicts per device.
     assert per_rank == ModelCost.from_config(read_config(str(path / "config.json"))).weight_bytes_per_stage("fp32", 2)
+
+    # TP=2 within each of 2 stages: 4 ranks, each a quarter of the weights (the norms replicated).
+    llm = LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, **ENGINE)
+    try:
+        result = _run(llm)
+        per_rank = llm.engine.runner.weight_bytes_per_rank()
+    finally:
+        llm.engine.close()
+    _assert_same(result, reference, atol=1e-4)  # float32 sums in another order: a few ulps
+    assert len(per_rank) == 4 and whole_bytes <= sum(per_rank) <= whole_bytes * 1.02
+    assert max(per_rank) <= whole_bytes / 4 * 1.02, (per_rank, whole_bytes)
 
 
 def test_layers_split_contiguously_the_first_stages_taking_the_extra():
@@ -145,8 +167,6 @@ def test_a_batch_splits_into_contiguous_micro_batches_balanced_by_tokens():
 def test_what_pipeline_parallelism_refuses_is_named():
     with pytest.raises(TuiliError, match="pipeline_parallel_size=0 is invalid"):
         EngineConfig(pipeline_parallel_size=0).validate()
-    with pytest.raises(TuiliError, match="tensor_parallel_size=2 with pipeline_parallel_size=2 is not supported"):
-        EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2).validate()
     raw = {**transformers.Qwen3Config(**COMMON, **QWEN3).to_dict(), "architectures": ["Qwen3ForCausalLM"]}
     with pytest.raises(TuiliError, match="pipeline_parallel_size=5 exceeds the 4 decoder layers"):
         check_supported(ModelConfig.from_hf_config(raw), 5)

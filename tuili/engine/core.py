@@ -42,9 +42,10 @@ from tuili.errors import RequestError
 from tuili.layers.grammar import GrammarCompiler
 from tuili.models.loader import load_model
 from tuili.parallel import group as tensor_parallel
-from tuili.parallel.pipeline import PipelineStage
+from tuili.parallel.pipeline import PipelineStage, join_stage
 from tuili.parallel.pipeline_runner import PipelineModelRunner
 from tuili.parallel.runner import ParallelModelRunner
+from tuili.parallel.shard import TensorShard
 from tuili.platform import Platform
 from tuili.pooling import PoolerConfig
 from tuili.sampling import SamplingParams
@@ -65,15 +66,17 @@ class LLMEngine:
         # the GPU of its local rank.
         # Pipeline parallelism (tuili/parallel/pipeline.py) uses the same group and processes:
         # each rank is a stage, rank 0 the first.
+        # Both: world = TP x PP ranks, each stage a tensor-parallel group of its own.
         self.parallel: tensor_parallel.TensorParallelGroup | None = None
         self.stage: PipelineStage | None = None
-        if config.tensor_parallel_size > 1:
-            self.parallel = tensor_parallel.join(config.tensor_parallel_size, self.device, config)
+        self.stage_tensor_group: tensor_parallel.TensorParallelGroup | None = None
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if tp * pp > 1:
+            kind = "pipeline-parallel" if pp > 1 else "tensor-parallel"
+            self.parallel = tensor_parallel.join(tp * pp, self.device, config, kind)
             self.device = self.parallel.device
-        elif config.pipeline_parallel_size > 1:
-            self.parallel = tensor_parallel.join(config.pipeline_parallel_size, self.device, config, "pipeline-parallel")
-            self.device = self.parallel.device
-            self.stage = PipelineStage(self.parallel.rank, self.parallel.world)
+        if self.parallel is not None and pp > 1:
+            self.stage, self.stage_tensor_group = join_stage(self.parallel, tp, pp)
         self.platform = Platform.detect(self.device, config.batch_invariant)
         self.dtype = resolve_dtype(config.dtype, self.platform)
         torch.manual_seed(config.seed)
@@ -88,8 +91,7 @@ class LLMEngine:
         loaded = load_model(
             config.model, self.dtype, self.platform, config.max_model_len, config.quantization,
             packed_compute_dtype(config.dtype, self.device, self.dtype),
-            (self.parallel.shard, self.parallel) if self.parallel is not None and self.stage is None else None,
-            self.stage,
+            self._tensor_parallel(), self.stage,
         )
         self.weights_quantized = loaded.quantized
         self.model_config: ModelConfig = loaded.config
@@ -170,6 +172,15 @@ class LLMEngine:
         self._num_steps = 0
         self._num_preemptions = 0
 
+    def _tensor_parallel(self) -> tuple[TensorShard, tensor_parallel.TensorParallelGroup] | None:
+        """This rank's tensor-parallel shard and the group its layers communicate in (the whole
+        group, or under pipeline parallelism its stage's); None without tensor parallelism."""
+        if self.stage_tensor_group is not None:
+            return self.stage_tensor_group.shard, self.stage_tensor_group
+        if self.parallel is not None and self.stage is None:
+            return self.parallel.shard, self.parallel
+        return None
+
     @property
     def model(self) -> nn.Module:
         """The loaded network, for inspection (perf's byte counts, tests); the runner drives it."""
@@ -187,7 +198,8 @@ class LLMEngine:
         """Seconds this rank spent in tensor-parallel collectives (all-reduces and the logits
         gather) or, under pipeline parallelism, blocked in its sends and receives between stages
         (waits for a neighbour stage included) since the start; 0 on one device."""
-        return self.parallel.comm_seconds if self.parallel is not None else 0.0
+        stage = self.stage_tensor_group.comm_seconds if self.stage_tensor_group is not None else 0.0
+        return self.parallel.comm_seconds + stage if self.parallel is not None else 0.0
 
     def healthy(self) -> bool:
         """False once a tensor-parallel rank is lost: no step can run any more."""

@@ -97,7 +97,8 @@ def load_model(
     whole model's.
 
     `pipeline_stage`: build that stage's layers only (tuili/parallel/pipeline.py), reading only
-    their tensors; LoadedModel.config is the whole model's."""
+    their tensors (with `tensor_parallel` too: the rank's slices of them); LoadedModel.config is
+    the whole model's."""
     path = resolve_model_path(model)
     read_slice: SliceReader | None = None
     if path.is_file():
@@ -132,7 +133,7 @@ def load_model(
     if pipeline_stage is not None:
         pipeline.check_supported(cfg, pipeline_stage.world)
         network: LlamaForCausalLM | Qwen3NextForCausalLM | pipeline.StageNetwork = pipeline.StageNetwork(
-            cfg, pipeline_stage, max_positions, plan, attention_backend(platform, dtype)
+            network_cfg, pipeline_stage, max_positions, plan, attention_backend(platform, dtype)
         )
     else:
         network = network_class(network_cfg, max_positions, plan, attention_backend(platform, dtype))

@@ -49,9 +49,16 @@ class WorkerLostError(TuiliError):
 
 
 class TensorParallelGroup:
-    def __init__(self, shard: TensorShard, device: torch.device, kind: str = "tensor-parallel") -> None:
+    def __init__(
+        self, shard: TensorShard, device: torch.device, kind: str = "tensor-parallel",
+        process_group: Any = None, root: int = 0,
+    ) -> None:
         self.shard = shard
         self.kind = kind  # what the ranks split, for messages: "tensor-parallel" or "pipeline-parallel"
+        # The ranks of a pipeline stage's tensor-parallel group (tuili/parallel/pipeline.py): its
+        # torch.distributed group and the global rank of its rank 0; None, 0: the whole world.
+        self.process_group = process_group
+        self.root = root
         self.device = device
         self.comm_seconds = 0.0  # all-reduce and logits gather time, cumulative (the ruler reads it)
         self.num_collectives = 0
@@ -73,7 +80,7 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place, timed."""
         started = time.perf_counter()
-        self._guard(dist.all_reduce, tensor)
+        self._guard(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.process_group)
         self._count(started)
         return tensor
 
@@ -87,7 +94,7 @@ class TensorParallelGroup:
             padded = torch.nn.functional.pad(tensor, (0, widest - tensor.shape[-1]))
         padded = padded.contiguous()
         pieces = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None
-        self._guard(dist.gather, padded, pieces, 0)
+        self._guard(dist.gather, padded, pieces, self.root, self.process_group)
         self._count(started)
         if pieces is None:
             return None

@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tuili.config import ModelConfig
@@ -28,14 +29,30 @@ from tuili.layers.norm import RMSNorm
 from tuili.layers.rotary import RotaryEmbedding
 from tuili.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 from tuili.models.weights import WeightPlan
+from tuili.parallel.group import TensorParallelGroup
+from tuili.parallel.shard import TensorShard
 
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """Stage `rank` of `world`: which layers it holds."""
+    """Stage `rank` of `world`: which layers it holds. Combined with tensor parallelism each
+    stage is a group of `tp` ranks, global rank = stage * tp + tp_rank: the stage's layers split
+    among them as tensor parallelism splits a whole model, each sending its (replicated)
+    hidden states to the rank of the same tp_rank in the next stage."""
 
     rank: int
     world: int
+    tp_rank: int = 0
+    tp: int = 1
+
+    def peer(self, stage: int) -> int:
+        """The global rank of this rank's counterpart (same tp_rank) in `stage`."""
+        return stage * self.tp + self.tp_rank
+
+    @property
+    def is_scheduler(self) -> bool:
+        """Global rank 0: the first stage's first rank, where the engine runs."""
+        return self.rank == 0 and self.tp_rank == 0
 
     def layers(self, num_layers: int) -> range:
         base, extra = divmod(num_layers, self.world)
@@ -49,6 +66,23 @@ class PipelineStage:
     @property
     def is_last(self) -> bool:
         return self.rank == self.world - 1
+
+
+def join_stage(whole: TensorParallelGroup, tp: int, pp: int) -> tuple[PipelineStage, TensorParallelGroup | None]:
+    """This rank's stage in a world of `pp` stages x `tp` ranks, and (tp > 1) its stage's
+    tensor-parallel group: collectives on the stage's ranks only, timed apart, whose failure
+    fails the whole group."""
+    rank = whole.rank
+    stage = PipelineStage(rank // tp, pp, rank % tp, tp)
+    if tp == 1:
+        return stage, None
+    # Every rank creates every stage's group, in the same order (torch.distributed's rule).
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+    stage_group = TensorParallelGroup(
+        TensorShard(stage.tp_rank, tp), whole.device, "tensor-parallel", groups[stage.rank], stage.rank * tp,
+    )
+    stage_group.on_failure = whole.fail
+    return stage, stage_group
 
 
 def check_supported(cfg: ModelConfig, world: int) -> None:

@@ -26,7 +26,14 @@ import torch
 
 from tuili.engine.block_manager import BlockCopies
 from tuili.engine.pool import PoolPlan
-from tuili.engine.prompt_logprobs import PromptLogprobs, PromptSpan, prompt_spans, score
+from tuili.engine.prompt_logprobs import (
+    PromptLogprobs,
+    PromptSpan,
+    project_blocks,
+    prompt_spans,
+    score,
+    score_rows,
+)
 from tuili.engine.runner import ModelRunner, RunnerConfig
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.parallel.group import TensorParallelGroup
@@ -133,7 +140,8 @@ class PipelineModelRunner(ModelRunner):
         micro = [self._micro_batch(part, score_prompts) for part in split_batch(batch, self.stage.world)]
         self.group.broadcast((_EXECUTE, micro, score_prompts))
         pieces = [logits for logits in self._run(micro, score_prompts) if logits is not None]
-        scored = self.group.gather_objects([])[-1] if score_prompts else []
+        last = self.stage.world - 1
+        scored = self.group.gather_objects([])[last * self.stage.tp] if score_prompts else []
         return (torch.cat(pieces) if pieces else None), scored
 
     def _micro_batch(self, part: list[ScheduledSeq], score_prompts: bool) -> MicroBatch:
@@ -150,39 +158,47 @@ class PipelineModelRunner(ModelRunner):
 
     def _run(self, micro: list[MicroBatch], score_prompts: bool) -> list[torch.Tensor | None]:
         """Every micro-batch through this stage, in order. Rank 0 returns each one's logits (None
-        for one without logit rows); the last stage, when `score_prompts`, gathers what it scored
-        to rank 0 (the caller's gather on rank 0 meets it)."""
+        for one without logit rows); the other ranks return nothing and, when `score_prompts`,
+        meet rank 0's gather of what the last stage scored. Under tensor parallelism each rank
+        of a stage exchanges its hidden states with its counterparts in the stages around it;
+        the last stage's logits are whole on its first rank (VocabParallelHead), which sends them."""
         stage, group = self.stage, self.group
         pending = []  # waits of sends in flight: their tensors must live until they finish
         scored: list[PromptLogprobs] = []
+        holds_logits = stage.is_last and stage.tp_rank == 0
         for i, mb in enumerate(micro):
             tokens = len(mb.input_ids)
             if stage.is_first:
                 x, residual = self.model.embed(mb.input_ids), None
             else:
                 stream = group.recv(torch.empty(2, tokens, self.hidden_size, dtype=self.dtype, device=self.device),
-                                    stage.rank - 1, i)
+                                    stage.peer(stage.rank - 1), i)
                 x, residual = stream[0], stream[1]
             x, residual = self.model.run_layers(x, residual, mb.positions, mb.meta)
             if not stage.is_last:
-                pending.append(group.send(torch.stack((x, residual)), stage.rank + 1, i))
+                pending.append(group.send(torch.stack((x, residual)), stage.peer(stage.rank + 1), i))
                 continue
             hidden = self.model.finish(x, residual)
-            if mb.spans:
+            if mb.spans and holds_logits:
                 scored += score(hidden, mb.spans, self.model.compute_logits)
+            elif mb.spans:  # the other ranks take part in each projection's gather
+                for _block in project_blocks(hidden, score_rows(mb.spans), self.model.compute_logits):
+                    pass
             if len(mb.logit_rows):
                 logits = self.model.compute_logits(hidden[mb.logit_rows]).contiguous()
-                pending.append(group.send(logits, 0, i))
+                if holds_logits:
+                    pending.append(group.send(logits, 0, i))
         for wait in pending:
             wait()
-        if not stage.is_first:
+        if not stage.is_scheduler:
             if score_prompts:
                 group.gather_objects(scored)
             return []
         out: list[torch.Tensor | None] = []
+        last = stage.world - 1
         for i, mb in enumerate(micro):
             rows = len(mb.logit_rows)
-            out.append(group.recv(torch.empty(rows, self.vocab_size, device=self.device), stage.world - 1, i)
+            out.append(group.recv(torch.empty(rows, self.vocab_size, device=self.device), last * stage.tp, i)
                        if rows else None)
         return out
 
