@@ -501,7 +501,8 @@ class EngineConfig:
     seed: int = 0
     # Ranks the model is split over (tuili/parallel): 1 runs it whole in this process.
     tensor_parallel_size: int = 1
-    # Stages the layers are split over, one rank each (tuili/parallel/pipeline.py): 1 = no pipeline.
+    # Stages the layers are split over (tuili/parallel/pipeline.py), each tensor_parallel_size
+    # ranks: 1 = no pipeline.
     pipeline_parallel_size: int = 1
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}); None: no speculation
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None

@@ -72,7 +72,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="split the model's layers into M stages, one rank each (contiguous layers; the "
                        "first stage embeds, the last projects the logits), micro-batches in flight between "
-                       "them; started as --tensor-parallel-size is; not combined with it yet "
+                       "them; started as --tensor-parallel-size is; with it, each stage is a group of N ranks (N x M in all) "
                        "(default 1; docs/engine.md, \"Pipeline parallelism\")")
     group.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                        help="let each step pick its fastest kernels by row count: a request's output may then "
