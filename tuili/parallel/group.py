@@ -144,7 +144,7 @@ class TensorParallelGroup:
         try:
             return collective(*args)
         except (RuntimeError, ValueError) as e:  # gloo/NCCL: a peer closed its connection
-            self.fail(self._exited_worker(wait=1.0) or f"a {self.kind} collective failed on rank {self.rank}: {e}")
+            self.fail(self._exited_worker(wait=1.0) or f"a {self.kind} collective failed on rank {self.root + self.rank}: {e}")
             raise WorkerLostError(self.failure) from e
 
     # -- processes -----------------------------------------------------------------------
