@@ -234,8 +234,11 @@ def _parallel_summary(llm, meter) -> str | None:
     busy = summary.prefill_seconds + summary.decode_seconds
     share = f", {100 * comm / busy:.1f}% of step time" if busy > 0 else ""
     if engine.stage is not None:
-        return (f"pipeline parallel: {engine.parallel.world} stages, rank 0 spent {comm:.3f} s sending hidden states, "
-                f"waiting for and receiving logits over {steps} steps ({1e3 * comm / steps:.2f} ms/step{share})")
+        stage = engine.stage
+        ranks = f" x {stage.tp} tensor-parallel ranks" if stage.tp > 1 else ""
+        return (f"pipeline parallel: {stage.world} stages{ranks}, rank 0 spent {comm:.3f} s sending hidden states, "
+                f"waiting for and receiving logits{' and in its stage collectives' if ranks else ''} over {steps} "
+                f"steps ({1e3 * comm / steps:.2f} ms/step{share})")
     return (f"tensor parallel: {engine.parallel.world} ranks, rank 0 spent {comm:.3f} s in all-reduces and the "
             f"logits gather over {steps} steps ({1e3 * comm / steps:.2f} ms/step{share})")
 
