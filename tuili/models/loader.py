@@ -165,7 +165,7 @@ def _open_hf_dir(
         handle, checkpoint_name, file = tensors[name].args  # type: ignore[attr-defined]
         try:
             sliced = handle.get_slice(checkpoint_name)
-            return sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+            return sliced[(slice(None),) * dim + (slice(start, stop),)]
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
 

@@ -55,7 +55,7 @@ from tuili.layers.quant import (
     quantize_int8,
     quantize_int8_group,
 )
-from tuili.parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from tuili.parallel.layers import RowParallelLinear, SummedOverRanks, VocabParallelEmbedding, VocabParallelHead
 from tuili.parallel.shard import ShardPlan, narrow
 from tuili.platform import Platform
 
@@ -105,28 +105,43 @@ class WeightPlan:
 
     # -- what the model asks for ---------------------------------------------------------
 
-    def linear(self, path: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        """The module for linear `path` (e.g. "model.layers.0.self_attn.qkv_proj")."""
+    def linear(self, path: str, in_features: int, out_features: int, bias: bool, reduce: bool = True) -> nn.Module:
+        """The module for linear `path` (e.g. "model.layers.0.self_attn.qkv_proj"). Under tensor
+        parallelism a row-parallel linear sums its output over the ranks unless `reduce` is
+        False (a shared expert's down projection, summed with the routed experts' once)."""
         parts = self._part_names(path)
         decoder = path.startswith("model.layers.")
-        cut = self.sharded.linear_slices(path.rpartition(".")[2], len(parts)) if self.sharded and decoder else None
+        slices = self.sharded.linear_slices(path, len(parts)) if self.sharded and decoder else None
+        cut = None
+        pieces = parts  # one checkpoint name per range read, in order
+        if slices is not None:
+            dim, ranges = slices
+            pieces = [part for part, runs in zip(parts, ranges, strict=True) for _ in runs]
+            cut = (dim, [run for runs in ranges for run in runs])
         if decoder and self.gguf_packed is not None:
-            module = self._gguf_linear(parts, bias, cut)
+            module = self._gguf_linear(pieces, parts, bias, cut)
             if module is not None:
-                return self._row_parallel(module, cut)
-        weight = self._stacked([f"{p}.weight" for p in parts], (out_features, in_features), cut)
+                return self._row_parallel(module, cut, reduce)
+        weight = self._stacked([f"{p}.weight" for p in pieces], (out_features, in_features), cut)
         b = None
         if bias and (cut is None or cut[0] == 0):
-            b = self._stacked([f"{p}.bias" for p in parts], (out_features,), cut)
+            b = self._stacked([f"{p}.bias" for p in pieces], (out_features,), cut)
         elif bias and self.sharded is not None and self.sharded.shard.rank == 0:  # row-parallel: rank 0 adds it
             b = self._stacked([f"{p}.bias" for p in parts], (out_features,))
-        return self._row_parallel(self._hold(path, weight, b, decoder), cut)
+        return self._row_parallel(self._hold(path, weight, b, decoder), cut, reduce)
 
-    def _row_parallel(self, module: nn.Module, cut: tuple[int, list[tuple[int, int]]] | None) -> nn.Module:
-        if cut is None or cut[0] == 0:
+    def _row_parallel(self, module: nn.Module, cut: tuple[int, list[tuple[int, int]]] | None, reduce: bool) -> nn.Module:
+        if cut is None or cut[0] == 0 or not reduce:
             return module
         assert self.sharded is not None
         return RowParallelLinear(module, self.sharded.group)  # type: ignore[arg-type]
+
+    def summed_over_ranks(self, module: nn.Module) -> nn.Module:
+        """`module`, whose output under tensor parallelism is this rank's partial sum (a mixture
+        of experts over its share of every expert's channels), made to return the whole sum."""
+        if self.sharded is None:
+            return module
+        return SummedOverRanks(module, self.sharded.group)  # type: ignore[arg-type]
 
     def _hold(self, path: str, weight: torch.Tensor, b: torch.Tensor | None, decoder: bool) -> nn.Module:
         """The module holding float `weight` (whole, or this rank's cut of it): ways 2 to 4."""
@@ -149,7 +164,9 @@ class WeightPlan:
         a dense linear ("int8" per row, "int4" per group of `group_size`); float otherwise."""
         paths = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
         shapes = ((num_experts, 2 * intermediate, hidden), (num_experts, hidden, intermediate))
-        if self.gguf_packed is not None:
+        # Under tensor parallelism (`intermediate` is then the rank's share) a GGUF file's expert
+        # stacks are read as floats and cut: packed expert stacks are not cut yet.
+        if self.gguf_packed is not None and self.sharded is None:
             packed = [self._gguf_experts(path, shape) for path, shape in zip(paths, shapes, strict=True)]
             gate_up, down = packed
             if gate_up is not None and down is not None:  # else both float: one kind of module per layer
@@ -172,10 +189,23 @@ class WeightPlan:
         as one float tensor `shape` [num_experts, out, in]: the checkpoint's 3-D tensor named
         `path` where it stores the experts fused (transformers' own layout), else expert e's
         `{prefix}.{e}.{part}.weight` tensors (what save_pretrained writes), its parts stacked as
-        `linear` stacks them (gate_up_proj -> gate_proj, up_proj)."""
-        if path in self.tensors:
-            return self._stacked([path], shape)
+        `linear` stacks them (gate_up_proj -> gate_proj, up_proj). Under tensor parallelism, the
+        rank's intermediate channels of every expert: gate_up's gate and up rows, down's columns."""
         prefix, _, leaf = path.rpartition(".")
+        cut = None
+        if self.sharded is not None:
+            start, stop = self.sharded.expert_channels()
+            cut = (0, [(start, stop), (start, stop)]) if leaf == "gate_up_proj" else (1, [(start, stop)])
+        if path in self.tensors:
+            if cut is None:
+                return self._stacked([path], shape)
+            whole = self.sharded.config.moe.intermediate_size  # type: ignore[union-attr]
+            dim, ranges = (1, [cut[1][0], (whole + start, whole + stop)]) if cut[0] == 0 else (2, cut[1])
+            pieces = [self._read(path, dim, a, b) for a, b in ranges]
+            tensor = torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(f"{self.source}: tensor {path} cut to {tuple(tensor.shape)}, expected {shape}")
+            return tensor
         parts = self.stacked.get(leaf, (leaf,))
         first = [f"{prefix}.0.{part}.weight" for part in parts]
         if not all(name in self.tensors for name in first):
@@ -183,7 +213,7 @@ class WeightPlan:
             _raise_missing(self.source, [path, *[n for n in first if n not in self.tensors]])
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
         for e in range(shape[0]):
-            out[e] = self._stacked([f"{prefix}.{e}.{part}.weight" for part in parts], shape[1:])
+            out[e] = self._stacked([f"{prefix}.{e}.{part}.weight" for part in parts], shape[1:], cut)
         return out
 
     def _gguf_experts(self, path: str, shape: tuple[int, int, int]) -> list[QuantizedWeight] | None:
@@ -244,7 +274,11 @@ class WeightPlan:
             if name not in self.tensors:
                 missing.append(name)
                 continue
-            tensor = self.tensors[name]().to(device=self.device, dtype=self.dtype)
+            rows = self.sharded.parameter_rows(name) if self.sharded is not None else None
+            if rows is None:
+                tensor = self.tensors[name]().to(device=self.device, dtype=self.dtype)
+            else:  # this rank's runs of rows (a DeltaNet's conv channels, its value heads' A_log)
+                tensor = torch.cat([self._read(name, 0, start, stop) for start, stop in rows])
             if tensor.shape != param.shape:
                 raise CheckpointError(
                     f"{self.source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
@@ -298,13 +332,14 @@ class WeightPlan:
         return piece.clone() if piece.untyped_storage().nbytes() > piece.nbytes else piece
 
     def _gguf_linear(
-        self, parts: list[str], bias: bool, cut: tuple[int, list[tuple[int, int]]] | None = None
+        self, pieces: list[str], parts: list[str], bias: bool, cut: tuple[int, list[tuple[int, int]]] | None = None
     ) -> QuantizedLinear | None:
-        """A packed linear from the GGUF file's blocks, or None when a part's type cannot run
+        """A packed linear from the GGUF file's blocks (`pieces`: the part read for each range
+        of `cut`; `parts`: the linear's stacked parts), or None when a part's type cannot run
         packed (or is absent) or the parts' formats differ: that linear is then loaded as floats."""
         ckpt = self.gguf_packed
         assert ckpt is not None
-        names = [f"{p}.weight" for p in parts]
+        names = [f"{p}.weight" for p in pieces]
         known = set(ckpt.tensor_names())
         if not all(n in known and ckpt.runs_packed(n) for n in names):
             return None
@@ -315,7 +350,7 @@ class WeightPlan:
             weights = [narrow(w, cut[0], start, stop) for w, (start, stop) in zip(weights, cut[1], strict=True)]
         b = None
         if bias and (cut is None or cut[0] == 0):
-            b = self._stacked([f"{p}.bias" for p in parts], (sum(w.q.shape[0] for w in weights),), cut)
+            b = self._stacked([f"{p}.bias" for p in pieces], (sum(w.q.shape[0] for w in weights),), cut)
         elif bias and self.sharded is not None and self.sharded.shard.rank == 0:
             b = self._stacked([f"{p}.bias" for p in parts], (weights[0].q.shape[0],))
         stacked = type(weights[0]).cat(weights)  # type: ignore[arg-type]
