@@ -55,7 +55,12 @@ from tuili.layers.quant import (
     quantize_int8,
     quantize_int8_group,
 )
-from tuili.parallel.layers import RowParallelLinear, SummedOverRanks, VocabParallelEmbedding, VocabParallelHead
+from tuili.parallel.layers import (
+    RowParallelLinear,
+    SummedOverRanks,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 from tuili.parallel.shard import ShardPlan, narrow
 from tuili.platform import Platform
 
