@@ -113,11 +113,13 @@ def load_model(
     sharded, network_cfg = None, cfg
     if tensor_parallel is not None:
         shard, group = tensor_parallel
-        check_supported(cfg, shard)
-        # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks.
-        ffn_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else 32 if gguf_packed is not None else 1
-        sharded = ShardPlan(shard, cfg, ffn_unit, group)
-        network_cfg = local_config(cfg, shard, ffn_unit)
+        # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks. A GGUF
+        # file's expert stacks are read as floats under tensor parallelism (WeightPlan.experts).
+        expert_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else 1
+        ffn_unit = 32 if gguf_packed is not None and quantization is None else expert_unit
+        check_supported(cfg, shard, ffn_unit, expert_unit)
+        sharded = ShardPlan(shard, cfg, ffn_unit, group, expert_unit)
+        network_cfg = local_config(cfg, shard, ffn_unit, expert_unit)
     plan = WeightPlan(
         platform, dtype, tensors, network_class.stacked_projections, str(path), quantization,
         quantized_dtype=packed_dtype or dtype, gguf_packed=gguf_packed, shapes=shapes, sharded=sharded,

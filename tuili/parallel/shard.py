@@ -17,10 +17,10 @@ nothing twice). The units:
   its value heads' z, b, a rows, A_log and dt_bias, out_proj's columns. The gated norm is per
   head (replicated). 16 key / 48 value heads over 3 ranks: 6/5/5 key heads, 18/15/15 value heads.
 - MLP: intermediate channels, in blocks of `ffn_unit` (a quantization group, so that no group
-  is cut; 1 for floats). A mixture of experts splits every routed expert's and the shared
-  expert's intermediate channels the same way (vLLM's default expert TP); the router and the
-  shared expert's gate are replicated, and the layer's combined output is summed over the ranks
-  once.
+  is cut; 1 for floats). A mixture of experts splits every routed expert's (in blocks of
+  `expert_unit`) and the shared expert's intermediate channels the same way (vLLM's default
+  expert TP); the router and the shared expert's gate are replicated, and the layer's combined
+  output is summed over the ranks once. Every rank holds at least one block of each.
 - vocabulary: rows of the embedding and of the output matrix.
 """
 
@@ -120,8 +120,9 @@ def vocab_split(vocab_size: int, shard: TensorShard) -> tuple[int, int]:
     return shard.split(vocab_size)
 
 
-def check_supported(cfg: ModelConfig, shard: TensorShard) -> None:
-    """Refuse what tensor parallelism cannot split, naming it."""
+def check_supported(cfg: ModelConfig, shard: TensorShard, ffn_unit: int = 1, expert_unit: int = 1) -> None:
+    """Refuse what tensor parallelism cannot split, naming it: every rank must hold at least one
+    head of each kind and one block of channels of each MLP."""
     world = shard.world
     attention_split(cfg, shard)
     if cfg.linear is not None and cfg.linear.num_k_heads < world:
@@ -129,19 +130,20 @@ def check_supported(cfg: ModelConfig, shard: TensorShard) -> None:
             f"tensor_parallel_size={world} exceeds the {cfg.linear.num_k_heads} linear-attention key heads of "
             f"{cfg.architecture}: each rank needs at least one key head (with its value heads)"
         )
-    sizes = {"vocabulary": cfg.vocab_size}
+    sizes = {"vocabulary": (cfg.vocab_size, 1)}
     if cfg.moe is None or not all(cfg.moe.sparse_layers):
-        sizes["intermediate size"] = cfg.intermediate_size
+        sizes["intermediate size"] = (cfg.intermediate_size, ffn_unit)
     if cfg.moe is not None:
-        sizes["expert intermediate size"] = cfg.moe.intermediate_size
+        sizes["expert intermediate size"] = (cfg.moe.intermediate_size, expert_unit)
         if cfg.moe.shared_intermediate_size:
-            sizes["shared expert intermediate size"] = cfg.moe.shared_intermediate_size
-    for what, size in sizes.items():
-        if size < world:
-            raise TuiliError(f"tensor_parallel_size={world} exceeds the {what} ({size}) of {cfg.architecture}")
+            sizes["shared expert intermediate size"] = (cfg.moe.shared_intermediate_size, ffn_unit)
+    for what, (size, unit) in sizes.items():
+        if -(-size // unit) < world:
+            blocks = f" in blocks of {unit} (quantization groups, never cut)" if unit > 1 else ""
+            raise TuiliError(f"tensor_parallel_size={world} exceeds the {what} ({size}{blocks}) of {cfg.architecture}")
 
 
-def local_config(cfg: ModelConfig, shard: TensorShard, ffn_unit: int) -> ModelConfig:
+def local_config(cfg: ModelConfig, shard: TensorShard, ffn_unit: int, expert_unit: int = 1) -> ModelConfig:
     """The config the rank's network is built from: its attention and linear-attention heads and
     its intermediate channels (dense, experts', shared expert's). The vocabulary, the hidden size,
     the number of experts and everything else stay whole."""
@@ -154,7 +156,7 @@ def local_config(cfg: ModelConfig, shard: TensorShard, ffn_unit: int) -> ModelCo
             linear, num_k_heads=heads.k_stop - heads.k_start, num_v_heads=heads.v_stop - heads.v_start
         )
     if moe is not None:
-        expert = channel_split(moe.intermediate_size, shard, ffn_unit)
+        expert = channel_split(moe.intermediate_size, shard, expert_unit)
         shared = channel_split(moe.shared_intermediate_size, shard, ffn_unit)
         moe = dataclasses.replace(
             moe, intermediate_size=expert[1] - expert[0], shared_intermediate_size=shared[1] - shared[0]
@@ -198,6 +200,7 @@ class ShardPlan:
     config: ModelConfig  # the whole model's
     ffn_unit: int
     group: object  # TensorParallelGroup (typed loosely: the plan only hands it on)
+    expert_unit: int = 1  # the routed experts' block of channels
 
     def linear_slices(self, path: str, parts: int) -> tuple[int, list[list[tuple[int, int]]]] | None:
         """How decoder linear `path` is cut: None when every rank holds it whole (a router, a
@@ -237,7 +240,7 @@ class ShardPlan:
     def expert_channels(self) -> tuple[int, int]:
         """The rank's [start, stop) of each routed expert's intermediate channels."""
         assert self.config.moe is not None
-        return channel_split(self.config.moe.intermediate_size, self.shard, self.ffn_unit)
+        return channel_split(self.config.moe.intermediate_size, self.shard, self.expert_unit)
 
     def _linear_attention_cuts(self, parts: int) -> dict[str, tuple[int, list[list[tuple[int, int]]]]]:
         """Gated DeltaNet's projections, in the layout the checkpoint stores: Qwen3-Next's fused
