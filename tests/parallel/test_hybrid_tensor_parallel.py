@@ -8,7 +8,7 @@ splits both unevenly (key heads 2/1/1 with value heads 6/3/3; KV heads 2/1/1):
 - MoE, 8 experts top-2 of intermediate 40 with a shared expert of 56 (neither a multiple of 3).
 TP=2 and TP=3 against TP=1 in float32: the logits of a batch of prompts within a tight
 tolerance and 32 greedy tokens identical; every rank's weight bytes, measured by the rank,
-about 1/N of the whole; a prefix-cache hit under TP=3 that restores a linear-attention state
+about 1/N of the whole, the most loaded rank's exactly what `tuili plan --tp N` counts per device; a prefix-cache hit under TP=3 that restores a linear-attention state
 checkpoint (each rank's slice of it) gives the tokens of a cold run. One engine per checkpoint
 and TP size, shared by the tests of this module; a process takes part in one process group at
 a time, so a TP engine is closed before the next is built (the order below builds each once).
@@ -16,6 +16,7 @@ a time, so a TP engine is closed before the next is built (the order below build
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from tuili import LLM, SamplingParams
 from tuili.config import ModelConfig
 from tuili.errors import TuiliError
 from tuili.parallel.shard import TensorShard, check_supported, linear_attention_split, local_config
+from tuili.perf.cost import ModelCost
 
 PROMPTS = [[5, 17, 250, 3, 99, 100, 101, 7, 8, 9, 10, 11, 12, 13], [42], list(range(30, 53)), [7, 7, 7, 200, 201]]
 COMMON = dict(vocab_size=320, hidden_size=48, num_hidden_layers=4, head_dim=16, linear_key_head_dim=16,
@@ -92,7 +94,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 # dense TP=3 last: the prefix-cache test below takes that engine.
 @pytest.mark.parametrize(("name", "tp"), [("qwen35-moe", 2), ("qwen35-moe", 3), ("qwen35-dense", 2),
                                           ("qwen35-dense", 3)])
-def test_hybrid_tensor_parallel_matches_one_rank(engines, prompt_logits, name, tp):
+def test_hybrid_tensor_parallel_matches_one_rank(checkpoints, engines, prompt_logits, name, tp):
     whole, llm = engines(name, 1), engines(name, tp)
     ref_logits, logits = prompt_logits(whole, PROMPTS), prompt_logits(llm, PROMPTS)
     # float32 sums in another order: a few ulps of the largest logits
@@ -106,6 +108,10 @@ def test_hybrid_tensor_parallel_matches_one_rank(engines, prompt_logits, name, t
     assert len(per_rank) == tp
     assert whole_bytes <= sum(per_rank) <= whole_bytes * 1.03, (per_rank, whole_bytes)
     assert max(per_rank) <= whole_bytes / tp * 1.35, (per_rank, whole_bytes)
+    # The ruler counts the most loaded device: whole KV-head groups (and key-head groups) first.
+    cost = ModelCost.from_config(json.loads((checkpoints[name] / "config.json").read_text()))
+    assert max(per_rank) == per_rank[0] == cost.weight_bytes_per_device("fp32", tp)
+    assert cost.weight_bytes("fp32") == whole_bytes
     assert llm.engine.communication_seconds() > 0
 
 
