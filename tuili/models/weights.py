@@ -28,7 +28,11 @@ slice of each tensor (safetensors slices through `read_slice`; a GGUF tensor one
 whole, then cut; a packed GGUF linear's blocks cut along rows or whole groups of columns), then
 holds it one of the four ways above: q/k/v and gate/up keep their heads' and channels' rows,
 o and down their columns and end in an all-reduce, the embedding and the output head their
-vocabulary rows.
+vocabulary rows. A rank's part of a stacked part may be several runs of rows (Qwen3.5's flat
+in_proj_qkv: its q, k and v rows), read one by one and concatenated in order; a DeltaNet's conv
+channels, A_log and dt_bias are cut the same way in `fill`; routed experts keep their share of
+every expert's intermediate channels (a GGUF file's packed expert stacks are then read as
+floats), and a mixture of experts sums its output over the ranks once (`summed_over_ranks`).
 """
 
 from __future__ import annotations
