@@ -1,12 +1,15 @@
 """Tensor parallelism for hybrid (Gated DeltaNet) and mixture-of-experts models, on CPU with gloo
 and real processes (tuili/parallel/shard.py).
 
-Random Qwen3.5 checkpoints written by `save_pretrained`, 4 layers (3 linear attention, 1 gated
-full attention), with 4 key / 12 value DeltaNet heads and 8 query / 4 KV heads, so that TP=3
-splits both unevenly (key heads 2/1/1 with value heads 6/3/3; KV heads 2/1/1):
-- dense, intermediate size 100 (not a multiple of 3);
-- MoE, 8 experts top-2 of intermediate 40 with a shared expert of 56 (neither a multiple of 3).
-TP=2 and TP=3 against TP=1 in float32: the logits of a batch of prompts within a tight
+Random checkpoints written by `save_pretrained`, 4 layers (3 linear attention, 1 gated full
+attention), with 4 key / 12 value DeltaNet heads and 8 query / 4 KV heads, so that TP=3 splits
+both unevenly (key heads 2/1/1 with value heads 6/3/3; KV heads 2/1/1):
+- Qwen3.5 dense (DeltaNet projections stored flat), intermediate size 100 (not a multiple of 3),
+  at TP=2 and TP=3;
+- Qwen3.5-MoE, 8 experts top-2 of intermediate 40 with a shared expert of 56 (neither a multiple
+  of 3), at TP=3;
+- Qwen3-Next (DeltaNet projections fused, grouped by key head), the same experts, at TP=2.
+Against TP=1 in float32: the logits of a batch of prompts within a tight
 tolerance and 32 greedy tokens identical; every rank's weight bytes, measured by the rank,
 about 1/N of the whole, the most loaded rank's exactly what `tuili plan --tp N` counts per device; a prefix-cache hit under TP=3 that restores a linear-attention state
 checkpoint (each rank's slice of it) gives the tokens of a cold run. One engine per checkpoint
@@ -39,6 +42,8 @@ CHECKPOINTS = {
     "qwen35-moe": (transformers.Qwen3_5MoeTextConfig, dict(num_experts=8, num_experts_per_tok=2,
                                                            moe_intermediate_size=40,
                                                            shared_expert_intermediate_size=56)),
+    "qwen3next": (transformers.Qwen3NextConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                                                     shared_expert_intermediate_size=56)),
 }
 # Prefix caching on, with a state checkpoint every 2 blocks of 4 tokens.
 ENGINE = dict(dtype="float32", block_size=4, state_checkpoint_interval=2, kv_cache_memory=1 << 22)
@@ -92,7 +97,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 # dense TP=3 last: the prefix-cache test below takes that engine.
-@pytest.mark.parametrize(("name", "tp"), [("qwen35-moe", 2), ("qwen35-moe", 3), ("qwen35-dense", 2),
+@pytest.mark.parametrize(("name", "tp"), [("qwen3next", 2), ("qwen35-moe", 3), ("qwen35-dense", 2),
                                           ("qwen35-dense", 3)])
 def test_hybrid_tensor_parallel_matches_one_rank(checkpoints, engines, prompt_logits, name, tp):
     whole, llm = engines(name, 1), engines(name, tp)

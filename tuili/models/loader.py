@@ -116,7 +116,7 @@ def load_model(
         # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks. A GGUF
         # file's expert stacks are read as floats under tensor parallelism (WeightPlan.experts).
         expert_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else 1
-        ffn_unit = 32 if gguf_packed is not None and quantization is None else expert_unit
+        ffn_unit = 32 if gguf_packed is not None else expert_unit
         check_supported(cfg, shard, ffn_unit, expert_unit)
         sharded = ShardPlan(shard, cfg, ffn_unit, group, expert_unit)
         network_cfg = local_config(cfg, shard, ffn_unit, expert_unit)

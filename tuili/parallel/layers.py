@@ -1,7 +1,7 @@
 """The modules of a tensor-parallel network that communicate. Column-parallel linears (q/k/v,
 gate/up) need none: each rank computes its heads' or channels' outputs. Each row-parallel
-linear (o, down, a DeltaNet's out_proj) ends in one all-reduce, a mixture of experts in one, the embedding lookup in one, and the logits in one
-gather to rank 0, which samples."""
+linear (o, down, a DeltaNet's out_proj) ends in one all-reduce, a mixture of experts in one,
+the embedding lookup in one, and the logits in one gather to rank 0, which samples."""
 
 from __future__ import annotations
 
