@@ -117,6 +117,9 @@ def test_hybrid_tensor_parallel_matches_one_rank(checkpoints, engines, prompt_lo
     cost = ModelCost.from_config(json.loads((checkpoints[name] / "config.json").read_text()))
     assert max(per_rank) == per_rank[0] == cost.weight_bytes_per_device("fp32", tp)
     assert cost.weight_bytes("fp32") == whole_bytes
+    # ... and the per-device linear-attention state: rank 0's state slot, which sizes the pool.
+    state = cost.state_bytes_per_sequence("fp32", "fp32", tp)
+    assert llm.engine.pool.state_bytes_per_slot == state < whole.engine.pool.state_bytes_per_slot
     assert llm.engine.communication_seconds() > 0
 
 
