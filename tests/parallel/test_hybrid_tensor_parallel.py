@@ -152,3 +152,14 @@ def test_linear_attention_heads_split_by_key_head_groups():
     # Fewer key heads than ranks: refused, naming them.
     with pytest.raises(TuiliError, match="tensor_parallel_size=5 exceeds the 4 linear-attention key heads"):
         check_supported(_config(num_attention_heads=10, num_key_value_heads=1), TensorShard(0, 5))
+
+
+def test_experts_split_by_channels_in_whole_quantization_groups():
+    raw = transformers.Qwen3_5MoeTextConfig(**COMMON, **CHECKPOINTS["qwen35-moe"][1]).to_dict()
+    cfg = ModelConfig.from_hf_config(raw | {"architectures": ["Qwen3_5MoeForCausalLM"]})
+    local = [local_config(cfg, TensorShard(r, 3), 1).moe for r in range(3)]
+    assert [(m.intermediate_size, m.shared_intermediate_size) for m in local] == [(14, 19), (13, 19), (13, 18)]
+    assert {m.num_experts for m in local} == {8}  # every rank holds every expert's share
+    # int4 groups of 128 are never cut: one group of 40 channels cannot feed 2 ranks.
+    with pytest.raises(TuiliError, match=r"exceeds the expert intermediate size \(40 in blocks of 128"):
+        check_supported(cfg, TensorShard(0, 2), ffn_unit=128, expert_unit=128)
