@@ -20,7 +20,7 @@ from tuili.layers.linear import PanelLinear
 from tuili.layers.quant import DEFAULT_INT4_GROUP_SIZE
 from tuili.models.llama import LlamaForCausalLM
 from tuili.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
-from tuili.models.weights import SliceReader, TensorSource, WeightPlan
+from tuili.models.weights import GGUF_BLOCK, SliceReader, TensorSource, WeightPlan
 from tuili.parallel.shard import ShardPlan, TensorShard, check_supported, local_config
 from tuili.platform import Platform
 from tuili.tokenizer import Tokenizer
@@ -114,9 +114,12 @@ def load_model(
     if tensor_parallel is not None:
         shard, group = tensor_parallel
         # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks. A GGUF
-        # file's expert stacks are read as floats under tensor parallelism (WeightPlan.experts).
-        expert_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else 1
-        ffn_unit = 32 if gguf_packed is not None else expert_unit
+        # file's expert stacks are cut by whole blocks where each rank gets one, else read as
+        # floats and cut by channel (WeightPlan.experts).
+        ffn_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else GGUF_BLOCK if gguf_packed is not None else 1
+        expert_unit = ffn_unit
+        if gguf_packed is not None and cfg.moe is not None and -(-cfg.moe.intermediate_size // GGUF_BLOCK) < shard.world:
+            expert_unit = 1
         check_supported(cfg, shard, ffn_unit, expert_unit)
         sharded = ShardPlan(shard, cfg, ffn_unit, group, expert_unit)
         network_cfg = local_config(cfg, shard, ffn_unit, expert_unit)

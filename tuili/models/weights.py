@@ -31,8 +31,8 @@ o and down their columns and end in an all-reduce, the embedding and the output 
 vocabulary rows. A rank's part of a stacked part may be several runs of rows (Qwen3.5's flat
 in_proj_qkv: its q, k and v rows), read one by one and concatenated in order; a DeltaNet's conv
 channels, A_log and dt_bias are cut the same way in `fill`; routed experts keep their share of
-every expert's intermediate channels (a GGUF file's packed expert stacks are then read as
-floats), and a mixture of experts sums its output over the ranks once (`summed_over_ranks`).
+every expert's intermediate channels (a GGUF file's packed expert stacks cut by whole
+blocks, or read as floats where the channels do not split into a block per rank), and a mixture of experts sums its output over the ranks once (`summed_over_ranks`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
 TensorSource = dict[str, Callable[[], torch.Tensor]]  # checkpoint name -> its tensor, read on demand
 # (name, dim, start, stop) -> that slice of the tensor, read without the rest (safetensors)
 SliceReader = Callable[[str, int, int, int], torch.Tensor]
+GGUF_BLOCK = 32  # elements per block of the GGUF types that run packed (Q4_0, Q4_1, Q8_0)
 
 
 @dataclass
@@ -173,9 +174,9 @@ class WeightPlan:
         a dense linear ("int8" per row, "int4" per group of `group_size`); float otherwise."""
         paths = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
         shapes = ((num_experts, 2 * intermediate, hidden), (num_experts, hidden, intermediate))
-        # Under tensor parallelism (`intermediate` is then the rank's share) a GGUF file's expert
-        # stacks are read as floats and cut: packed expert stacks are not cut yet.
-        if self.gguf_packed is not None and self.sharded is None:
+        # Under tensor parallelism (`intermediate` is then the rank's share) a GGUF file's packed
+        # stacks are cut by whole blocks, where the rank's channels are whole blocks.
+        if self.gguf_packed is not None and (self.sharded is None or self.sharded.expert_unit % GGUF_BLOCK == 0):
             packed = [self._gguf_experts(path, shape) for path, shape in zip(paths, shapes, strict=True)]
             gate_up, down = packed
             if gate_up is not None and down is not None:  # else both float: one kind of module per layer
@@ -228,18 +229,32 @@ class WeightPlan:
     def _gguf_experts(self, path: str, shape: tuple[int, int, int]) -> list[QuantizedWeight] | None:
         """Expert e's matrix of the GGUF file's stack `path` as stored (one QuantizedWeight per
         expert, rows e*out .. (e+1)*out of the stack), or None when the stack cannot run packed
-        (a K-quant, F16, ...): it is then read as floats."""
+        (a K-quant, F16, ...): it is then read as floats. Under tensor parallelism (`shape` is
+        then the rank's) each expert's blocks are cut: gate_up's gate and up rows of the rank's
+        channels, down's columns at block boundaries (`ShardPlan.expert_unit`)."""
         ckpt = self.gguf_packed
         assert ckpt is not None
         if path not in set(ckpt.tensor_names()) or not ckpt.runs_packed(path):
             return None
-        if ckpt.tensor_info(path).shape != shape:
+        whole = shape
+        if self.sharded is not None:
+            inter = self.sharded.config.moe.intermediate_size  # type: ignore[union-attr]
+            whole = (shape[0], 2 * inter, shape[2]) if path.endswith("gate_up_proj") else (*shape[:2], inter)
+        if ckpt.tensor_info(path).shape != whole:
             raise CheckpointError(
-                f"{self.source}: tensor {path} has shape {ckpt.tensor_info(path).shape}, expected {shape} from the config"
+                f"{self.source}: tensor {path} has shape {ckpt.tensor_info(path).shape}, expected {whole} from the config"
             )
         stack = ckpt.quantized_tensor(path)  # [E * out, in], Hugging Face row order
-        num, out = shape[0], shape[1]
-        return [narrow(stack, 0, e * out, (e + 1) * out) for e in range(num)]
+        num, out = whole[0], whole[1]
+        experts = [narrow(stack, 0, e * out, (e + 1) * out) for e in range(num)]
+        if self.sharded is None:
+            return experts
+        start, stop = self.sharded.expert_channels()
+        if path.endswith("gate_up_proj"):  # rows [gate (I), up (I)]: the rank's of each
+            half = out // 2
+            return [type(w).cat([narrow(w, 0, start, stop), narrow(w, 0, half + start, half + stop)])  # type: ignore[arg-type]
+                    for w in experts]  # fmt: skip
+        return [narrow(w, 1, start, stop) for w in experts]
 
     def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:
         if self.sharded is not None:
