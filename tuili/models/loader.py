@@ -20,7 +20,7 @@ from tuili.layers.linear import PanelLinear
 from tuili.layers.quant import DEFAULT_INT4_GROUP_SIZE
 from tuili.models.llama import LlamaForCausalLM
 from tuili.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
-from tuili.models.weights import SliceReader, TensorSource, WeightPlan
+from tuili.models.weights import GGUF_BLOCK, SliceReader, TensorSource, WeightPlan
 from tuili.parallel import pipeline
 from tuili.parallel.shard import ShardPlan, TensorShard, check_supported, local_config
 from tuili.platform import Platform
@@ -119,11 +119,16 @@ def load_model(
     sharded, network_cfg = None, cfg
     if tensor_parallel is not None:
         shard, group = tensor_parallel
-        check_supported(cfg, shard)
-        # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks.
-        ffn_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else 32 if gguf_packed is not None else 1
-        sharded = ShardPlan(shard, cfg, ffn_unit, group)
-        network_cfg = local_config(cfg, shard, ffn_unit)
+        # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks. A GGUF
+        # file's expert stacks are cut by whole blocks where each rank gets one, else read as
+        # floats and cut by channel (WeightPlan.experts).
+        ffn_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else GGUF_BLOCK if gguf_packed is not None else 1
+        expert_unit = ffn_unit
+        if gguf_packed is not None and cfg.moe is not None and -(-cfg.moe.intermediate_size // GGUF_BLOCK) < shard.world:
+            expert_unit = 1
+        check_supported(cfg, shard, ffn_unit, expert_unit)
+        sharded = ShardPlan(shard, cfg, ffn_unit, group, expert_unit)
+        network_cfg = local_config(cfg, shard, ffn_unit, expert_unit)
     plan = WeightPlan(
         platform, dtype, tensors, network_class.stacked_projections, str(path), quantization,
         quantized_dtype=packed_dtype or dtype, gguf_packed=gguf_packed, shapes=shapes, sharded=sharded,
@@ -176,7 +181,7 @@ def _open_hf_dir(
         handle, checkpoint_name, file = tensors[name].args  # type: ignore[attr-defined]
         try:
             sliced = handle.get_slice(checkpoint_name)
-            return sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+            return sliced[(slice(None),) * dim + (slice(start, stop),)]
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
 

@@ -173,10 +173,11 @@ class ModelCost:
         return {k: round(v) for k, v in by_kind.items()}
 
     def weight_bytes_per_device(self, storage: WeightStorage | str, tp: int = 1) -> int:
-        """Bytes of weights one of ``tp`` tensor-parallel devices holds. A tensor split into units
-        (heads, channels) that ``tp`` does not divide is padded: each device holds ceil(units/tp)."""
+        """Bytes of weights the most loaded of ``tp`` tensor-parallel devices holds. A tensor split
+        into units (heads, channels) that ``tp`` does not divide is split unevenly (or padded):
+        that device holds ceil(units/tp), or ceil(groups/tp) whole groups (tuili/parallel/shard.py)."""
         _check_count("tp", tp, 1)
-        return round(sum(b * _shard(w.tp_units, tp) for w, b in zip(self.weights, self._bytes_each(storage), strict=True)))
+        return round(sum(b * _weight_share(w, tp) for w, b in zip(self.weights, self._bytes_each(storage), strict=True)))
 
     def weight_bytes_per_stage(self, storage: WeightStorage | str, pp: int, tp: int = 1) -> list[int]:
         """Bytes of weights each of ``pp`` pipeline stages holds (per device of the stage's ``tp``
@@ -224,7 +225,7 @@ class ModelCost:
         _check_count("batch", batch, 1)
         total = 0.0
         for w, b in zip(self.weights, self._bytes_each(storage), strict=True):
-            total += b * _shard(w.tp_units, tp) * self._read_fraction(w, batch)
+            total += b * _weight_share(w, tp) * self._read_fraction(w, batch)
         return round(total)
 
     def weight_read_fraction(self, batch: int = 1, storage: WeightStorage | str = "bf16") -> float:
@@ -337,6 +338,13 @@ def _shard(units: int, tp: int) -> float:
     if not units or tp == 1:
         return 1.0
     return math.ceil(units / tp) / units
+
+
+def _weight_share(w: Weight, tp: int) -> float:
+    """Share of tensor `w` the most loaded of ``tp`` devices holds."""
+    if w.tp_units and w.tp_groups >= tp > 1:  # whole groups of units (query heads with their KV head)
+        return _shard(w.tp_groups, tp)
+    return _shard(w.tp_units, tp)
 
 
 def _check_count(name: str, value: int, minimum: int) -> None:
