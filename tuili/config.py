@@ -504,6 +504,9 @@ class EngineConfig:
     seed: int = 0
     # Ranks the model is split over (tuili/parallel): 1 runs it whole in this process.
     tensor_parallel_size: int = 1
+    # Stages the layers are split over (tuili/parallel/pipeline.py), each tensor_parallel_size
+    # ranks: 1 = no pipeline.
+    pipeline_parallel_size: int = 1
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}); None: no speculation
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
     # Embeddings (LLM.embed, /v1/embeddings): vLLM's dict ({"pooling_type": "LAST" | "MEAN",
@@ -514,6 +517,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise TuiliError(f"tensor_parallel_size={tp!r} is invalid: expected an integer >= 1")
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise TuiliError(f"pipeline_parallel_size={pp!r} is invalid: expected an integer >= 1")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "state_checkpoint_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

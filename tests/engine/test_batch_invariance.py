@@ -8,10 +8,11 @@ log-probabilities are compared as well as the tokens: a tiny random model rarely
 for a rounding difference to flip, but every rounding difference shows in a float.
 
 The paths other CPUs take run in fresh processes, with the kernels built for them: without AMX
-(on an Intel CPU with AMX, its AVX512-BF16 path; what AMD Zen 4/5 run anyway) and for AVX2 only
+(on an Intel CPU with AMX, its AVX512-BF16 path; what AMD Zen 4/5 run anyway), for AVX2 only
 (no packed linears: the row-major ones through linear_small, the portable C attention and int4
-code). The portable torch path (no native kernels, or a GPU) is not batch invariant and is not
-claimed to be (docs/engine.md, "Batch invariance").
+code), and without native kernels at all (the portable torch path: PyTorch's matmuls on blocks of
+one fixed shape, the fixed-order attention, the DeltaNet rule token by token in torch). GPUs are
+not batch invariant and are not claimed to be (docs/engine.md, "Batch invariance").
 """
 
 from __future__ import annotations
@@ -143,8 +144,7 @@ def test_a_hybrid_models_outputs_do_not_depend_on_the_batch_the_chunks_the_cache
     """The DeltaNet layers compute each sequence alone and token by token (csrc/deltanet.c: a
     prompt chunk of n tokens is n decode steps), so neither the batch, nor where a token budget
     splits a prompt, nor restoring a prefix-cache checkpoint of the state, nor recomputing after a
-    preemption changes a bit. (The host tier holds KV blocks, not state checkpoints: a hybrid's
-    cache hits are device-tier ones.)"""
+    preemption changes a bit, nor bringing KV blocks and a state checkpoint back from the host tier."""
     prompts = _prompts()
     every = list(range(len(prompts)))
     block = 2 * BLOCK_SIZE * 2 * 32 * 2  # K+V x one attention layer x tokens x KV heads x dims x bf16
@@ -158,7 +158,7 @@ def test_a_hybrid_models_outputs_do_not_depend_on_the_batch_the_chunks_the_cache
     runs["batch of 8"] = _run(batched, prompts, every)
     for first in range(0, len(every), 3):
         runs["batches of 3"] |= _run(batched, prompts, every[first : first + 3])
-    if "moe" not in tiny_hybrid.name:  # a mixture of experts' routing runs eagerly
+    if "moe" not in tiny_hybrid.name and batched.engine.platform.native_kernels:  # MoE routing runs eagerly
         assert batched.engine.runner.graphs.captured_batch_sizes()  # decodes replayed in graphs, too
     for budget in (7, 13):  # prompts cut at odd positions, chunks beside other sequences' decodes
         chunked = _llm(tiny_hybrid, {}, enable_prefix_caching=False, max_num_batched_tokens=budget, **plenty)
@@ -170,6 +170,15 @@ def test_a_hybrid_models_outputs_do_not_depend_on_the_batch_the_chunks_the_cache
         _run(cached, prompts, every)
         runs[f"device cache, budget {budget}"] = _run(cached, prompts, every[::-1])
         assert cached.engine.stats().state_checkpoints.restored > 0
+    # Host tier: a device pool with one checkpoint and ~100 blocks; two other sets of prompts in
+    # between push the first set's blocks and checkpoints to host memory, which a hit copies back.
+    host = _llm(tiny_hybrid, {}, state_checkpoint_interval=1, kv_cache_memory=105 * block + 2 * slot,
+                kv_offload_memory=16 << 20, max_num_seqs=1)  # fmt: skip
+    for seed in (0, 1, 2):
+        _run(host, _prompts(seed=seed), every)
+    runs["host cache"] = _run(host, prompts, every)
+    stats = host.engine.stats()
+    assert stats.prefix_cache.host_hit_tokens > 0 and stats.state_checkpoints.host_restored > 0
     # Preemption: state slots for all eight, KV blocks for fewer.
     small = _llm(tiny_hybrid, {}, enable_prefix_caching=False, max_num_batched_tokens=24,
                  kv_cache_memory=40 * block + 8 * slot)  # fmt: skip
@@ -178,25 +187,31 @@ def test_a_hybrid_models_outputs_do_not_depend_on_the_batch_the_chunks_the_cache
     assert _differences(runs) == []
 
 
-# Kernel builds for other x86 CPUs (TUILI_KERNEL_CFLAGS, as tests/kernels/test_cpu_kernels.py).
-OTHER_CPUS = {
-    "no AMX": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8",
-    "AVX-512 without BF16 and VNNI": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8 -mno-avx512bf16 -mno-avx512vnni",
-    "AVX2 only": "-march=x86-64-v3",
+# Kernel builds for other x86 CPUs (TUILI_KERNEL_CFLAGS, as tests/kernels/test_cpu_kernels.py),
+# and the portable torch path (no native kernels), each with the tests it runs.
+_LLAMA = "batch_and_the_cache and not int8"
+OTHER_PATHS = {
+    "no AMX": ({"TUILI_KERNEL_CFLAGS": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8"}, _LLAMA),
+    "AVX-512 without BF16 and VNNI": (
+        {"TUILI_KERNEL_CFLAGS": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8 -mno-avx512bf16 -mno-avx512vnni"}, _LLAMA,
+    ),
+    "AVX2 only": ({"TUILI_KERNEL_CFLAGS": "-march=x86-64-v3"}, _LLAMA),
+    # PyTorch's ops only: fixed-shape linears, the fixed-order attention, the DeltaNet step in torch.
+    "portable torch path": ({"TUILI_NATIVE_KERNELS": "0"}, f"({_LLAMA}) or (hybrid and dense)"),
 }
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
-def test_the_paths_of_other_x86_cpus_are_batch_invariant_too():
-    """This file's test in fresh processes, on kernels built for the other CPUs, side by side."""
+def test_the_paths_of_other_cpus_are_batch_invariant_too():
+    """This file's tests in fresh processes, on kernels built for the other CPUs and on the
+    portable path, side by side."""
     environment = {k: v for k, v in os.environ.items() if k not in ("TUILI_NATIVE_KERNELS", "TUILI_KERNEL_CFLAGS")}
     runs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "batch_and_the_cache and not int8"],
-            env=environment | {"TUILI_KERNEL_CFLAGS": flags}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection],
+            env=environment | variables, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        for name, flags in OTHER_CPUS.items()
+        for name, (variables, selection) in OTHER_PATHS.items()
     }
     for name, run in runs.items():
         output = run.communicate(timeout=1200)[0]

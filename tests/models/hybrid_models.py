@@ -82,7 +82,7 @@ def check_greedy_with_split_prompts(checkpoint: Checkpoint, native: bool, mixed_
 
     llm = tuili_llm(checkpoint.path, max_num_batched_tokens=7)
     native = native and kernels.available()
-    assert llm.engine.runner.native_attention == native
+    assert llm.engine.platform.native_kernels == native
     graphs = llm.engine.runner.graphs
     assert (graphs is not None) == (native and checkpoint.model_config().moe is None)
     mixed = mixed_steps()

@@ -21,6 +21,7 @@ import transformers
 
 from tuili import LLM, SamplingParams
 from tuili.config import EngineConfig, ModelConfig
+from tuili.engine.block_manager import BlockCopies
 from tuili.engine.cli import add_engine_args, engine_kwargs
 from tuili.engine.pool import kv_bytes_per_block, plan_pool, state_bytes_per_slot
 from tuili.engine.request import Sequence
@@ -226,11 +227,40 @@ def test_checkpoints_are_evicted_least_recently_used_first():
     assert checkpoints.deepest([bytes([1])]) is None  # b evicted
     assert checkpoints.deepest([bytes([0])]) == (4, 0) and checkpoints.deepest([bytes([2])]) == (4, 1)
     assert checkpoints.stats.evicted == 1
+    checkpoints.commit()  # the step that restored them ends: they may be evicted again
     # Every id pending in one step: the deepest boundaries get them, no pending one is overwritten.
     d = _sequence(3, [bytes([3]), bytes([4]), bytes([5])])
     assert [depth for depth, _ in checkpoints.reserve(d, 0, 12)] == [8, 12] and checkpoints.num_free == 0
     checkpoints.reset_pending()  # that step failed
     assert checkpoints.num_free == 2 and checkpoints.num_filed == 0 and checkpoints.num_pending == 0
+
+
+def test_evicted_checkpoints_spill_to_the_host_tier_and_come_back():
+    """With a host tier, eviction copies a checkpoint to a host slot first, and a lookup that
+    finds it there only takes a device id for it and has it copied back. A checkpoint handed out
+    for a restore is not evicted in the same step (its row is read by the forward, after the
+    copies), and the copies are handed over once, spills before loads."""
+    checkpoints = StateCheckpoints(num_checkpoints=1, block_size=4, interval_blocks=1, num_host_checkpoints=2)
+    a, b = (_sequence(i, [bytes([i])]) for i in range(2))
+    checkpoints.reserve(a, 0, 4)
+    checkpoints.commit()  # a's checkpoint in id 0
+    assert checkpoints.reserve(b, 0, 4) == ((4, 0),)  # evicts a's: spilled to host slot 1
+    copies = BlockCopies()
+    checkpoints.take_copies(copies)
+    assert copies.states_to_host == [(0, 1)] and copies.states_to_device == []
+    checkpoints.commit()  # b's checkpoint in id 0
+    assert checkpoints.deepest([bytes([0])]) == (4, 0)  # a's, back from the host: b's spilled first
+    copies = BlockCopies()
+    checkpoints.take_copies(copies)
+    assert copies.states_to_host == [(0, 0)] and copies.states_to_device == [(1, 0)]
+    assert checkpoints.reserve(_sequence(2, [bytes([2])]), 0, 4) == ()  # id 0 is being restored from
+    checkpoints.commit()
+    assert checkpoints.deepest([bytes([1])]) == (4, 0)  # b's, from host slot 0; evicting a's copies nothing
+    copies = BlockCopies()
+    checkpoints.take_copies(copies)
+    assert copies.states_to_host == [] and copies.states_to_device == [(0, 0)]
+    stats = checkpoints.snapshot()
+    assert (stats.spilled, stats.host_restored, stats.evicted, stats.host_capacity) == (2, 2, 3, 2)
 
 
 @pytest.mark.parametrize("budget_mib", [1, 8, 64])

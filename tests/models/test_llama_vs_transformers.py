@@ -99,7 +99,7 @@ def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, 
         model=str(checkpoint_path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
         kv_cache_memory=1 << 20, enforce_eager=path == "native-eager",
     )
-    assert llm.engine.runner.native_attention == (path != "torch" and kernels.available())
+    assert llm.engine.platform.native_kernels == (path != "torch" and kernels.available())
     graphs = llm.engine.runner.graphs
     assert (graphs is not None) == (path == "graphs" and kernels.available())
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)

@@ -108,7 +108,7 @@ def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, 
         model=str(checkpoint_path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
         kv_cache_memory=1 << 20,
     )
-    assert llm.engine.runner.native_attention == (path == "native" and kernels.available())
+    assert llm.engine.platform.native_kernels == (path == "native" and kernels.available())
     assert llm.engine.runner.graphs is None
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)

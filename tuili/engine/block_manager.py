@@ -85,6 +85,12 @@ class BlockCopies:
 
     to_host: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     to_device: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    # A hybrid model's state checkpoints (tuili/engine/state_checkpoints.py), likewise.
+    states_to_host: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint id, host slot)
+    states_to_device: list[tuple[int, int]] = field(default_factory=list)  # (host slot, checkpoint id)
+
+    def __bool__(self) -> bool:
+        return bool(self.to_host or self.to_device or self.states_to_host or self.states_to_device)
 
 
 class HostTier:

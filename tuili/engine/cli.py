@@ -69,6 +69,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "gloo on CPU, NCCL on GPU). Alone, this process starts the other N-1 ranks on this "
                        "machine; under torchrun every process runs the same command and rank 0 does the work "
                        "(default 1; docs/engine.md, \"Tensor parallelism\")")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="split the model's layers into M stages, one rank each (contiguous layers; the "
+                       "first stage embeds, the last projects the logits), micro-batches in flight between "
+                       "them; started as --tensor-parallel-size is; with it, each stage is a group of N ranks (N x M in all) "
+                       "(default 1; docs/engine.md, \"Pipeline parallelism\")")
     group.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                        help="let each step pick its fastest kernels by row count: a request's output may then "
                        "depend on what else is in the batch, on prefix-cache hits and on chunking (default: "
@@ -107,6 +112,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, seed=args.seed,
         max_itl_stretch=args.max_itl_stretch or None,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         batch_invariant=args.batch_invariant,
         speculative_config=args.speculative_config,
         pooler_config=args.pooler_config,
@@ -210,7 +216,7 @@ def _stream(llm, prompt, params) -> Iterator[tuple[str, RequestOutput]]:
 
 def worker_rank_status(args: argparse.Namespace) -> int | None:
     """Under torchrun, a rank other than 0 only runs rank 0's forwards: its exit status (0 when
-    rank 0 stopped it, 1 when a rank was lost); None on rank 0 and without tensor parallelism."""
+    rank 0 stopped it, 1 when a rank was lost); None on rank 0 and on one device."""
     from tuili.config import EngineConfig
     from tuili.parallel.worker import is_worker_rank, run_worker
 
@@ -219,7 +225,7 @@ def worker_rank_status(args: argparse.Namespace) -> int | None:
 
 
 def _parallel_summary(llm, meter) -> str | None:
-    """The tensor-parallel communication line of the run summary (None on one device)."""
+    """The tensor- or pipeline-parallel communication line of the run summary (None on one device)."""
     engine = llm.engine
     if engine.parallel is None:
         return None
@@ -227,6 +233,12 @@ def _parallel_summary(llm, meter) -> str | None:
     summary = meter.summary()
     busy = summary.prefill_seconds + summary.decode_seconds
     share = f", {100 * comm / busy:.1f}% of step time" if busy > 0 else ""
+    if engine.stage is not None:
+        stage = engine.stage
+        ranks = f" x {stage.tp} tensor-parallel ranks" if stage.tp > 1 else ""
+        return (f"pipeline parallel: {stage.world} stages{ranks}, rank 0 spent {comm:.3f} s sending hidden states, "
+                f"waiting for and receiving logits{' and in its stage collectives' if ranks else ''} over {steps} "
+                f"steps ({1e3 * comm / steps:.2f} ms/step{share})")
     return (f"tensor parallel: {engine.parallel.world} ranks, rank 0 spent {comm:.3f} s in all-reduces and the "
             f"logits gather over {steps} steps ({1e3 * comm / steps:.2f} ms/step{share})")
 

@@ -43,7 +43,10 @@ from tuili.errors import RequestError
 from tuili.layers.grammar import GrammarCompiler
 from tuili.models.loader import load_model
 from tuili.parallel import group as tensor_parallel
+from tuili.parallel.pipeline import PipelineStage, join_stage
+from tuili.parallel.pipeline_runner import PipelineModelRunner
 from tuili.parallel.runner import ParallelModelRunner
+from tuili.parallel.shard import TensorShard
 from tuili.platform import Platform
 from tuili.pooling import PoolerConfig
 from tuili.sampling import SamplingParams
@@ -62,10 +65,19 @@ class LLMEngine:
         # Tensor parallelism (tuili/parallel): this process is one rank; rank 0 runs the engine,
         # the other ranks only its forwards (ParallelModelRunner.serve). On GPUs each rank takes
         # the GPU of its local rank.
+        # Pipeline parallelism (tuili/parallel/pipeline.py) uses the same group and processes:
+        # each rank is a stage, rank 0 the first.
+        # Both: world = TP x PP ranks, each stage a tensor-parallel group of its own.
         self.parallel: tensor_parallel.TensorParallelGroup | None = None
-        if config.tensor_parallel_size > 1:
-            self.parallel = tensor_parallel.join(config.tensor_parallel_size, self.device, config)
+        self.stage: PipelineStage | None = None
+        self.stage_tensor_group: tensor_parallel.TensorParallelGroup | None = None
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if tp * pp > 1:
+            kind = "pipeline-parallel" if pp > 1 else "tensor-parallel"
+            self.parallel = tensor_parallel.join(tp * pp, self.device, config, kind)
             self.device = self.parallel.device
+        if self.parallel is not None and pp > 1:
+            self.stage, self.stage_tensor_group = join_stage(self.parallel, tp, pp)
         self.platform = Platform.detect(self.device, config.batch_invariant)
         self.dtype = resolve_dtype(config.dtype, self.platform)
         torch.manual_seed(config.seed)
@@ -80,7 +92,7 @@ class LLMEngine:
         loaded = load_model(
             config.model, self.dtype, self.platform, config.max_model_len, config.quantization,
             packed_compute_dtype(config.dtype, self.device, self.dtype),
-            (self.parallel.shard, self.parallel) if self.parallel is not None else None,
+            self._tensor_parallel(), self.stage,
         )
         self.weights_quantized = loaded.quantized
         self.model_config: ModelConfig = loaded.config
@@ -102,7 +114,11 @@ class LLMEngine:
             config = dataclasses.replace(config, enable_prefix_caching=False)
             self.config = config
             self.pool = plan_pool(loaded.model.config, config, self.dtype, self.device)
-        if self.parallel is not None:
+        if self.stage is not None:  # each stage planned for its own layers: the smallest pool fits all
+            assert self.parallel is not None
+            plans = self.parallel.gather_objects(self.pool)
+            self.pool = self.parallel.broadcast(min(plans, key=lambda p: p.num_blocks) if plans else None)
+        elif self.parallel is not None:
             self.pool = self.parallel.broadcast(self.pool)
         self.max_model_len = self.pool.max_model_len
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
@@ -120,6 +136,7 @@ class LLMEngine:
         # and restores a cached prefix's linear-attention state from a checkpoint.
         checkpoints = StateCheckpoints(
             self.pool.num_state_checkpoints, self.pool.block_size, config.state_checkpoint_interval,
+            self.pool.num_host_checkpoints,
         ) if self.pool.num_state_checkpoints else None  # fmt: skip
         max_num_seqs = min(config.max_num_seqs, self.pool.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(
@@ -128,9 +145,13 @@ class LLMEngine:
         runner_config = RunnerConfig(
             self.device, self.dtype, stop_tokens, config.enforce_eager or self.parallel is not None, self.grammars,
         )
-        self.runner = ModelRunner(loaded.model, self.pool, runner_config) if self.parallel is None else (
-            ParallelModelRunner(loaded.model, self.pool, runner_config, self.parallel)
-        )
+        self.runner: ModelRunner
+        if self.parallel is None:
+            self.runner = ModelRunner(loaded.model, self.pool, runner_config)
+        elif self.stage is not None:
+            self.runner = PipelineModelRunner(loaded.model, self.pool, runner_config, self.parallel)
+        else:
+            self.runner = ParallelModelRunner(loaded.model, self.pool, runner_config, self.parallel)
         self.outputs = OutputProcessor(self.tokenizer, stop_tokens, self.max_model_len)
         self.speculator = None
         if config.speculative_config is not None:
@@ -154,6 +175,15 @@ class LLMEngine:
         self._num_steps = 0
         self._num_preemptions = 0
 
+    def _tensor_parallel(self) -> tuple[TensorShard, tensor_parallel.TensorParallelGroup] | None:
+        """This rank's tensor-parallel shard and the group its layers communicate in (the whole
+        group, or under pipeline parallelism its stage's); None without tensor parallelism."""
+        if self.stage_tensor_group is not None:
+            return self.stage_tensor_group.shard, self.stage_tensor_group
+        if self.parallel is not None and self.stage is None:
+            return self.parallel.shard, self.parallel
+        return None
+
     @property
     def model(self) -> nn.Module:
         """The loaded network, for inspection (perf's byte counts, tests); the runner drives it."""
@@ -169,8 +199,10 @@ class LLMEngine:
 
     def communication_seconds(self) -> float:
         """Seconds this rank spent in tensor-parallel collectives (all-reduces and the logits
-        gather) since the start; 0 on one device."""
-        return self.parallel.comm_seconds if self.parallel is not None else 0.0
+        gather) or, under pipeline parallelism, blocked in its sends and receives between stages
+        (waits for a neighbour stage included) since the start; 0 on one device."""
+        stage = self.stage_tensor_group.comm_seconds if self.stage_tensor_group is not None else 0.0
+        return self.parallel.comm_seconds + stage if self.parallel is not None else 0.0
 
     def healthy(self) -> bool:
         """False once a tensor-parallel rank is lost: no step can run any more."""
@@ -270,7 +302,10 @@ class LLMEngine:
 
     def _add_embedding(self, prompt: Prompt, pooling: PoolerConfig, request_id: str | None, group: str | None) -> str:
         if self.parallel is not None:
-            raise RequestError("embeddings are not supported with tensor_parallel_size > 1: run the model whole")
+            raise RequestError(
+                "embeddings are not supported with tensor_parallel_size > 1 or pipeline_parallel_size > 1: "
+                "run the model whole"
+            )
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self._requests:
             raise RequestError(f"request_id {request_id!r} is already in use")

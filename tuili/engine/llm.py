@@ -38,7 +38,8 @@ class LLM:
         kv_offload_memory, quantization, kv_cache_dtype, hardware (the spec a UtilizationMeter
         built with `for_engine` judges this engine against), seed, tensor_parallel_size (N ranks:
         this process is rank 0 and starts the others; `llm.engine.close()` stops them, as exit
-        does; docs/engine.md, "Tensor parallelism")."""
+        does; docs/engine.md, "Tensor parallelism"), pipeline_parallel_size (M stages, started
+        the same way; docs/engine.md, "Pipeline parallelism")."""
         known = {f.name for f in fields(EngineConfig)} - {"model"}
         unknown = sorted(set(options) - known)
         if unknown:

@@ -37,6 +37,9 @@ class PoolPlan:
     # Hybrid models with prefix caching: checkpoints of the linear-attention state at block
     # boundaries (tuili/engine/state_checkpoints.py), state_bytes_per_slot each, from the same budget.
     num_state_checkpoints: int = 0
+    # ... and their host tier, from kv_offload_memory: checkpoints spilled when the device's are
+    # evicted, copied back on a hit (as the KV blocks of the host tier).
+    num_host_checkpoints: int = 0
     # Hybrid models with speculative decoding: per state slot, this many more rows (the most
     # proposals a step verifies), for the state after each proposed position of a verification
     # chunk, so that a rejection leaves the slot at the last accepted one (docs/engine.md).
@@ -149,10 +152,17 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
             f"kv_cache_memory={budget} bytes holds {pool_tokens} tokens, fewer than "
             f"max_model_len={max_len}: raise kv_cache_memory or lower max_model_len"
         )
-    num_host_blocks = config.kv_offload_memory // block_bytes if config.enable_prefix_caching else 0
+    host_budget = config.kv_offload_memory if config.enable_prefix_caching else 0
+    # A hybrid's host tier holds state checkpoints beside the blocks, shared as on the device:
+    # without them, KV blocks brought back from the host could not be used past the deepest
+    # checkpoint still on the device.
+    num_host_checkpoints = 0
+    if num_checkpoints and host_budget:
+        num_host_checkpoints = state_checkpoint_count(host_budget, block_bytes, slot_bytes, config.state_checkpoint_interval)
+        host_budget -= num_host_checkpoints * slot_bytes
     return PoolPlan(
-        num_blocks, config.block_size, num_host_blocks, kv_dtype, max_len, block_bytes, num_slots, slot_bytes,
-        num_checkpoints, verify_rows,
+        num_blocks, config.block_size, host_budget // block_bytes, kv_dtype, max_len, block_bytes, num_slots,
+        slot_bytes, num_checkpoints, num_host_checkpoints, verify_rows,
     )  # fmt: skip
 
 

@@ -22,7 +22,14 @@ from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.engine.spec.verify import Proposal, verify
 from tuili.engine.stopping import StopTokens
-from tuili.layers.attention import AttentionGroup, AttentionMetadata, CausalSpan, KVCache, PagedBatch
+from tuili.layers.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    CausalSpan,
+    KVCache,
+    NativeCpuAttention,
+    PagedBatch,
+)
 from tuili.layers.deltanet import DeltaNetState, StateBatch
 from tuili.layers.grammar import GrammarCompiler, GrammarState, TokenMasks
 from tuili.layers.linear import PanelLinear
@@ -74,9 +81,9 @@ class ModelRunner:
         self._pooled: dict[int, list[float]] = {}
         cfg = model.config
         kv_dtype = pool.kv_dtype
-        # Decodes go to the attention backend's paged kernel where it has one (the native CPU
-        # backend), else into gathered groups.
-        self.native_attention = model.attention.reads_paged_decodes
+        # Decodes go to the attention backend's paged reader where it has one (the native CPU
+        # kernel; the portable fixed-order attention), else into gathered groups.
+        self.paged_decodes = model.attention.reads_paged_decodes
         # ... and every prompt chunk too, where the backend asks (its batch-invariant mode).
         self.paged_prompts = model.attention.reads_paged_prompts
         # Pure decode steps replay CPU graphs where the native kernels do all their work: not in
@@ -88,7 +95,8 @@ class ModelRunner:
         # order (speculative decoding's MTP proposer reads them).
         self.hidden_states: torch.Tensor | None = None
         self._keep_hidden = False
-        if self.native_attention and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
+        native_cpu = isinstance(model.attention, NativeCpuAttention)  # the graphs replay native calls only
+        if native_cpu and kv_dtype == dtype and not config.enforce_eager and cfg.moe is None:
             max_blocks = blocks_for(pool.max_model_len, block_size)
             self.graphs = DecodeGraphs(model, block_size, max_blocks)
         shape = (pool.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -120,27 +128,47 @@ class ModelRunner:
             )
             for _ in model.attention_layers()
         ] if pool.num_host_blocks else []
+        # ... and a hybrid's state checkpoints spilled there: each linear layer's conv and
+        # recurrent rows, one host row per checkpoint.
+        self._host_states = [
+            tuple(torch.zeros(pool.num_host_checkpoints, *t.shape[1:], dtype=t.dtype, pin_memory=pin)
+                  for t in (layer.state.conv, layer.state.recurrent))
+            for layer in linear_layers if layer.state is not None
+        ] if pool.num_host_checkpoints else []  # fmt: skip
 
     @torch.inference_mode()
     def copy_blocks(self, copies: BlockCopies) -> None:
-        """Spill evicted blocks to the host pool, then bring host hits back, before the forward
-        that may overwrite them. Device-to-host copies are synchronous (the host pool is read
-        by later steps); host-to-device ones are queued on the compute stream, ahead of the
-        forward that reads them."""
-        if not (copies.to_host or copies.to_device):
+        """Spill evicted blocks (and state checkpoints) to the host tier, then bring host hits
+        back, before the forward that may overwrite them. Device-to-host copies are synchronous
+        (the host pool is read by later steps); host-to-device ones are queued on the compute
+        stream, ahead of the forward that reads them."""
+        if not copies:
             return
-        for host_pools, attn in zip(self._host_pools, self.model.attention_layers(), strict=True):
-            assert attn.kv_cache is not None
-            for host, device_pool in zip(host_pools, (attn.kv_cache.key, attn.kv_cache.value), strict=True):
-                device_bytes = device_pool.unsqueeze(-1).view(torch.uint8)
-                if copies.to_host:
-                    src = torch.tensor([d for d, _ in copies.to_host], device=self.device)
-                    dst = torch.tensor([h for _, h in copies.to_host])
-                    host[dst] = device_bytes[src].cpu()
-                if copies.to_device:
-                    src = torch.tensor([h for h, _ in copies.to_device])
-                    dst = torch.tensor([d for _, d in copies.to_device], device=self.device)
-                    device_bytes[dst] = host[src].to(self.device, non_blocking=True)
+        if copies.to_host or copies.to_device:
+            for host_pools, attn in zip(self._host_pools, self.model.attention_layers(), strict=True):
+                assert attn.kv_cache is not None
+                for host, device_pool in zip(host_pools, (attn.kv_cache.key, attn.kv_cache.value), strict=True):
+                    self._copy_rows(host, device_pool.unsqueeze(-1).view(torch.uint8), copies.to_host, copies.to_device)
+        if copies.states_to_host or copies.states_to_device:
+            row = self.num_state_slots  # checkpoint c is state row num_state_slots + c
+            to_host = [(row + c, h) for c, h in copies.states_to_host]
+            to_device = [(h, row + c) for h, c in copies.states_to_device]
+            for host_states, layer in zip(self._host_states, self.model.linear_attention_layers(), strict=True):
+                assert layer.state is not None
+                for host, device_rows in zip(host_states, (layer.state.conv, layer.state.recurrent), strict=True):
+                    self._copy_rows(host, device_rows, to_host, to_device)
+
+    def _copy_rows(
+        self, host: torch.Tensor, device_rows: torch.Tensor, to_host: list[tuple[int, int]],
+        to_device: list[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        """Rows of `device_rows` to rows of `host` ((device row, host row) pairs), then back."""
+        if to_host:
+            src = torch.tensor([d for d, _ in to_host], device=self.device)
+            host[torch.tensor([h for _, h in to_host])] = device_rows[src].cpu()
+        if to_device:
+            dst = torch.tensor([d for _, d in to_device], device=self.device)
+            device_rows[dst] = host[torch.tensor([h for h, _ in to_device])].to(self.device, non_blocking=True)
 
     def keep_hidden_states(self) -> None:
         """Keep every forward's final hidden states in `hidden_states`. Decode steps then run
@@ -440,7 +468,7 @@ class ModelRunner:
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
         groups = [self._group([chunk]) for chunk in chunks]
-        if decodes and self.native_attention:
+        if decodes and self.paged_decodes:
             meta = AttentionMetadata(slot_mapping, groups, spans, self._paged_batch(decodes))
         else:
             meta = AttentionMetadata(slot_mapping, ([self._group(decodes)] if decodes else []) + groups, spans)

@@ -262,6 +262,8 @@ class Scheduler:
                 for seq, n in allotted.items()
             ]
         out.copies = self.blocks.take_copies()
+        if self.checkpoints is not None:
+            self.checkpoints.take_copies(out.copies)
         return out
 
     def _match_prefix(self, seq: Sequence) -> tuple[PrefixMatch, int | None]:

@@ -20,6 +20,14 @@ before the forward. Checkpoints are evicted least recently used first (a hit cou
 when a reserve finds no free id. A checkpoint whose KV blocks were evicted is merely never
 matched again until it ages out.
 
+Host tier (`num_host_checkpoints`, from kv_offload_memory, as the KV blocks' host tier): a filed
+checkpoint evicted from the device is first copied to a host slot (an LRU of digests, the KV
+host tier's HostTier); a lookup that finds a boundary's checkpoint on the host only takes a
+device id for it and has it copied back before the step's forward. The runner performs both
+kinds of copy before the forward, spills first (`take_copies`). A checkpoint handed out for a
+restore in this step is never evicted in the same step: its row is read by the forward, after
+the copies that would overwrite a reused id.
+
 Invariant: every id is exactly one of free, pending (this step), or filed under one digest.
 """
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
+from tuili.engine.block_manager import BlockCopies, HostTier
 from tuili.engine.request import Sequence
 
 
@@ -38,19 +47,26 @@ class CheckpointStats:
     evicted: int = 0  # filed checkpoints dropped to make room
     filed: int = 0  # checkpoints held now (set when a snapshot is taken)
     capacity: int = 0  # checkpoints the pool holds at most
+    spilled: int = 0  # evicted checkpoints copied to the host tier
+    host_restored: int = 0  # host checkpoints copied back for a restore
+    host_capacity: int = 0  # checkpoints the host tier holds at most
 
 
 class StateCheckpoints:
-    def __init__(self, num_checkpoints: int, block_size: int, interval_blocks: int) -> None:
+    def __init__(self, num_checkpoints: int, block_size: int, interval_blocks: int, num_host_checkpoints: int = 0) -> None:
         if num_checkpoints < 1:
             raise ValueError(f"num_checkpoints={num_checkpoints} must be >= 1")
+        self.host = HostTier(num_host_checkpoints) if num_host_checkpoints > 0 else None
+        self._to_host: list[tuple[int, int]] = []  # (checkpoint id, host slot), this step
+        self._to_device: list[tuple[int, int]] = []  # (host slot, checkpoint id), this step
+        self._restoring: set[int] = set()  # ids handed out for restores this step
         self.num_checkpoints = num_checkpoints
         self.block_size = block_size
         self.interval = interval_blocks * block_size  # tokens between checkpoints
         self._free = list(range(num_checkpoints - 1, -1, -1))  # pop() hands out id 0 first
         self._filed: OrderedDict[bytes, int] = OrderedDict()  # prefix digest -> id, least recent first
         self._pending: list[tuple[Sequence, int, int]] = []  # (sequence, depth in tokens, id)
-        self.stats = CheckpointStats(capacity=num_checkpoints)
+        self.stats = CheckpointStats(capacity=num_checkpoints, host_capacity=num_host_checkpoints)
 
     def snapshot(self) -> CheckpointStats:
         """The counters now, with the number of checkpoints filed."""
@@ -73,11 +89,27 @@ class StateCheckpoints:
         (depth in tokens, id), marked as recently used; None when there is none."""
         per = self.interval // self.block_size
         for blocks in range(len(digests) // per * per, 0, -per):
-            checkpoint = self._filed.get(digests[blocks - 1])
+            digest = digests[blocks - 1]
+            checkpoint = self._filed.get(digest)
             if checkpoint is not None:
-                self._filed.move_to_end(digests[blocks - 1])
-                return blocks * self.block_size, checkpoint
+                self._filed.move_to_end(digest)
+            elif self.host is not None and (slot := self.host.lookup(digest, ())) is not None:
+                checkpoint = self._take()
+                if checkpoint is None:
+                    continue
+                self._filed[digest] = checkpoint
+                self._to_device.append((slot, checkpoint))
+                self.stats.host_restored += 1
+            else:
+                continue
+            self._restoring.add(checkpoint)
+            return blocks * self.block_size, checkpoint
         return None
+
+    def take_copies(self, copies: BlockCopies) -> None:
+        """Add this step's host<->device checkpoint copies to the step's copies (once per step)."""
+        copies.states_to_host, self._to_host = self._to_host, []
+        copies.states_to_device, self._to_device = self._to_device, []
 
     def reserve(self, seq: Sequence, start: int, num_tokens: int) -> tuple[tuple[int, int], ...]:
         """Ids for the checkpoint boundaries that computing `seq`'s tokens [start, start +
@@ -106,17 +138,28 @@ class StateCheckpoints:
                 self._filed[digest] = checkpoint
                 self.stats.saved += 1
         self._pending = []
+        self._restoring.clear()
 
     def reset_pending(self) -> None:
         """Give back the ids of a step whose forward never completed (call before scheduling)."""
         self._free.extend(checkpoint for _, _, checkpoint in self._pending)
         self._pending = []
+        self._restoring.clear()
 
     def _take(self) -> int | None:
+        """A free id, else the least recently used filed one not restored from in this step
+        (spilled to the host tier first, where there is one); None when there is none."""
         if self._free:
             return self._free.pop()
-        if self._filed:
-            _, checkpoint = self._filed.popitem(last=False)
-            self.stats.evicted += 1
-            return checkpoint
-        return None
+        digest = next((d for d, c in self._filed.items() if c not in self._restoring), None)
+        if digest is None:
+            return None
+        checkpoint = self._filed.pop(digest)
+        self.stats.evicted += 1
+        if self.host is not None:
+            loading = {slot for slot, _ in self._to_device}
+            slot = self.host.store(digest, (), loading)
+            if slot is not None:  # None: already on the host (or every host slot loads this step)
+                self._to_host.append((checkpoint, slot))
+                self.stats.spilled += 1
+        return checkpoint

@@ -331,6 +331,10 @@ class GatedDeltaNet(nn.Module):
                 [batch.cuts.get(first, []) for first, _, _ in batch.chunks], self.A_log, self.dt_bias,
                 self.norm.weight, self.num_k_heads, self.norm.eps, normed,
             )  # fmt: skip
+        elif batch.chunks and self.platform.batch_invariant and mixed.is_cpu:
+            # The portable path's batch-invariant mode: decode's torch step, token by token.
+            for first, n, slot in batch.chunks:
+                self._token_by_token(mixed, z, b, a, first, n, slot, batch.cuts.get(first, ()), normed)
         else:
             for first, n, slot in batch.chunks:
                 rows = slice(first, first + n)
@@ -368,12 +372,38 @@ class GatedDeltaNet(nn.Module):
                 self.dt_bias, self.norm.weight, self.num_k_heads, self.norm.eps, normed,
             )  # fmt: skip
             return
+        self._step(mixed, z, b, a, rows, slots, normed)
+
+    def _step(
+        self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, rows: torch.Tensor,
+        slots: torch.Tensor, normed: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """`_decode` in torch: each of `rows` one token on from the state in its slot."""
+        state = self.state
+        assert state is not None
         conv, state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], self.conv1d.weight[:, 0])
         q, k, v = self._split_heads(conv)
         beta, g = self._gates(b[rows], a[rows])
         o, state.recurrent[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent[slots])
         dv = self.head_v_dim
         normed[rows] = self.norm(o.to(mixed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(len(rows), -1)
+
+    def _token_by_token(
+        self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, first: int, n: int, slot: int,
+        cuts: list[tuple[int, int]], normed: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """One sequence's chunk (rows first .. first + n - 1) as n decode steps, the state after
+        `offset` tokens copied to checkpoint row `row` for each cut: the chunk's bits are a
+        decode's, whatever the split (the native kernel's rule, in torch)."""
+        state = self.state
+        assert state is not None
+        slots = torch.tensor([slot], device=mixed.device)
+        copies = dict(cuts)
+        for i in range(n):
+            self._step(mixed, z, b, a, torch.tensor([first + i], device=mixed.device), slots, normed)
+            if (row := copies.get(i + 1)) is not None:
+                state.conv[row] = state.conv[slot]
+                state.recurrent[row] = state.recurrent[slot]
 
     def _chunk(
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slot: int, cuts: list[tuple[int, int]],

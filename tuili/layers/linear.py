@@ -26,8 +26,11 @@ row's bits depend on which kernel its step's row count picked, and oneDNN's also
 itself. In the batch-invariant mode (`Platform.batch_invariant`, the default) every row count
 takes one kernel whose result for a row depends on that row alone: `linear_amx` for bf16 on AMX,
 else `linear_small` over blocks of at most `kernels.LINEAR_SMALL_MAX_ROWS` rows (its arithmetic
-per row does not depend on the block's size). Without the native kernels (the portable path, a
-GPU) F.linear runs: batch invariant only as far as PyTorch's kernels are (docs/engine.md).
+per row does not depend on the block's size). Where no native kernel takes the product on a CPU
+(the portable path, shapes and dtypes the kernels refuse), F.linear runs on blocks of exactly
+`INVARIANT_BLOCK_ROWS` rows, the last one padded with zeros: PyTorch's CPU matmul chooses its
+algorithm and its reduction order by shape, so one shape for every call gives a row the same
+bits wherever it sits. On a GPU F.linear runs as it is: not batch invariant (docs/engine.md).
 
 Logits ask for float32
 output (`out_dtype`): the native kernels then skip that rounding, so bf16 weights give logits
@@ -48,6 +51,9 @@ from tuili.platform import AMX_K_MULTIPLE, AMX_PANEL_ROWS, Platform
 
 NATIVE_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}  # crossovers with F.linear, docs/kernels.md
 AMX_MAX_ROWS = 128
+# Rows of every F.linear call in the batch-invariant mode where no native kernel runs: a decode
+# pads a lone row to 16 (cheap next to reading the weight), a prompt runs 16 rows at a time.
+INVARIANT_BLOCK_ROWS = 16
 
 
 def linear(
@@ -68,13 +74,29 @@ def linear(
     else:
         kernel, block = _native_kernel(x, weight, bias, rows, widen, platform), rows
     if kernel is None:
-        out = F.linear(x, weight, bias)
+        if platform.batch_invariant and x.device.type == "cpu" and rows:
+            out = fixed_shape_blocks(x.reshape(rows, in_features), lambda block: F.linear(block, weight, bias))
+            out = out.view(*x.shape[:-1], weight.shape[0])
+        else:
+            out = F.linear(x, weight, bias)
         return out.to(out_dtype) if widen else out
     flat = x.reshape(rows, in_features).contiguous()
     out = flat.new_empty(rows, weight.shape[0], dtype=out_dtype if widen else x.dtype)
     for first in range(0, rows, block):
         kernel(flat[first : first + block], weight, bias, out[first : first + block])
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fixed_shape_blocks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`product` of the rows of x [R, K] taken INVARIANT_BLOCK_ROWS rows per call, the last call's
+    block padded with zero rows: every call sees one shape, so a row's result depends on the row
+    alone (on a CPU, where PyTorch's kernels are deterministic for a shape). [R, N]."""
+    rows = x.shape[0]
+    pad = -rows % INVARIANT_BLOCK_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    blocks = [product(x[first : first + INVARIANT_BLOCK_ROWS]) for first in range(0, x.shape[0], INVARIANT_BLOCK_ROWS)]
+    return torch.cat(blocks)[:rows] if len(blocks) > 1 or pad else blocks[0]
 
 
 def _invariant_kernel(

@@ -55,30 +55,35 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: the dense layers' MLP, and the shared expert of a mixture of experts."""
 
-    def __init__(self, plan: WeightPlan, prefix: str, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(
+        self, plan: WeightPlan, prefix: str, hidden: int, intermediate: int, bias: bool, reduce: bool = True
+    ) -> None:
         super().__init__()
         # gate and up projections as one matmul (checkpoints' gate_proj/up_proj rows stacked).
         self.gate_up_proj = plan.linear(f"{prefix}.gate_up_proj", hidden, 2 * intermediate, bias)
-        self.down_proj = plan.linear(f"{prefix}.down_proj", intermediate, hidden, bias)
+        # `reduce`: under tensor parallelism, sum the output over the ranks here (not for a
+        # shared expert, whose partial output is summed with the routed experts').
+        self.down_proj = plan.linear(f"{prefix}.down_proj", intermediate, hidden, bias, reduce=reduce)
         self.platform = plan.platform
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.platform))
 
 
-def sparse_moe(cfg: ModelConfig, plan: WeightPlan, prefix: str) -> SparseMoE:
+def sparse_moe(cfg: ModelConfig, plan: WeightPlan, prefix: str) -> nn.Module:
     """A mixture-of-experts MLP: the router `gate`, the routed experts (float or packed, as the plan holds them) and,
-    where the config has one, the shared expert with its sigmoid gate."""
+    where the config has one, the shared expert with its sigmoid gate. Under tensor parallelism
+    each rank's experts hold its share of their channels: the layer's output is summed once."""
     moe = cfg.moe
     assert moe is not None
     hidden, inter = cfg.hidden_size, moe.intermediate_size
     experts = plan.experts(f"{prefix}.experts", moe.num_experts, hidden, inter)
     shared, shared_gate = None, None
     if moe.shared_intermediate_size:
-        shared = MLP(plan, f"{prefix}.shared_expert", hidden, moe.shared_intermediate_size, bias=False)
+        shared = MLP(plan, f"{prefix}.shared_expert", hidden, moe.shared_intermediate_size, bias=False, reduce=False)
         shared_gate = plan.linear(f"{prefix}.shared_expert_gate", hidden, 1, bias=False)
     router = plan.linear(f"{prefix}.gate", hidden, moe.num_experts, bias=False)
-    return SparseMoE(router, experts, moe.top_k, moe.norm_topk_prob, shared, shared_gate)
+    return plan.summed_over_ranks(SparseMoE(router, experts, moe.top_k, moe.norm_topk_prob, shared, shared_gate))
 
 
 class DecoderLayer(nn.Module):

@@ -20,7 +20,8 @@ from tuili.layers.linear import PanelLinear
 from tuili.layers.quant import DEFAULT_INT4_GROUP_SIZE
 from tuili.models.llama import LlamaForCausalLM
 from tuili.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
-from tuili.models.weights import SliceReader, TensorSource, WeightPlan
+from tuili.models.weights import GGUF_BLOCK, SliceReader, TensorSource, WeightPlan
+from tuili.parallel import pipeline
 from tuili.parallel.shard import ShardPlan, TensorShard, check_supported, local_config
 from tuili.platform import Platform
 from tuili.tokenizer import Tokenizer
@@ -46,7 +47,7 @@ VISION_PREFIX = "model.visual."
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM | Qwen3NextForCausalLM
+    model: LlamaForCausalLM | Qwen3NextForCausalLM | pipeline.StageNetwork
     config: ModelConfig
     tokenizer: Tokenizer | None
     path: Path
@@ -79,6 +80,7 @@ def load_model(
     quantization: str | None = None,
     packed_dtype: torch.dtype | None = None,
     tensor_parallel: tuple[TensorShard, object] | None = None,
+    pipeline_stage: pipeline.PipelineStage | None = None,
 ) -> LoadedModel:
     """Load `model` with its float weights in `dtype` on `platform`'s device, built whole from
     its weight plan (tuili/models/weights.py) with the platform's attention backend.
@@ -92,7 +94,11 @@ def load_model(
     `tensor_parallel` (this rank's TensorShard, its TensorParallelGroup): build this rank's
     part of the network only (tuili/parallel/shard.py), reading only its slices of the weights;
     the network's config is then the rank's (its heads and channels), LoadedModel.config the
-    whole model's."""
+    whole model's.
+
+    `pipeline_stage`: build that stage's layers only (tuili/parallel/pipeline.py), reading only
+    their tensors (with `tensor_parallel` too: the rank's slices of them); LoadedModel.config is
+    the whole model's."""
     path = resolve_model_path(model)
     read_slice: SliceReader | None = None
     if path.is_file():
@@ -113,19 +119,29 @@ def load_model(
     sharded, network_cfg = None, cfg
     if tensor_parallel is not None:
         shard, group = tensor_parallel
-        check_supported(cfg, shard)
-        # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks.
-        ffn_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else 32 if gguf_packed is not None else 1
-        sharded = ShardPlan(shard, cfg, ffn_unit, group)
-        network_cfg = local_config(cfg, shard, ffn_unit)
+        # Quantization groups (int4's, a GGUF block's 32) are never cut between ranks. A GGUF
+        # file's expert stacks are cut by whole blocks where each rank gets one, else read as
+        # floats and cut by channel (WeightPlan.experts).
+        ffn_unit = DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else GGUF_BLOCK if gguf_packed is not None else 1
+        expert_unit = ffn_unit
+        if gguf_packed is not None and cfg.moe is not None and -(-cfg.moe.intermediate_size // GGUF_BLOCK) < shard.world:
+            expert_unit = 1
+        check_supported(cfg, shard, ffn_unit, expert_unit)
+        sharded = ShardPlan(shard, cfg, ffn_unit, group, expert_unit)
+        network_cfg = local_config(cfg, shard, ffn_unit, expert_unit)
     plan = WeightPlan(
         platform, dtype, tensors, network_class.stacked_projections, str(path), quantization,
         quantized_dtype=packed_dtype or dtype, gguf_packed=gguf_packed, shapes=shapes, sharded=sharded,
         read_slice=read_slice,
     )  # fmt: skip
-    network = network_class(
-        network_cfg, max_positions or cfg.max_position_embeddings, plan, attention_backend(platform, dtype)
-    )
+    max_positions = max_positions or cfg.max_position_embeddings
+    if pipeline_stage is not None:
+        pipeline.check_supported(cfg, pipeline_stage.world)
+        network: LlamaForCausalLM | Qwen3NextForCausalLM | pipeline.StageNetwork = pipeline.StageNetwork(
+            network_cfg, pipeline_stage, max_positions, plan, attention_backend(platform, dtype)
+        )
+    else:
+        network = network_class(network_cfg, max_positions, plan, attention_backend(platform, dtype))
     plan.fill(network)
     network = network.to(platform.device).eval()
     panels = sum(isinstance(m, PanelLinear) for m in network.modules())
@@ -165,7 +181,7 @@ def _open_hf_dir(
         handle, checkpoint_name, file = tensors[name].args  # type: ignore[attr-defined]
         try:
             sliced = handle.get_slice(checkpoint_name)
-            return sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+            return sliced[(slice(None),) * dim + (slice(start, stop),)]
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file} is truncated or corrupt: {e}") from e
 

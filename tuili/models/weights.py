@@ -28,7 +28,11 @@ slice of each tensor (safetensors slices through `read_slice`; a GGUF tensor one
 whole, then cut; a packed GGUF linear's blocks cut along rows or whole groups of columns), then
 holds it one of the four ways above: q/k/v and gate/up keep their heads' and channels' rows,
 o and down their columns and end in an all-reduce, the embedding and the output head their
-vocabulary rows.
+vocabulary rows. A rank's part of a stacked part may be several runs of rows (Qwen3.5's flat
+in_proj_qkv: its q, k and v rows), read one by one and concatenated in order; a DeltaNet's conv
+channels, A_log and dt_bias are cut the same way in `fill`; routed experts keep their share of
+every expert's intermediate channels (a GGUF file's packed expert stacks cut by whole
+blocks, or read as floats where the channels do not split into a block per rank), and a mixture of experts sums its output over the ranks once (`summed_over_ranks`).
 """
 
 from __future__ import annotations
@@ -55,7 +59,12 @@ from tuili.layers.quant import (
     quantize_int8,
     quantize_int8_group,
 )
-from tuili.parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from tuili.parallel.layers import (
+    RowParallelLinear,
+    SummedOverRanks,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 from tuili.parallel.shard import ShardPlan, narrow
 from tuili.platform import Platform
 
@@ -65,6 +74,7 @@ if TYPE_CHECKING:
 TensorSource = dict[str, Callable[[], torch.Tensor]]  # checkpoint name -> its tensor, read on demand
 # (name, dim, start, stop) -> that slice of the tensor, read without the rest (safetensors)
 SliceReader = Callable[[str, int, int, int], torch.Tensor]
+GGUF_BLOCK = 32  # elements per block of the GGUF types that run packed (Q4_0, Q4_1, Q8_0)
 
 
 @dataclass
@@ -105,28 +115,43 @@ class WeightPlan:
 
     # -- what the model asks for ---------------------------------------------------------
 
-    def linear(self, path: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        """The module for linear `path` (e.g. "model.layers.0.self_attn.qkv_proj")."""
+    def linear(self, path: str, in_features: int, out_features: int, bias: bool, reduce: bool = True) -> nn.Module:
+        """The module for linear `path` (e.g. "model.layers.0.self_attn.qkv_proj"). Under tensor
+        parallelism a row-parallel linear sums its output over the ranks unless `reduce` is
+        False (a shared expert's down projection, summed with the routed experts' once)."""
         parts = self._part_names(path)
         decoder = path.startswith("model.layers.")
-        cut = self.sharded.linear_slices(path.rpartition(".")[2], len(parts)) if self.sharded and decoder else None
+        slices = self.sharded.linear_slices(path, len(parts)) if self.sharded and decoder else None
+        cut = None
+        pieces = parts  # one checkpoint name per range read, in order
+        if slices is not None:
+            dim, ranges = slices
+            pieces = [part for part, runs in zip(parts, ranges, strict=True) for _ in runs]
+            cut = (dim, [run for runs in ranges for run in runs])
         if decoder and self.gguf_packed is not None:
-            module = self._gguf_linear(parts, bias, cut)
+            module = self._gguf_linear(pieces, parts, bias, cut)
             if module is not None:
-                return self._row_parallel(module, cut)
-        weight = self._stacked([f"{p}.weight" for p in parts], (out_features, in_features), cut)
+                return self._row_parallel(module, cut, reduce)
+        weight = self._stacked([f"{p}.weight" for p in pieces], (out_features, in_features), cut)
         b = None
         if bias and (cut is None or cut[0] == 0):
-            b = self._stacked([f"{p}.bias" for p in parts], (out_features,), cut)
+            b = self._stacked([f"{p}.bias" for p in pieces], (out_features,), cut)
         elif bias and self.sharded is not None and self.sharded.shard.rank == 0:  # row-parallel: rank 0 adds it
             b = self._stacked([f"{p}.bias" for p in parts], (out_features,))
-        return self._row_parallel(self._hold(path, weight, b, decoder), cut)
+        return self._row_parallel(self._hold(path, weight, b, decoder), cut, reduce)
 
-    def _row_parallel(self, module: nn.Module, cut: tuple[int, list[tuple[int, int]]] | None) -> nn.Module:
-        if cut is None or cut[0] == 0:
+    def _row_parallel(self, module: nn.Module, cut: tuple[int, list[tuple[int, int]]] | None, reduce: bool) -> nn.Module:
+        if cut is None or cut[0] == 0 or not reduce:
             return module
         assert self.sharded is not None
         return RowParallelLinear(module, self.sharded.group)  # type: ignore[arg-type]
+
+    def summed_over_ranks(self, module: nn.Module) -> nn.Module:
+        """`module`, whose output under tensor parallelism is this rank's partial sum (a mixture
+        of experts over its share of every expert's channels), made to return the whole sum."""
+        if self.sharded is None:
+            return module
+        return SummedOverRanks(module, self.sharded.group)  # type: ignore[arg-type]
 
     def _hold(self, path: str, weight: torch.Tensor, b: torch.Tensor | None, decoder: bool) -> nn.Module:
         """The module holding float `weight` (whole, or this rank's cut of it): ways 2 to 4."""
@@ -149,7 +174,9 @@ class WeightPlan:
         a dense linear ("int8" per row, "int4" per group of `group_size`); float otherwise."""
         paths = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
         shapes = ((num_experts, 2 * intermediate, hidden), (num_experts, hidden, intermediate))
-        if self.gguf_packed is not None:
+        # Under tensor parallelism (`intermediate` is then the rank's share) a GGUF file's packed
+        # stacks are cut by whole blocks, where the rank's channels are whole blocks.
+        if self.gguf_packed is not None and (self.sharded is None or self.sharded.expert_unit % GGUF_BLOCK == 0):
             packed = [self._gguf_experts(path, shape) for path, shape in zip(paths, shapes, strict=True)]
             gate_up, down = packed
             if gate_up is not None and down is not None:  # else both float: one kind of module per layer
@@ -172,10 +199,23 @@ class WeightPlan:
         as one float tensor `shape` [num_experts, out, in]: the checkpoint's 3-D tensor named
         `path` where it stores the experts fused (transformers' own layout), else expert e's
         `{prefix}.{e}.{part}.weight` tensors (what save_pretrained writes), its parts stacked as
-        `linear` stacks them (gate_up_proj -> gate_proj, up_proj)."""
-        if path in self.tensors:
-            return self._stacked([path], shape)
+        `linear` stacks them (gate_up_proj -> gate_proj, up_proj). Under tensor parallelism, the
+        rank's intermediate channels of every expert: gate_up's gate and up rows, down's columns."""
         prefix, _, leaf = path.rpartition(".")
+        cut = None
+        if self.sharded is not None:
+            start, stop = self.sharded.expert_channels()
+            cut = (0, [(start, stop), (start, stop)]) if leaf == "gate_up_proj" else (1, [(start, stop)])
+        if path in self.tensors:
+            if cut is None:
+                return self._stacked([path], shape)
+            whole = self.sharded.config.moe.intermediate_size  # type: ignore[union-attr]
+            dim, ranges = (1, [cut[1][0], (whole + start, whole + stop)]) if cut[0] == 0 else (2, cut[1])
+            pieces = [self._read(path, dim, a, b) for a, b in ranges]
+            tensor = torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(f"{self.source}: tensor {path} cut to {tuple(tensor.shape)}, expected {shape}")
+            return tensor
         parts = self.stacked.get(leaf, (leaf,))
         first = [f"{prefix}.0.{part}.weight" for part in parts]
         if not all(name in self.tensors for name in first):
@@ -183,24 +223,38 @@ class WeightPlan:
             _raise_missing(self.source, [path, *[n for n in first if n not in self.tensors]])
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
         for e in range(shape[0]):
-            out[e] = self._stacked([f"{prefix}.{e}.{part}.weight" for part in parts], shape[1:])
+            out[e] = self._stacked([f"{prefix}.{e}.{part}.weight" for part in parts], shape[1:], cut)
         return out
 
     def _gguf_experts(self, path: str, shape: tuple[int, int, int]) -> list[QuantizedWeight] | None:
         """Expert e's matrix of the GGUF file's stack `path` as stored (one QuantizedWeight per
         expert, rows e*out .. (e+1)*out of the stack), or None when the stack cannot run packed
-        (a K-quant, F16, ...): it is then read as floats."""
+        (a K-quant, F16, ...): it is then read as floats. Under tensor parallelism (`shape` is
+        then the rank's) each expert's blocks are cut: gate_up's gate and up rows of the rank's
+        channels, down's columns at block boundaries (`ShardPlan.expert_unit`)."""
         ckpt = self.gguf_packed
         assert ckpt is not None
         if path not in set(ckpt.tensor_names()) or not ckpt.runs_packed(path):
             return None
-        if ckpt.tensor_info(path).shape != shape:
+        whole = shape
+        if self.sharded is not None:
+            inter = self.sharded.config.moe.intermediate_size  # type: ignore[union-attr]
+            whole = (shape[0], 2 * inter, shape[2]) if path.endswith("gate_up_proj") else (*shape[:2], inter)
+        if ckpt.tensor_info(path).shape != whole:
             raise CheckpointError(
-                f"{self.source}: tensor {path} has shape {ckpt.tensor_info(path).shape}, expected {shape} from the config"
+                f"{self.source}: tensor {path} has shape {ckpt.tensor_info(path).shape}, expected {whole} from the config"
             )
         stack = ckpt.quantized_tensor(path)  # [E * out, in], Hugging Face row order
-        num, out = shape[0], shape[1]
-        return [narrow(stack, 0, e * out, (e + 1) * out) for e in range(num)]
+        num, out = whole[0], whole[1]
+        experts = [narrow(stack, 0, e * out, (e + 1) * out) for e in range(num)]
+        if self.sharded is None:
+            return experts
+        start, stop = self.sharded.expert_channels()
+        if path.endswith("gate_up_proj"):  # rows [gate (I), up (I)]: the rank's of each
+            half = out // 2
+            return [type(w).cat([narrow(w, 0, start, stop), narrow(w, 0, half + start, half + stop)])  # type: ignore[arg-type]
+                    for w in experts]  # fmt: skip
+        return [narrow(w, 1, start, stop) for w in experts]
 
     def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:
         if self.sharded is not None:
@@ -244,7 +298,11 @@ class WeightPlan:
             if name not in self.tensors:
                 missing.append(name)
                 continue
-            tensor = self.tensors[name]().to(device=self.device, dtype=self.dtype)
+            rows = self.sharded.parameter_rows(name) if self.sharded is not None else None
+            if rows is None:
+                tensor = self.tensors[name]().to(device=self.device, dtype=self.dtype)
+            else:  # this rank's runs of rows (a DeltaNet's conv channels, its value heads' A_log)
+                tensor = torch.cat([self._read(name, 0, start, stop) for start, stop in rows])
             if tensor.shape != param.shape:
                 raise CheckpointError(
                     f"{self.source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
@@ -298,13 +356,14 @@ class WeightPlan:
         return piece.clone() if piece.untyped_storage().nbytes() > piece.nbytes else piece
 
     def _gguf_linear(
-        self, parts: list[str], bias: bool, cut: tuple[int, list[tuple[int, int]]] | None = None
+        self, pieces: list[str], parts: list[str], bias: bool, cut: tuple[int, list[tuple[int, int]]] | None = None
     ) -> QuantizedLinear | None:
-        """A packed linear from the GGUF file's blocks, or None when a part's type cannot run
+        """A packed linear from the GGUF file's blocks (`pieces`: the part read for each range
+        of `cut`; `parts`: the linear's stacked parts), or None when a part's type cannot run
         packed (or is absent) or the parts' formats differ: that linear is then loaded as floats."""
         ckpt = self.gguf_packed
         assert ckpt is not None
-        names = [f"{p}.weight" for p in parts]
+        names = [f"{p}.weight" for p in pieces]
         known = set(ckpt.tensor_names())
         if not all(n in known and ckpt.runs_packed(n) for n in names):
             return None
@@ -315,7 +374,7 @@ class WeightPlan:
             weights = [narrow(w, cut[0], start, stop) for w, (start, stop) in zip(weights, cut[1], strict=True)]
         b = None
         if bias and (cut is None or cut[0] == 0):
-            b = self._stacked([f"{p}.bias" for p in parts], (sum(w.q.shape[0] for w in weights),), cut)
+            b = self._stacked([f"{p}.bias" for p in pieces], (sum(w.q.shape[0] for w in weights),), cut)
         elif bias and self.sharded is not None and self.sharded.shard.rank == 0:
             b = self._stacked([f"{p}.bias" for p in parts], (weights[0].q.shape[0],))
         stacked = type(weights[0]).cat(weights)  # type: ignore[arg-type]

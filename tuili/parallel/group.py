@@ -49,8 +49,16 @@ class WorkerLostError(TuiliError):
 
 
 class TensorParallelGroup:
-    def __init__(self, shard: TensorShard, device: torch.device) -> None:
+    def __init__(
+        self, shard: TensorShard, device: torch.device, kind: str = "tensor-parallel",
+        process_group: Any = None, root: int = 0,
+    ) -> None:
         self.shard = shard
+        self.kind = kind  # what the ranks split, for messages: "tensor-parallel" or "pipeline-parallel"
+        # The ranks of a pipeline stage's tensor-parallel group (tuili/parallel/pipeline.py): its
+        # torch.distributed group and the global rank of its rank 0; None, 0: the whole world.
+        self.process_group = process_group
+        self.root = root
         self.device = device
         self.comm_seconds = 0.0  # all-reduce and logits gather time, cumulative (the ruler reads it)
         self.num_collectives = 0
@@ -72,7 +80,7 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place, timed."""
         started = time.perf_counter()
-        self._guard(dist.all_reduce, tensor)
+        self._guard(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.process_group)
         self._count(started)
         return tensor
 
@@ -86,7 +94,7 @@ class TensorParallelGroup:
             padded = torch.nn.functional.pad(tensor, (0, widest - tensor.shape[-1]))
         padded = padded.contiguous()
         pieces = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None
-        self._guard(dist.gather, padded, pieces, 0)
+        self._guard(dist.gather, padded, pieces, self.root, self.process_group)
         self._count(started)
         if pieces is None:
             return None
@@ -104,19 +112,39 @@ class TensorParallelGroup:
         self._guard(dist.gather_object, obj, gathered if self.rank == 0 else None, 0)
         return gathered
 
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Callable[[], None]:
+        """Start sending `tensor` to rank `peer` (pipeline stages); the call returned waits for
+        the send to finish (timed). `tensor` must not change until then."""
+        work = self._guard(dist.isend, tensor, peer, None, tag)
+
+        def wait() -> None:
+            started = time.perf_counter()
+            self._guard(work.wait)
+            self._count(started)
+
+        return wait
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        """Receive into `tensor` from rank `peer`, timed: the time includes waiting for the
+        peer to have it ready."""
+        started = time.perf_counter()
+        self._guard(dist.recv, tensor, peer, None, tag)
+        self._count(started)
+        return tensor
+
     def _count(self, started: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # NCCL returns before the transfer is done
         self.comm_seconds += time.perf_counter() - started
         self.num_collectives += 1
 
-    def _guard(self, collective: Callable, *args) -> None:
+    def _guard(self, collective: Callable, *args) -> Any:
         if self.failure is not None:
             raise WorkerLostError(self.failure)
         try:
-            collective(*args)
+            return collective(*args)
         except (RuntimeError, ValueError) as e:  # gloo/NCCL: a peer closed its connection
-            self.fail(self._exited_worker(wait=1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {e}")
+            self.fail(self._exited_worker(wait=1.0) or f"a {self.kind} collective failed on rank {self.root + self.rank}: {e}")
             raise WorkerLostError(self.failure) from e
 
     # -- processes -----------------------------------------------------------------------
@@ -157,7 +185,7 @@ class TensorParallelGroup:
             for rank, proc in enumerate(self._workers, start=1):
                 code = proc.poll()
                 if code is not None:
-                    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with status {code}"
+                    return f"{self.kind} worker rank {rank} (pid {proc.pid}) exited with status {code}"
             if time.monotonic() >= deadline or not self._workers:
                 return None
             time.sleep(0.05)
@@ -198,9 +226,10 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def join(world: int, device: torch.device, config: Any) -> TensorParallelGroup:
+def join(world: int, device: torch.device, config: Any, kind: str = "tensor-parallel") -> TensorParallelGroup:
     """This process's place in a group of `world` ranks: under torchrun (or as a worker started
-    here) the environment's rank; otherwise rank 0, which starts the other ranks on this machine."""
+    here) the environment's rank; otherwise rank 0, which starts the other ranks on this machine.
+    The same group serves pipeline parallelism (`kind`), whose stages are its ranks."""
     started_here = not under_torchrun()
     if started_here:
         rank, env_world, port = 0, world, _free_port()
@@ -209,13 +238,13 @@ def join(world: int, device: torch.device, config: Any) -> TensorParallelGroup:
         rank, env_world, init_method = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
     if env_world != world:
         raise TuiliError(
-            f"tensor_parallel_size={world} but the launcher started {env_world} processes (WORLD_SIZE): "
-            "run as many processes as tensor-parallel ranks"
+            f"tensor_parallel_size x pipeline_parallel_size = {world} ranks but the launcher started {env_world} "
+            "processes (WORLD_SIZE): run as many processes as ranks"
         )
     if device.type == "cuda":  # one GPU per rank: the local rank's
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) if not started_here else 0)
         torch.cuda.set_device(device)
-    group = TensorParallelGroup(TensorShard(rank, world), device)
+    group = TensorParallelGroup(TensorShard(rank, world), device, kind)
     if started_here:
         group.start_workers(config, port)
     if rank == 0:

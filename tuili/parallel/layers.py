@@ -1,7 +1,7 @@
 """The modules of a tensor-parallel network that communicate. Column-parallel linears (q/k/v,
 gate/up) need none: each rank computes its heads' or channels' outputs. Each row-parallel
-linear (o, down) ends in one all-reduce, the embedding lookup in one, and the logits in one
-gather to rank 0, which samples."""
+linear (o, down, a DeltaNet's out_proj) ends in one all-reduce, a mixture of experts in one,
+the embedding lookup in one, and the logits in one gather to rank 0, which samples."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out = self.local(x) if out_dtype is None else self.local(x, out_dtype=out_dtype)
         return self.group.all_reduce(out)
+
+
+class SummedOverRanks(nn.Module):
+    """A module whose output on each rank is a partial sum of the whole (a mixture of experts
+    over the rank's share of every expert's channels, routed and shared experts added first),
+    summed over the ranks in one all-reduce."""
+
+    def __init__(self, local: nn.Module, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.local = local
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.local(x))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -28,7 +28,7 @@ class ParallelModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def copy_blocks(self, copies: BlockCopies) -> None:
-        if copies.to_host or copies.to_device:
+        if copies:
             self.group.broadcast((_COPY, copies))
         super().copy_blocks(copies)
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker rank: builds its shard of the engine, then runs rank 0's steps.
+"""A tensor- or pipeline-parallel worker rank: builds its shard of the engine, then runs rank 0's steps.
 
 Started by rank 0 as `python -m tuili.parallel.worker` (the engine config in the environment,
 tuili/parallel/group.py), or reached from `tuili serve` / `tuili generate` on a rank other than
@@ -16,24 +16,26 @@ import sys
 from tuili.config import EngineConfig
 from tuili.engine.core import LLMEngine
 from tuili.parallel.group import CONFIG_ENV, WorkerLostError, under_torchrun
+from tuili.parallel.pipeline_runner import PipelineModelRunner
 from tuili.parallel.runner import ParallelModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 def is_worker_rank(config: EngineConfig) -> bool:
-    """Whether this process is a rank other than 0 of a tensor-parallel launch (torchrun)."""
-    return config.tensor_parallel_size > 1 and under_torchrun() and int(os.environ["RANK"]) != 0
+    """Whether this process is a rank other than 0 of a tensor- or pipeline-parallel launch (torchrun)."""
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    return world > 1 and under_torchrun() and int(os.environ["RANK"]) != 0
 
 
 def run_worker(config: EngineConfig) -> int:
     engine = LLMEngine(config)
     runner = engine.runner
-    assert isinstance(runner, ParallelModelRunner)
+    assert isinstance(runner, (ParallelModelRunner, PipelineModelRunner))
     try:
         runner.serve()
     except WorkerLostError as e:
-        logger.error("tensor-parallel worker stops: %s", e)
+        logger.error("%s worker stops: %s", runner.group.kind, e)
         return 1
     finally:
         engine.close()

@@ -26,8 +26,9 @@ def register(subparsers) -> None:
                       "(default: this machine's last `tuili probe`, else a quick estimate)")
     plan.add_argument("--device", default="auto", help="this machine's device for --measure and the default "
                       "--hardware: cpu, cuda or cuda:N (default: cuda when present)")
-    plan.add_argument("--gpus", type=int, default=None, help="devices in all (default: --tp)")
+    plan.add_argument("--gpus", type=int, default=None, help="devices in all (default: --tp x --pp)")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline stages, contiguous layers each (default 1)")
     plan.add_argument("--weights", help="storage precision: bf16, fp16, fp32, fp8, int8, int4 or a GGUF type "
                       "(default: what the checkpoint stores, else bf16)")
     plan.add_argument("--kv", default="bf16", help="KV cache dtype: bf16, fp16, fp8 or fp32 (default bf16)")
@@ -100,7 +101,7 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             storage = source.weights or weight_format("bf16")
         inputs = PlanInputs(
-            weights=storage, kv_dtype=canonical_dtype(args.kv), gpus=args.gpus or args.tp, tp=args.tp,
+            weights=storage, kv_dtype=canonical_dtype(args.kv), gpus=args.gpus or args.tp * args.pp, tp=args.tp, pp=args.pp,
             context=args.context or args.prompt + args.output, prompt=args.prompt, output=args.output,
             batch=args.batch, link=hw.link(args.link) if args.link else None,
             reserve_fraction=DEFAULT_RESERVE_FRACTION if args.reserve is None else args.reserve,
@@ -191,12 +192,13 @@ def _gib(value: float) -> str:
 
 
 def format_plan(p: dict) -> str:
-    tp = p["tp"]
+    tp, pp = p["tp"], p["pp"]
     lines = [
         ("model", f"{p['model_type']}: {_si(p['params_total'], '')} params, {_si(p['params_matmul'], '')} in matmuls, "
                   f"{_si(p['params_active'], '')} active per token"),
         ("weights", f"{p['weights_format']}: {_si(p['weights_bytes'], 'B')}"
-                    + (f", {_si(p['weights_bytes_per_device'], 'B')} per device" if tp > 1 else "")),
+                    + (f", {_si(p['weights_bytes_per_device'], 'B')} per device" if tp > 1 or pp > 1 else "")
+                    + (f" (stages: {', '.join(_si(b, 'B') for b in p['weights_bytes_per_stage'])})" if pp > 1 else "")),
         ("KV cache", f"{p['kv_dtype']}: {_si(p['kv_bytes_per_token'], 'B')}/token, "
                      f"{_si(p['kv_bytes_per_request'], 'B')} per {p['context_tokens']}-token request"
                      + (f"; state {_si(p['state_bytes_per_request'], 'B')} per request" if p["state_bytes_per_request"] else "")
@@ -205,7 +207,7 @@ def format_plan(p: dict) -> str:
         ("hardware", f"{p['hardware']} [{p['hardware_origin']}]: {_si(p['peak_flops_per_device'], 'FLOP/s')} "
                      f"{p['compute_dtype']}, {_si(p['memory_bandwidth_per_device'], 'B/s')}, "
                      f"{_gib(p['memory_bytes_per_device'])} — {p['hardware_source']}"),
-        ("capacity", f"{p['gpus']} device(s), TP {tp}: {p['max_concurrent_requests']} concurrent requests of "
+        ("capacity", f"{p['gpus']} device(s), TP {tp}{f', PP {pp}' if pp > 1 else ''}: {p['max_concurrent_requests']} concurrent requests of "
                      f"{p['context_tokens']} tokens ({p['reserve_fraction']:.0%} = {_gib(p['reserve_bytes_per_device'])} "
                      f"per device reserved for activations and runtime)"),
         ("prefill", f"{p['prompt_tokens']} tokens: {_si(p['prefill_flops'], 'FLOP')} -> TTFT {_seconds(p['ttft_seconds'])}"
@@ -224,6 +226,11 @@ def format_plan(p: dict) -> str:
     if tp > 1:
         lines.append(("all-reduce", f"{_si(p['allreduce_bytes_per_step'], 'B')} per device per step over "
                                     f"{p['link']}: {_seconds(p['allreduce_seconds_per_step'])}"))
+    if pp > 1:
+        over = (f" over {p['link']}: {_seconds(p['stage_transfer_seconds_per_step'])}"
+                if p["stage_transfer_seconds_per_step"] is not None else " (no link named: give --link for its time)")
+        lines.append(("stage transfer", f"{_si(p['stage_transfer_bytes_per_step'], 'B')} per decode step between "
+                                        f"{pp} stages (hidden states on, logits back){over}"))
     if p["kv_transfer_seconds"] is not None:
         lines.append(("KV transfer", f"one {p['prompt_tokens']}-token prompt's KV ({_si(p['kv_transfer_bytes'], 'B')}) "
                                      f"over {p['link']}: {_seconds(p['kv_transfer_seconds'])}"))

@@ -173,17 +173,59 @@ class ModelCost:
         return {k: round(v) for k, v in by_kind.items()}
 
     def weight_bytes_per_device(self, storage: WeightStorage | str, tp: int = 1) -> int:
-        """Bytes of weights one of ``tp`` tensor-parallel devices holds. A tensor split into units
-        (heads, channels) that ``tp`` does not divide is padded: each device holds ceil(units/tp)."""
+        """Bytes of weights the most loaded of ``tp`` tensor-parallel devices holds. A tensor split
+        into units (heads, channels) that ``tp`` does not divide is split unevenly (or padded):
+        that device holds ceil(units/tp), or ceil(groups/tp) whole groups (tuili/parallel/shard.py)."""
         _check_count("tp", tp, 1)
-        return round(sum(b * _shard(w.tp_units, tp) for w, b in zip(self.weights, self._bytes_each(storage), strict=True)))
+        return round(sum(b * _weight_share(w, tp) for w, b in zip(self.weights, self._bytes_each(storage), strict=True)))
+
+    def weight_bytes_per_stage(self, storage: WeightStorage | str, pp: int, tp: int = 1) -> list[int]:
+        """Bytes of weights each of ``pp`` pipeline stages holds (per device of the stage's ``tp``
+        group), as the engine splits them (tuili/parallel/pipeline.py): contiguous layers, the
+        first ``layers % pp`` stages one more; the embedding on the first stage; the final norm
+        and the output matrix on the last, which for a tied model is a second copy of the
+        embedding table. A layer holds 1/layers of the decoder weights (exact for uniform layers;
+        an average across a hybrid's or a partly-MoE model's kinds of layer)."""
+        _check_count("pp", pp, 1)
+        layers = self.shape.num_layers
+        if pp > layers:
+            raise TuiliError(f"--pp {pp} exceeds the model's {layers} decoder layers: each stage needs one")
+        shared = {"embed_tokens": 0.0, "norm": 0.0, "lm_head": 0.0}
+        decoder = 0.0
+        for w, b in zip(self.weights, self._bytes_each(storage), strict=True):
+            held = b * _shard(w.tp_units, tp)
+            if w.name in shared:
+                shared[w.name] = held
+            else:
+                decoder += held
+        head = shared["lm_head"]
+        if self.shape.tie_word_embeddings and pp > 1:
+            head = shared["embed_tokens"]  # the table again, on the last stage
+        out = []
+        for stage, count in enumerate(stage_layer_counts(layers, pp)):
+            held = decoder * count / layers
+            held += shared["embed_tokens"] if stage == 0 else 0
+            held += shared["norm"] + head if stage == pp - 1 else 0
+            out.append(round(held))
+        return out
+
+    def stage_layer_kinds(self, pp: int) -> list[tuple[int, int]]:
+        """(attention layers, those with a KV cache; other layers, linear attention with a
+        state) in each of ``pp`` pipeline stages."""
+        kinds = self.shape.layer_types
+        counts, start = [], 0
+        for count in stage_layer_counts(len(kinds), pp):
+            attention = sum(t in (FULL, SLIDING) for t in kinds[start : start + count])
+            counts.append((attention, count - attention))
+            start += count
+        return counts
 
     def decode_weight_bytes(self, storage: WeightStorage | str, batch: int = 1, tp: int = 1) -> int:
         """Bytes of weights one decode step of ``batch`` sequences reads (per device under ``tp``)."""
         _check_count("batch", batch, 1)
         total = 0.0
         for w, b in zip(self.weights, self._bytes_each(storage), strict=True):
-            total += b * _shard(w.tp_units, tp) * self._read_fraction(w, batch)
+            total += b * _weight_share(w, tp) * self._read_fraction(w, batch)
         return round(total)
 
     def weight_read_fraction(self, batch: int = 1, storage: WeightStorage | str = "bf16") -> float:
@@ -285,11 +327,24 @@ def _format_bytes(w: Weight, fmt: WeightFormat) -> float:
     return fmt.vector_bytes * w.numel
 
 
+def stage_layer_counts(layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage: as even as possible, the first ``layers % pp`` one more."""
+    base, extra = divmod(layers, pp)
+    return [base + (1 if stage < extra else 0) for stage in range(pp)]
+
+
 def _shard(units: int, tp: int) -> float:
     """Share of a tensor one of ``tp`` devices holds."""
     if not units or tp == 1:
         return 1.0
     return math.ceil(units / tp) / units
+
+
+def _weight_share(w: Weight, tp: int) -> float:
+    """Share of tensor `w` the most loaded of ``tp`` devices holds."""
+    if w.tp_units and w.tp_groups >= tp > 1:  # whole groups of units (query heads with their KV head)
+        return _shard(w.tp_groups, tp)
+    return _shard(w.tp_units, tp)
 
 
 def _check_count(name: str, value: int, minimum: int) -> None:

@@ -80,8 +80,8 @@ def measure(
     """Run the engine and compare. ``refresh`` (for this machine's own probe) measures the host's
     drifting rates again: it runs before and after the engine, and the predictions use the mean of
     the two, so that prediction and measurement see the same machine."""
-    if inputs.tp != 1 or inputs.gpus != 1:
-        raise TuiliError("--measure runs on one device here: drop --tp and --gpus")
+    if inputs.tp != 1 or inputs.pp != 1 or inputs.gpus != 1:
+        raise TuiliError("--measure runs on one device here: drop --tp, --pp and --gpus")
     total = inputs.prompt + inputs.output
     engine, log = build_engine(
         str(source.path), device=device, dtype=dtype,

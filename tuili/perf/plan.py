@@ -37,6 +37,7 @@ class PlanInputs:
     kv_dtype: str = "bf16"
     gpus: int = 1
     tp: int = 1
+    pp: int = 1  # pipeline stages (tuili/parallel/pipeline.py), each a TP group of `tp` devices
     context: int = 4096  # tokens a request reaches (prompt + output): what its KV must hold
     prompt: int = 1024
     output: int = 256
@@ -52,12 +53,12 @@ class PlanInputs:
     conv_state_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "tp", "context", "prompt", "output", "batch"):
+        for name in ("gpus", "tp", "pp", "context", "prompt", "output", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TuiliError(f"--{name} {value!r} is invalid: expected an integer >= 1")
-        if self.gpus % self.tp:
-            raise TuiliError(f"--gpus {self.gpus} is not a multiple of --tp {self.tp}")
+        if self.gpus % (self.tp * self.pp):
+            raise TuiliError(f"--gpus {self.gpus} is not a multiple of --tp {self.tp} x --pp {self.pp}")
         if not 0 <= self.reserve_fraction < 1:
             raise TuiliError(f"--reserve {self.reserve_fraction!r} is invalid: expected a fraction in [0, 1)")
         for name in ("mfu", "mbu"):
@@ -287,8 +288,42 @@ class Roofline:
         tp = self.tp
         return 2 * (tp - 1) / tp * self.allreduces * batch * self.hidden_bytes + (tp - 1) / tp * self._logits_bytes(batch)
 
+    def stage_transfer_bytes(self, batch: int) -> float:
+        """Bytes a pipeline-parallel decode step of ``batch`` sequences sends between stages: each
+        of the pp - 1 hops carries the residual stream (two hidden vectors per sequence), and
+        the last stage sends the float32 logits back to the first (0 without a pipeline)."""
+        pp = self.inputs.pp
+        if pp == 1:
+            return 0.0
+        return (pp - 1) * batch * 2 * self.hidden_bytes + batch * self.cost.shape.vocab_size * 4
+
+    def stage_transfer(self, batch: int) -> float | None:
+        """Seconds of those transfers over the link, one after another (a latency per hop and
+        micro-batch, the engine cutting a step into up to pp micro-batches); None without a link."""
+        pp = self.inputs.pp
+        if pp == 1:
+            return 0.0
+        if self.link is None:
+            return None
+        messages = min(batch, pp) * pp  # pp - 1 hops forward and one back, per micro-batch
+        return messages * self.link.latency + self.stage_transfer_bytes(batch) / self.link.bandwidth
+
     def _logits_bytes(self, batch: int) -> float:
         return batch * self.cost.shape.vocab_size * dtype_bytes(ACTIVATION_DTYPE)
+
+
+def _stage_shares(cost: ModelCost, pp: int) -> tuple[list[float], list[float]]:
+    """Each pipeline stage's share of the KV (attention layers) and of the linear-attention
+    state (linear layers), as the engine splits the layers."""
+    if pp == 1:
+        return [1.0], [1.0]
+    attention, linear = zip(*cost.stage_layer_kinds(pp), strict=True)
+
+    def shares(counts: tuple[int, ...]) -> list[float]:
+        total = sum(counts)
+        return [c / total if total else 0.0 for c in counts]
+
+    return shares(attention), shares(linear)
 
 
 def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> dict[str, object]:
@@ -297,7 +332,12 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
     roof = Roofline(cost, hardware, inputs)
 
     # ---- memory -----------------------------------------------------------------------------
-    weights_device = cost.weight_bytes_per_device(storage, tp)
+    # Under pipeline parallelism each stage holds its layers (and their KV and state); the
+    # fullest stage bounds the weights per device, the tightest one the requests.
+    pp = inputs.pp
+    stage_weights = cost.weight_bytes_per_stage(storage, pp, tp) if pp > 1 else [cost.weight_bytes_per_device(storage, tp)]
+    kv_shares, state_shares = _stage_shares(cost, pp)
+    weights_device = max(stage_weights)
     kv_token = cost.kv_bytes_per_token(inputs.kv_dtype)
     state = cost.state_bytes_per_sequence(conv_dtype=inputs.conv_state_dtype)
     reserve = inputs.reserve_fraction * hardware.memory_bytes
@@ -307,11 +347,14 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
             f"has {hardware.memory_bytes / 1e9:.1f} GB, {reserve / 1e9:.1f} GB of it reserved for "
             f"activations and runtime; use more devices (--tp), fewer bits (--weights), or bigger hardware"
         )
-    request_device = roof.kv_token_device * inputs.context + roof.state_device
-    checkpoints_device = state_checkpoint_bytes(
-        hardware.memory_bytes - reserve - weights_device, roof.kv_token_device, roof.state_device,
-    )  # fmt: skip
-    per_replica = max_concurrent_requests(hardware.memory_bytes, weights_device + checkpoints_device, request_device, reserve)
+    per_stage = []  # (requests that fit, request bytes, checkpoint bytes) of each stage's devices
+    for weights, kv_share, state_share in zip(stage_weights, kv_shares, state_shares, strict=True):
+        kv_device, state_device = roof.kv_token_device * kv_share, roof.state_device * state_share
+        request = kv_device * inputs.context + state_device
+        checkpoints = state_checkpoint_bytes(hardware.memory_bytes - reserve - weights, kv_device, state_device)
+        per_stage.append((max_concurrent_requests(hardware.memory_bytes, weights + checkpoints, request, reserve),
+                          request, checkpoints))
+    per_replica, request_device, checkpoints_device = min(per_stage)
     if per_replica == 0:
         raise TuiliError(
             f"cannot fit one request of {inputs.context} tokens: it needs {request_device / 1e9:.2f} GB "
@@ -350,11 +393,13 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         "hardware_source": hardware.source,
         "gpus": inputs.gpus,
         "tp": tp,
-        "replicas": inputs.gpus // tp,
+        "pp": pp,
+        "weights_bytes_per_stage": stage_weights,
+        "replicas": inputs.gpus // (tp * pp),
         "memory_bytes_per_device": hardware.memory_bytes,
         "reserve_fraction": inputs.reserve_fraction,
         "reserve_bytes_per_device": reserve,
-        "max_concurrent_requests": inputs.gpus // tp * per_replica,
+        "max_concurrent_requests": inputs.gpus // (tp * pp) * per_replica,
         "compute_dtype": hardware.dtype_used(roof.compute_dtype),
         "peak_flops_per_device": hardware.flops(roof.compute_dtype),
         "memory_bandwidth_per_device": hardware.memory_bandwidth,
@@ -386,6 +431,8 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         "link": over.name if over else None,
         "allreduce_bytes_per_step": roof.comm_bytes(batch),
         "allreduce_seconds_per_step": roof.comm(batch),
+        "stage_transfer_bytes_per_step": roof.stage_transfer_bytes(batch),
+        "stage_transfer_seconds_per_step": roof.stage_transfer(batch),
         "kv_transfer_bytes": kv_transfer_bytes,
         "kv_transfer_seconds": kv_transfer_bytes / over.bandwidth + over.latency if over else None,
     }

@@ -77,6 +77,9 @@ class Weight:
     convolution: also 2 FLOPs per value per token), "gather" (embedding rows) or "vector" (norm
     weights, biases, gates: elementwise, counted as no FLOPs). ``tp_units`` is the number of units
     (heads, channels, vocabulary rows) tensor parallelism splits this tensor into; 0 = replicated.
+    ``tp_groups`` > 0: the units go to devices in that many whole groups when there are at least
+    as many groups as devices (query heads with their KV head: 12 query / 4 KV heads over 3
+    devices puts 2 groups, 6 query heads, on the first), else one by one.
     ``experts`` > 0 marks one routed expert's tensor out of that many per layer.
     """
 
@@ -87,6 +90,7 @@ class Weight:
     op: str = "matmul"
     tp_units: int = 0
     experts: int = 0
+    tp_groups: int = 0
 
     @property
     def numel(self) -> int:
@@ -235,13 +239,13 @@ class ModelShape:
         h, heads, kv, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         q_rows = heads * d * (2 if self.traits.attn_output_gate else 1)
         out = [
-            Weight("self_attn.q_proj", "attention", (q_rows, h), n, tp_units=heads),
+            Weight("self_attn.q_proj", "attention", (q_rows, h), n, tp_units=heads, tp_groups=kv),
             Weight("self_attn.k_proj+v_proj", "attention", (kv * d, h), 2 * n, tp_units=kv),
-            Weight("self_attn.o_proj", "attention", (h, heads * d), n, tp_units=heads),
+            Weight("self_attn.o_proj", "attention", (h, heads * d), n, tp_units=heads, tp_groups=kv),
         ]
         if self.qkv_bias:
             out += [
-                Weight("self_attn.q_proj.bias", "attention", (q_rows,), n, "vector", tp_units=heads),
+                Weight("self_attn.q_proj.bias", "attention", (q_rows,), n, "vector", tp_units=heads, tp_groups=kv),
                 Weight("self_attn.k_proj+v_proj.bias", "attention", (kv * d,), 2 * n, "vector", tp_units=kv),
             ]
         if self.o_bias:

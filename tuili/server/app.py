@@ -129,6 +129,8 @@ def _checkpoint_samples(stats: CheckpointStats | None) -> dict[str, float]:
         "tuili:state_checkpoints_evicted_total": float(stats.evicted),
         "tuili:state_checkpoints_filed": float(stats.filed),
         "tuili:state_checkpoints_capacity": float(stats.capacity),
+        "tuili:state_checkpoints_spilled_total": float(stats.spilled),
+        "tuili:state_checkpoints_host_restored_total": float(stats.host_restored),
     }
 
 
@@ -152,8 +154,13 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     engine.add_observer(meter)
 
     def utilization() -> dict[str, float]:  # read at each scrape, on the HTTP side
-        # Tensor parallelism: rank 0's seconds in all-reduces and the logits gather (0 on one device).
-        communication = {"tuili:tensor_parallel_communication_seconds_total": engine.communication_seconds()}
+        # Tensor parallelism: rank 0's seconds in all-reduces and the logits gather; pipeline
+        # parallelism: in its sends and receives between stages (0 on one device).
+        pipeline = engine.stage is not None
+        communication = {
+            "tuili:tensor_parallel_communication_seconds_total": 0.0 if pipeline else engine.communication_seconds(),
+            "tuili:pipeline_parallel_communication_seconds_total": engine.communication_seconds() if pipeline else 0.0,
+        }
         stats = driver.stats
         return {**meter.summary().prometheus(), **_cache_samples(stats.prefix_cache), **_spec_samples(stats.spec),
                 **_checkpoint_samples(stats.state_checkpoints), **communication}

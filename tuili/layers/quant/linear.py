@@ -26,7 +26,8 @@ arithmetic per row independent of the block; on AVX512-VNNI CPUs integer dot pro
 int8 parts of each row's input, as close to the input as its bf16 rounding: csrc/linear_int4.c),
 else the "op" (Int8Linear: blocks of up to
 `max_op_rows`, each row reduced alone). Where neither runs (float32 compute, no native kernels,
-a GPU) "tiled" runs and the output is as batch invariant as the matmul under it (docs/engine.md).
+a GPU) "tiled" runs: on a CPU on blocks of one fixed shape (`fixed_shape_blocks`: invariant, at the
+price of dequantizing the weight once per 16 rows), on a GPU as it is (not invariant).
 
 Compute dtype. The CPU ops are fast only with bf16 activations (their fp32 paths are scalar
 loops), so a module built for bf16 stores its scales in bf16 and casts its input
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuili import kernels
+from tuili.layers.linear import fixed_shape_blocks
 from tuili.layers.quant.formats import (
     INT4_GROUP_SIZES,
     Int4Weight,
@@ -133,6 +135,8 @@ class QuantizedLinear(nn.Module):
         if kernel == "gemv":  # takes float32 or bf16 input and output as they are
             flat = flat.contiguous()
             parts = [self._gemv(flat[i : i + starts.step], out_dtype) for i in starts]
+        elif kernel == "tiled" and self.platform.batch_invariant and flat.is_cpu and flat.shape[0]:
+            parts = [fixed_shape_blocks(flat.to(self.compute_dtype), self._tiled).to(out_dtype)]
         else:
             rows = flat.to(self.compute_dtype).contiguous()
             run = self._op if kernel == "op" else self._tiled
