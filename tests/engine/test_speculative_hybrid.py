@@ -173,14 +173,13 @@ def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
 # ---- MTP ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def hybrid_mtp(hybrid, tmp_path_factory):
-    """The tiny Qwen3.5 with random mtp.* tensors added (transformers writes none): one MTP
-    decoder layer shaped as the model's full-attention layer, fc, its input norms and mtp.norm.
-    fc's embedding half is near the identity, so that the step predicts roughly what the
-    target's bigram does, and its proposals are sometimes kept."""
-    path = tmp_path_factory.mktemp("hybrid") / "mtp"
-    shutil.copytree(hybrid, path)
+def with_mtp(source, path):
+    """`source`, a tiny Qwen3.5 checkpoint, copied to `path` with random mtp.* tensors added
+    (transformers writes none): one MTP decoder layer shaped as the model's full-attention layer
+    (a mixture of experts where the model has one), fc, its input norms and mtp.norm. fc's
+    embedding half is near the identity, so that the step predicts roughly what the target's
+    bigram does, and its proposals are sometimes kept."""
+    shutil.copytree(source, path)
     tensors = load_file(path / "model.safetensors")
     generator = torch.Generator().manual_seed(3)
 
@@ -197,6 +196,11 @@ def hybrid_mtp(hybrid, tmp_path_factory):
         mtp[f"mtp.{name}.weight"] = rand(hidden, scale=0.1)
     save_file(tensors | mtp, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp(hybrid, tmp_path_factory):
+    return with_mtp(hybrid, tmp_path_factory.mktemp("hybrid") / "mtp")
 
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
@@ -272,6 +276,18 @@ def test_mtp_greedy_output_is_unchanged_with_preemption_and_prefix_hits(hybrid_m
     assert spec.num_emitted_tokens == spec.num_verifications + spec.num_accepted_tokens
     assert_nothing_held(llm)
     assert not llm.engine.speculator.proposer._last
+
+
+def test_mtp_with_a_mixture_of_experts_target(tiny_hybrid_checkpoint, tmp_path):
+    """Qwen3.5-MoE's MTP layer is a mixture of experts too (routed experts and a shared one)."""
+    path = str(with_mtp(tiny_hybrid_checkpoint("moe", INIT), tmp_path / "moe_mtp"))
+    want = token_ids(LLM(path, dtype="float32", kv_cache_memory=SMALL).generate(prompts(), GREEDY))
+    llm = LLM(path, dtype="float32", kv_cache_memory=SMALL, speculative_config=MTP)
+    assert any(name.startswith("mlp.experts") for name, _ in llm.engine.speculator.proposer.mtp.layers[0].named_modules())
+    assert token_ids(llm.generate(prompts(), GREEDY)) == want
+    spec = llm.engine.stats().spec
+    assert spec.num_accepted_tokens > 5 and spec.num_proposed_tokens - spec.num_accepted_tokens > 10, spec
+    assert_nothing_held(llm)
 
 
 @pytest.mark.parametrize("checkpoint", ["hybrid", "llama"])
