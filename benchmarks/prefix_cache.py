@@ -75,7 +75,7 @@ def multi_turn(turns: int = 10) -> None:
     previous_len = 0
     for turn in range(turns):
         history.append({"role": "user", "content": f"Turn {turn}: tell me one short fact about the number {turn}."})
-        ids = tokenizer.apply_chat_template(history)
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=False)
         new_tokens += len(ids) - previous_len
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=48))[0]
         history.append({"role": "assistant", "content": out.outputs[0].text})

@@ -37,7 +37,8 @@ INT4_SELF = {"model": "self", "quantization": "int4", "num_speculative_tokens": 
 
 
 def chat_prompt(llm: LLM, text: str) -> dict:
-    ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}])
+    messages = [{"role": "user", "content": text}]
+    ids = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     return {"prompt_token_ids": ids}
 
 
