@@ -270,3 +270,28 @@ def test_adaptive_k_stops_speculating_when_rows_are_expensive_and_acceptance_low
     for _ in range(10):
         cheap.record_acceptance(0, 4, 4)
     assert cheap.choose([0], [3]) == [3]
+
+
+def test_adaptive_k_looks_again_after_switching_off_and_new_sequences_start_from_the_overall_rate():
+    """A verification step measured slow (say, while it captured a CPU graph) must not switch
+    speculation off for good: after 16 plain steps one sequence verifies again. And a new
+    sequence of a workload that accepts well is proposed for at once (the overall rate), where a
+    Beta(1, 1) prior of 1/2 would not pay for the verification step."""
+    adaptive = AdaptiveK(max_k=4)
+    for rows, verified, seconds in [(1, False, 0.010), (5, True, 0.060), (3, True, 0.055)]:
+        adaptive.record_step(rows, verified, seconds)
+    assert adaptive.choose([7], [4]) == [0]  # verification looks 5x as dear as a plain step
+    for step in range(16):
+        assert adaptive.choose([7], [4]) == [0], step
+        adaptive.record_step(1, False, 0.010)
+    assert adaptive.choose([7], [4]) == [4]  # a look, at the full proposals
+    adaptive.record_step(5, True, 0.014)  # ... cheap after all: the fit learns from it
+    assert adaptive.choose([7], [4]) == [0]  # and the count starts again
+    # The overall rate: verifications of other sequences, all kept, and cheap verification steps.
+    fresh = AdaptiveK(max_k=4)
+    for rows, verified, seconds in [(1, False, 0.010), (5, True, 0.030), (3, True, 0.026)]:
+        fresh.record_step(rows, verified, seconds)
+    assert fresh.choose([1], [4]) == [0]  # prior 1/2: at best 1.9 tokens in 30 ms, against 1 in 10
+    for seq in range(2, 6):
+        fresh.record_acceptance(seq, 4, 4)
+    assert fresh.choose([1], [4]) == [4]  # sequence 1 has no verifications: the overall rate

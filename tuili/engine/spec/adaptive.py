@@ -4,7 +4,9 @@ A proposal pays when the tokens it is expected to add are worth more than the ti
 row costs. Two things are measured as the engine runs:
 
 * acceptance: per sequence, the chance that a proposed token is kept given the ones before it
-  were (a Beta(1, 1) prior, counts halved as they grow, so a change of text is followed);
+  were (counts halved as they grow, so a change of text is followed); a sequence without
+  verifications of its own takes the engine's recent rate over all sequences (itself from a
+  Beta(1, 1) prior), so a new request of a workload that accepts well is proposed for at once;
   proposal j (1-based) then adds alpha^j expected tokens;
 * cost: the step time as a linear function of the rows computed, fitted by least squares to the
   median time of each kind of recent step that only decoded or verified, with a separate constant for steps that verify
@@ -17,7 +19,11 @@ Each step, for each depth K, the candidates (sequence, j <= K) are taken in orde
 while the added tokens per added second beat the step's tokens per second; the plan of the
 fastest depth in tokens per second wins, or proposing nothing when that is faster. Before the fit has both kinds of steps
 at two sizes it explores, cheaply at any batch size: a plain step, then one sequence verifying
-all its proposals, then half of them.
+all its proposals, then half of them. Once it has chosen to propose nothing, neither the fit nor
+any acceptance would ever change again (a verification step's cost measured while it captured a
+CPU graph, or a new request's prior acceptance of 1/2, would switch speculation off for good), so
+after `_REEXPLORE_AFTER` steps without a verification one sequence verifies its proposals once
+more: at most one step in that many pays for a look.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import numpy as np
 
 _HISTORY = 64  # steps the cost fit remembers
 _DECAY_AT = 32.0  # acceptance counts are halved when their trials reach this
+_REEXPLORE_AFTER = 16  # steps without a verification before one sequence verifies again
 
 
 @dataclass
@@ -53,9 +60,11 @@ class AdaptiveK:
         self.max_k = max_k
         self.adaptive = adaptive
         self._acceptance: dict[int, _Acceptance] = {}  # by seq_id
+        self._overall = _Acceptance()  # every sequence's verifications: a new sequence's rate
         self._steps: deque[tuple[int, bool, float]] = deque(maxlen=_HISTORY)  # (rows, verified, seconds)
         self.draft_forward_seconds = 0.0  # a draft model's measured time per forward (EMA)
         self._explore = 0
+        self._steps_since_verified = 0
 
     def choose(self, seq_ids: list[int], limits: list[int]) -> list[int]:
         """Proposals per decoding sequence this step, each at most its limit."""
@@ -74,7 +83,7 @@ class AdaptiveK:
         c_plain, c_row, c_spec = fit
         batch = len(seq_ids)
         plain_rate = batch / max(c_plain + c_row * batch, 1e-9)
-        rates = [self._acceptance.get(s, _Acceptance()).rate for s in seq_ids]
+        rates = [self._acceptance.get(s, self._overall).rate for s in seq_ids]
         # A draft model's forwards are paid per step (one per proposal position, whatever the
         # number of sequences): each depth K is a plan of its own, the best one wins.
         best_rate, best = plain_rate, [0] * batch
@@ -92,14 +101,20 @@ class AdaptiveK:
                 seconds += c_row
             if any(ks) and tokens / seconds > best_rate:
                 best_rate, best = tokens / seconds, ks
+        if not any(best) and self._steps_since_verified >= _REEXPLORE_AFTER and any(full):
+            self._explore += 1
+            i = max(range(batch), key=lambda i: (full[i] > 0, rates[i]))  # the likeliest to gain
+            best[i] = full[i]
         return best
 
     def record_step(self, rows: int, verified: bool, seconds: float) -> None:
         """A step that only decoded or verified: `rows` positions computed in `seconds`."""
         self._steps.append((rows, verified, seconds))
+        self._steps_since_verified = 0 if verified else self._steps_since_verified + 1
 
     def record_acceptance(self, seq_id: int, proposed: int, accepted: int) -> None:
         self._acceptance.setdefault(seq_id, _Acceptance()).add(proposed, accepted)
+        self._overall.add(proposed, accepted)
 
     def record_draft_forward(self, seconds: float) -> None:
         self.draft_forward_seconds = seconds if not self.draft_forward_seconds else (
