@@ -14,14 +14,8 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -51,7 +45,6 @@ QWEN3 = dict(num_hidden_layers=4, intermediate_size=200, num_attention_heads=12,
 LLAMA_TIED = dict(num_hidden_layers=3, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=True)
 ENGINE = dict(dtype="float32", kv_cache_memory=1 << 24)
-_READY = re.compile(r"at (http://\S+)/v1")
 
 
 def _save(path: Path, config_class, extra: dict) -> Path:
@@ -197,84 +190,32 @@ def test_plan_pp_counts_each_stage_its_layers_kv_and_a_tied_table_twice(tmp_path
 # ---- processes --------------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            child = int(stat.parent.name)
-            found += [child, *_children(child)]
-    return found
 
 
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
 
 
-def _complete(url: str, max_tokens: int = 8) -> httpx.Response:
-    body = {"model": "m", "prompt": [5, 17, 250], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-def test_serve_with_two_stages_and_a_lost_stage(tmp_path, real_tokenizer_dirs):
+def test_serve_with_two_stages_and_a_lost_stage(tmp_path, real_tokenizer_dirs, served_ranks):
     """`tuili serve -pp 2` gives the whole model's text; a killed stage fails the request in
     flight, the server exits 1 within seconds, naming it, and no process is left."""
     path = _save(tmp_path / "llama", transformers.LlamaConfig, LLAMA_TIED)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # so that the answers carry text
         shutil.copy(real_tokenizer_dirs["llama3"] / name, path / name)
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "tuili.cli", "serve", "--model", str(path), "--served-model-name", "m",
-               "--dtype", "float32", "--kv-cache-memory", "16MiB", "--port", "0", "--shutdown-grace", "2", "-pp", "2"]
-    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = served_ranks.serve(path, log, "-pp", "2")
     try:
         whole = LLM(str(path), **ENGINE)  # while the server starts
         expected = whole.generate({"prompt_token_ids": [5, 17, 250]},
                                   SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].text
-        deadline, url = time.monotonic() + 120, None
-        while url is None and time.monotonic() < deadline and server.poll() is None:
-            match = _READY.search(log.read_text())
-            url = match.group(1) if match else time.sleep(0.2)
-        assert url is not None, log.read_text()
-        answer = _complete(url)
+        url = served_ranks.wait_for_url([log], [server])
+        answer = served_ranks.complete(url)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == expected and len(expected) > 8
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         comm = re.search(r"^tuili:pipeline_parallel_communication_seconds_total\S* (\S+)$", metrics, re.MULTILINE)
         assert comm is not None and float(comm.group(1)) > 0, metrics
-        ranks = _children(server.pid)
-        assert len(_alive(ranks)) == 1, "one worker stage"
-        answers: list[httpx.Response | Exception] = []
-
-        def long_request() -> None:
-            try:
-                answers.append(_complete(url, max_tokens=3000))
-            except httpx.HTTPError as e:  # the server went away before answering
-                answers.append(e)
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(1.0)
-        os.kill(ranks[0], signal.SIGKILL)
-        killed = time.monotonic()
-        assert server.wait(30) == 1
-        assert time.monotonic() - killed < 15
-        thread.join(30)
-        answer = answers[0]
-        assert isinstance(answer, httpx.HTTPError) or answer.status_code == 500, answer
-        assert "pipeline-parallel worker rank 1" in log.read_text()
-        assert _alive(ranks) == []
+        served_ranks.kill_a_worker_mid_request(server, url, log, "pipeline-parallel worker rank 1")
     finally:
         if server.poll() is None:
             server.kill()

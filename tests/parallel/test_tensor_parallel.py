@@ -14,17 +14,14 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import transformers
@@ -49,7 +46,6 @@ CHECKPOINTS = {
 # One prefill step for all prompts, then decodes: the fewest steps (paging and chunking are the
 # single-rank tests' business; here only the split is new).
 ENGINE = dict(dtype="float32", kv_cache_memory=1 << 24)
-_READY = re.compile(r"at (http://\S+)/v1")
 
 
 @pytest.fixture(scope="module")
@@ -136,102 +132,41 @@ def test_kv_heads_split_by_whole_groups_or_replicated():
 # ---- processes --------------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            child = int(stat.parent.name)
-            found += [child, *_children(child)]
-    return found
 
 
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
 
 
-def _wait_for_url(logs: list[Path], processes: list[subprocess.Popen], timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for log in logs:
-            match = _READY.search(log.read_text())
-            if match:
-                return match.group(1)
-        if any(p.poll() is not None for p in processes):
-            break
-        time.sleep(0.2)
-    pytest.fail("no rank started serving:\n" + "\n".join(log.read_text() for log in logs), pytrace=False)
 
 
-def _complete(url: str, max_tokens: int = 8) -> httpx.Response:
-    body = {"model": "m", "prompt": [5, 17, 250], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-def _serve(path: Path, log: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tuili.cli", "serve", "--model", str(path), "--served-model-name", "m",
-               "--dtype", "float32", "--kv-cache-memory", "16MiB", "--port", "0", "--shutdown-grace", "2", *extra]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def test_serve_survives_nothing_of_a_lost_worker(checkpoints, tmp_path):
+def test_serve_survives_nothing_of_a_lost_worker(checkpoints, tmp_path, served_ranks):
     """A killed worker: the request in flight fails, /health stops answering 200, the server
     exits 1 within seconds and no process is left; a plain SIGTERM stops every rank (status 0)."""
     log = tmp_path / "serve.log"
-    server = _serve(checkpoints["llama-tied"], log, "--tensor-parallel-size", "2")
+    server = served_ranks.serve(checkpoints["llama-tied"], log, "--tensor-parallel-size", "2")
     try:
-        url = _wait_for_url([log], [server])
-        assert _complete(url).status_code == 200
-        ranks = _children(server.pid)
-        assert len(_alive(ranks)) == 1, "one worker rank"
-        answers: list[httpx.Response | Exception] = []
-
-        def long_request() -> None:
-            try:
-                answers.append(_complete(url, max_tokens=3000))
-            except httpx.HTTPError as e:  # the server went away before answering
-                answers.append(e)
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        time.sleep(1.0)
-        os.kill(ranks[0], signal.SIGKILL)
-        killed = time.monotonic()
-        assert server.wait(30) == 1
-        assert time.monotonic() - killed < 15
-        thread.join(30)
-        answer = answers[0]
-        assert isinstance(answer, httpx.HTTPError) or answer.status_code == 500, answer
-        assert "tensor-parallel worker rank 1" in log.read_text()
-        assert _alive(ranks) == []
+        url = served_ranks.wait_for_url([log], [server])
+        assert served_ranks.complete(url).status_code == 200
+        served_ranks.kill_a_worker_mid_request(server, url, log, "tensor-parallel worker rank 1")
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
 
-    server = _serve(checkpoints["llama-tied"], log, "--tensor-parallel-size", "2")
+    server = served_ranks.serve(checkpoints["llama-tied"], log, "--tensor-parallel-size", "2")
     try:
-        url = _wait_for_url([log], [server])
-        assert _complete(url).status_code == 200
-        ranks = _children(server.pid)
+        url = served_ranks.wait_for_url([log], [server])
+        assert served_ranks.complete(url).status_code == 200
+        ranks = served_ranks.children(server.pid)
         server.send_signal(signal.SIGTERM)
         assert server.wait(30) == 0
         deadline = time.monotonic() + 10
-        while _alive(ranks) and time.monotonic() < deadline:
+        while served_ranks.alive(ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(ranks) == []
+        assert served_ranks.alive(ranks) == []
     finally:
         if server.poll() is None:
             server.kill()
@@ -244,7 +179,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_through_torchrun(checkpoints, tmp_path):
+def test_two_nodes_through_torchrun(checkpoints, tmp_path, served_ranks):
     port = _free_port()
     logs = [tmp_path / f"node{n}.log" for n in range(2)]
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -255,22 +190,22 @@ def test_two_nodes_through_torchrun(checkpoints, tmp_path):
     nodes = [subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                               cwd=tempfile.gettempdir()) for log in logs]
     try:
-        url = _wait_for_url(logs, nodes)
-        answer = _complete(url)
+        url = served_ranks.wait_for_url(logs, nodes)
+        answer = served_ranks.complete(url)
         assert answer.status_code == 200, answer.text
         whole = LLM(str(checkpoints["llama-tied"]), **ENGINE)
         expected = whole.generate({"prompt_token_ids": [5, 17, 250]},
                                   SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
         assert answer.json()["usage"]["completion_tokens"] == len(expected) == 8
-        ranks = [pid for node in nodes for pid in _children(node.pid)]
+        ranks = [pid for node in nodes for pid in served_ranks.children(node.pid)]
         for node in nodes:
             node.send_signal(signal.SIGTERM)
         for node in nodes:
             node.wait(60)
         deadline = time.monotonic() + 10
-        while _alive(ranks) and time.monotonic() < deadline:
+        while served_ranks.alive(ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(ranks) == []
+        assert served_ranks.alive(ranks) == []
     finally:
         for node in nodes:
             if node.poll() is None:
