@@ -295,3 +295,19 @@ def test_adaptive_k_looks_again_after_switching_off_and_new_sequences_start_from
     for seq in range(2, 6):
         fresh.record_acceptance(seq, 4, 4)
     assert fresh.choose([1], [4]) == [4]  # sequence 1 has no verifications: the overall rate
+
+
+def test_a_draft_forward_measured_for_one_sequence_does_not_make_a_batch_look_free():
+    """The draft's cost per forward is fitted to the sequences it drafts for: seen only at one
+    sequence it is taken as proportional, so 32 sequences' proposals are weighed at 32 times it."""
+    adaptive = AdaptiveK(max_k=3)
+    # Target steps: ~10 ms, 0.1 ms a row (memory-bound decode), verifying costs nothing more.
+    for rows, verified, seconds in [(1, False, 0.0100), (32, False, 0.0131), (35, True, 0.0134), (34, True, 0.0133)]:
+        adaptive.record_step(rows, verified, seconds)
+    for seq in range(32):
+        adaptive.record_acceptance(seq, 3, 3)
+    adaptive.record_draft_forward(0.002, 1)  # one explored sequence: 2 ms per forward
+    assert adaptive.choose([0], [3]) == [3]  # alone, drafting pays
+    assert adaptive.choose(list(range(32)), [3] * 32) == [0] * 32  # 32 x 2 ms per depth does not
+    adaptive.record_draft_forward(0.003, 32)  # measured: a forward for 32 costs 3 ms
+    assert all(k >= 2 for k in adaptive.choose(list(range(32)), [3] * 32))  # now every one drafts

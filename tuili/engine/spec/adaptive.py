@@ -11,9 +11,10 @@ row costs. Two things are measured as the engine runs:
 * cost: the step time as a linear function of the rows computed, fitted by least squares to the
   median time of each kind of recent step that only decoded or verified, with a separate constant for steps that verify
   (they run eagerly and attend through gathered blocks, where plain decodes may replay a CPU
-  graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's measured time
-  per forward is added once per proposal depth of the step (`draft_forward_seconds`): its
-  forwards run whatever the number of sequences.
+  graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's forwards are
+  paid once per proposal depth of the step, at a cost fitted the same way to the sequences they
+  draft for: d_fixed + d_seq * sequences (with one size seen so far, taken as proportional to
+  the sequences: a draft forward measured on one explored sequence must not make 32 look free).
 
 Each step, for each depth K, the candidates (sequence, j <= K) are taken in order of alpha^j
 while the added tokens per added second beat the step's tokens per second; the plan of the
@@ -62,7 +63,7 @@ class AdaptiveK:
         self._acceptance: dict[int, _Acceptance] = {}  # by seq_id
         self._overall = _Acceptance()  # every sequence's verifications: a new sequence's rate
         self._steps: deque[tuple[int, bool, float]] = deque(maxlen=_HISTORY)  # (rows, verified, seconds)
-        self.draft_forward_seconds = 0.0  # a draft model's measured time per forward (EMA)
+        self._draft: deque[tuple[int, float]] = deque(maxlen=_HISTORY)  # (sequences, seconds per forward)
         self._explore = 0
         self._steps_since_verified = 0
 
@@ -86,19 +87,24 @@ class AdaptiveK:
         rates = [self._acceptance.get(s, self._overall).rate for s in seq_ids]
         # A draft model's forwards are paid per step (one per proposal position, whatever the
         # number of sequences): each depth K is a plan of its own, the best one wins.
+        d_fixed, d_seq = self._draft_cost()
         best_rate, best = plain_rate, [0] * batch
         for depth in range(1, max(full) + 1):
             candidates = sorted(
-                ((rates[i] ** j, i) for i in range(batch) for j in range(1, min(full[i], depth) + 1)), reverse=True,
+                ((rates[i] ** j, i, j) for i in range(batch) for j in range(1, min(full[i], depth) + 1)), reverse=True,
             )
-            tokens, seconds = float(batch), c_plain + c_spec + c_row * batch + self.draft_forward_seconds * depth
+            tokens, seconds = float(batch), c_plain + c_spec + c_row * batch + d_fixed * depth
             ks = [0] * batch
-            for gain, i in candidates:
-                if gain * seconds < c_row * tokens:  # adds fewer tokens per second than the step makes
-                    break
+            for gain, i, j in candidates:
+                if ks[i] != j - 1:  # its earlier proposal did not pay: neither does this one
+                    continue
+                # A sequence's first proposal also adds it to the draft's forwards.
+                cost = c_row + (d_seq * depth if j == 1 else 0.0)
+                if gain * seconds < cost * tokens:  # adds fewer tokens per second than the step makes
+                    continue
                 ks[i] += 1
                 tokens += gain
-                seconds += c_row
+                seconds += cost
             if any(ks) and tokens / seconds > best_rate:
                 best_rate, best = tokens / seconds, ks
         if not any(best) and self._steps_since_verified >= _REEXPLORE_AFTER and any(full):
@@ -116,10 +122,24 @@ class AdaptiveK:
         self._acceptance.setdefault(seq_id, _Acceptance()).add(proposed, accepted)
         self._overall.add(proposed, accepted)
 
-    def record_draft_forward(self, seconds: float) -> None:
-        self.draft_forward_seconds = seconds if not self.draft_forward_seconds else (
-            0.9 * self.draft_forward_seconds + 0.1 * seconds
-        )
+    def record_draft_forward(self, seconds: float, sequences: int) -> None:
+        """A draft model's forward (one proposal depth) for `sequences` sequences took `seconds`."""
+        self._draft.append((sequences, seconds))
+
+    def _draft_cost(self) -> tuple[float, float]:
+        """(d_fixed, d_seq): a draft forward's seconds as d_fixed + d_seq * sequences, from the
+        median of each size seen; proportional with one size; (0, 0) without a draft model."""
+        groups: dict[int, list[float]] = {}
+        for sequences, seconds in self._draft:
+            groups.setdefault(sequences, []).append(seconds)
+        if not groups:
+            return 0.0, 0.0
+        sizes = sorted(groups)
+        medians = [float(np.median(groups[n])) for n in sizes]
+        if len(sizes) == 1:
+            return 0.0, medians[0] / sizes[0]
+        (d_fixed, d_seq), *_ = np.linalg.lstsq(np.array([[1.0, n] for n in sizes]), np.array(medians), rcond=None)
+        return max(float(d_fixed), 0.0), max(float(d_seq), 0.0)
 
     def release(self, seq_id: int) -> None:
         self._acceptance.pop(seq_id, None)

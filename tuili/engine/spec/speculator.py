@@ -103,7 +103,7 @@ class Speculator:
         proposals = self.proposer.propose([seq for seq, _ in chosen], [k for _, k in chosen])
         if self.config.method != "ngram":  # a model's forwards, one per proposal depth
             forwards = max(k for _, k in chosen)
-            self.adaptive.record_draft_forward((time.perf_counter() - started) / forwards)
+            self.adaptive.record_draft_forward((time.perf_counter() - started) / forwards, len(chosen))
         out = {}
         for (seq, k), proposal in zip(chosen, proposals, strict=True):
             proposal.token_ids = proposal.token_ids[:k]
