@@ -80,3 +80,23 @@ def tiny_hybrid_checkpoint(tmp_path_factory):
         return written[kind, initializer_range]
 
     return make
+
+
+@pytest.fixture
+def abort_odd_requests():
+    """An `on_step` callback for `LLM.generate` (given the engine) that aborts every request
+    with an odd id once it has 5 output tokens, mid-draft when speculating; `.aborted` holds
+    their ids."""
+
+    class AbortOdd:
+        def __init__(self, engine) -> None:
+            self.engine, self.aborted = engine, set()
+
+        def __call__(self, outputs) -> None:
+            for out in outputs:
+                odd = int(out.request_id.split("-")[-1]) % 2
+                if out.request_id not in self.aborted and len(out.outputs[0].token_ids) >= 5 and odd:
+                    self.aborted.add(out.request_id)
+                    self.engine.abort_request(out.request_id)
+
+    return AbortOdd

@@ -203,22 +203,16 @@ def test_sampled_outputs_keep_the_target_distribution(method, tiny_llama, tiny_l
     assert_all_blocks_free(llm)
 
 
-def test_no_blocks_leak_after_aborts_mid_draft_and_errors(tiny_llama, tiny_llama_draft):
+def test_no_blocks_leak_after_aborts_mid_draft_and_errors(tiny_llama, tiny_llama_draft, abort_odd_requests):
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=24 * 16 * 512, max_model_len=128,
               speculative_config=spec_configs(tiny_llama_draft)["draft_model"])
     engine = llm.engine
-    aborted = set()
-
-    def abort_some(outputs):
-        for out in outputs:
-            if out.request_id not in aborted and len(out.outputs[0].token_ids) >= 5 and int(out.request_id.split("-")[-1]) % 2:
-                aborted.add(out.request_id)
-                engine.abort_request(out.request_id)
+    abort_some = abort_odd_requests(engine)
 
     params = [SamplingParams(temperature=t, max_tokens=40, ignore_eos=True, seed=s)
               for s, t in enumerate([0, 0.8, 0, 1.0, 0.5, 0])]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params[: len(PROMPTS)], on_step=abort_some)
-    assert aborted and any(o.outputs[0].finish_reason == "abort" for o in outs)
+    assert abort_some.aborted and any(o.outputs[0].finish_reason == "abort" for o in outs)
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
                      [SamplingParams(), SamplingParams(max_tokens=0)])

@@ -297,24 +297,18 @@ def test_mtp_without_mtp_weights_is_refused_by_name(checkpoint, hybrid, tiny_lla
         LLM(str(path), dtype="float32", kv_cache_memory=SMALL, speculative_config=MTP)
 
 
-def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid_mtp, reference):
+def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid_mtp, reference, abort_odd_requests):
     """With MTP proposals (and the hybrid's verification rows): greedy and sampled requests,
     some aborted mid-generation, one refused; every block, slot and kept MTP output is freed."""
     llm = LLM(str(hybrid_mtp), dtype="float32", kv_cache_memory=SMALL, max_model_len=128,
               state_checkpoint_interval=1, speculative_config=MTP)
     engine = llm.engine
-    aborted = set()
-
-    def abort_some(outputs):
-        for out in outputs:
-            if out.request_id not in aborted and len(out.outputs[0].token_ids) >= 5 and int(out.request_id.split("-")[-1]) % 2:
-                aborted.add(out.request_id)
-                engine.abort_request(out.request_id)
+    abort_some = abort_odd_requests(engine)
 
     params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=s)
               for s, t in enumerate([0, 0.8, 0, 1.0])]
     outs = llm.generate(prompts(), params, on_step=abort_some)
-    assert aborted and any(o.outputs[0].finish_reason == "abort" for o in outs)
+    assert abort_some.aborted and any(o.outputs[0].finish_reason == "abort" for o in outs)
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate(prompts()[:2], [SamplingParams(), SamplingParams(max_tokens=0)])
     spec = engine.stats().spec

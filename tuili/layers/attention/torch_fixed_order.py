@@ -68,6 +68,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position:
     blocks = blocks.reshape(-1, num_kv_heads, per_kv * QUERY_BLOCK, head_dim)
     # Each query row's position; padded rows take the last real one (their output is dropped).
     positions = (position + torch.arange(n + pad).clamp_max(n - 1)).view(-1, 1, QUERY_BLOCK)
+    offsets = torch.arange(KEY_PART).view(1, 1, -1)  # a part's key positions, from its start
     out = []
     for b, block in enumerate(blocks):
         last = int(positions[b].max())  # parts wholly past the block's last query hold no key it reads
@@ -79,7 +80,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position:
             part = slice(start, start + KEY_PART)
             k, v = keys[part].transpose(0, 1), values[part].transpose(0, 1)  # [Hkv, KEY_PART, D]
             scores = torch.matmul(block, k.transpose(1, 2)) * scale
-            visible = start + torch.arange(KEY_PART).view(1, 1, -1) <= where
+            visible = offsets <= where - start
             scores = scores.masked_fill(~visible, float("-inf"))
             # Key 0 is visible to every row, so m is finite from the first part on (its
             # rescale, exp(-inf), is 0). A part wholly after a row's position adds exp(-inf) = 0
