@@ -78,8 +78,16 @@ def _run(llm: LLM) -> tuple[torch.Tensor, list[list[int]]]:
 
 
 # SmolLM2 (the real GGUF, dequantized to float32): a tied Llama with 9 query / 3 KV heads, split 2/1.
-@pytest.mark.parametrize(("name", "tp"), [("qwen3-12q-4kv-ffn200", 2), ("qwen3-12q-4kv-ffn200", 3), ("smollm2-gguf", 2)])
-def test_tensor_parallel_matches_one_rank(checkpoints, name, tp):
+# Ranks on one machine talk through shared memory (tuili/parallel/shm.py) and replay their decode
+# steps from CPU graphs; without the native kernels (as on a machine with no C compiler) they stay
+# on gloo and run eagerly, which must agree too.
+@pytest.mark.parametrize(("name", "tp", "transport"), [
+    ("qwen3-12q-4kv-ffn200", 2, "shared memory"), ("qwen3-12q-4kv-ffn200", 3, "shared memory"),
+    ("smollm2-gguf", 2, "shared memory"), ("qwen3-12q-4kv-ffn200", 2, "gloo"),
+])
+def test_tensor_parallel_matches_one_rank(checkpoints, name, tp, transport, monkeypatch):
+    if transport == "gloo":
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
     whole = LLM(str(checkpoints[name]), **ENGINE)
     ref_logits, ref_tokens = _run(whole)
     whole_bytes = whole.engine.weight_bytes()
@@ -89,6 +97,9 @@ def test_tensor_parallel_matches_one_rank(checkpoints, name, tp):
         logits, tokens = _run(llm)
         per_rank = llm.engine.runner.weight_bytes_per_rank()
         comm = llm.engine.communication_seconds()
+        linked = llm.engine.parallel.link is not None
+        graphs = llm.engine.runner.graphs
+        replayed = bool(graphs.captured_batch_sizes()) if graphs is not None else False
     finally:
         llm.engine.close()
     # float32 sums in another order: a few ulps of the largest logits
@@ -101,6 +112,9 @@ def test_tensor_parallel_matches_one_rank(checkpoints, name, tp):
     assert whole_bytes <= sum(per_rank) <= whole_bytes * 1.02
     assert max(per_rank) <= whole_bytes / tp * 1.3, (per_rank, whole_bytes)
     assert comm > 0
+    assert linked == (transport == "shared memory")
+    # Decode steps replayed CPU graphs with the all-reduces inside them (shared memory only).
+    assert replayed == (transport == "shared memory")
 
 
 def test_a_packed_gguf_weight_is_cut_by_rows_and_by_whole_blocks():

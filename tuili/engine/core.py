@@ -142,9 +142,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, max_num_seqs, state_slots, checkpoints,
         )  # fmt: skip
-        runner_config = RunnerConfig(
-            self.device, self.dtype, stop_tokens, config.enforce_eager or self.parallel is not None, self.grammars,
-        )
+        # Several ranks replay CPU graphs only when their all-reduce is one a graph records (the
+        # shared-memory one, tuili/parallel/shm.py); pipeline stages run eagerly.
+        eager_ranks = self.parallel is not None and (self.parallel.link is None or self.stage is not None)
+        runner_config = RunnerConfig(self.device, self.dtype, stop_tokens, config.enforce_eager or eager_ranks, self.grammars)
         self.runner: ModelRunner
         if self.parallel is None:
             self.runner = ModelRunner(loaded.model, self.pool, runner_config)

@@ -54,6 +54,43 @@ MAX_VERIFY_BATCH = 4
 Shape = int | tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """What a graph reads from its step: plain data, so that a tensor-parallel rank 0 can send it
+    to the other ranks, which replay their shard's graph on it (tuili/parallel/runner.py)."""
+
+    shape: Shape
+    tokens: list[int]  # every query row's token, sequence by sequence
+    positions: list[int]
+    slots: list[int]  # every row's KV cache slot
+    starts: list[int]  # each sequence's first query position
+    block_tables: list[list[int]]
+    state_slots: list[int]  # each sequence's linear-attention state slot (hybrid models), else []
+
+    @classmethod
+    def of(cls, batch: list[ScheduledSeq], block_size: int, hybrid: bool) -> DecodeStep:
+        starts = [item.start for item in batch]
+        if all(item.num_tokens == 1 for item in batch):
+            positions = starts
+            tokens = [item.seq.token_ids[item.start] for item in batch]
+        else:
+            positions, tokens = [], []
+            for item in batch:
+                positions.extend(range(item.start, item.start + item.num_tokens))
+                tokens.extend(item.token_ids())
+        rows_of = [item for item in batch for _ in range(item.num_tokens)]
+        slots = [slot(item.seq.block_table, p, block_size) for item, p in zip(rows_of, positions, strict=True)]
+        return cls(
+            shape=DecodeGraphs.shape(batch), tokens=tokens, positions=positions, slots=slots, starts=starts,
+            block_tables=[list(item.seq.block_table) for item in batch],
+            state_slots=[item.seq.state_slot for item in batch] if hybrid else [],
+        )
+
+    @property
+    def rows_per_seq(self) -> list[int]:
+        return [1] * self.shape if isinstance(self.shape, int) else list(self.shape)
+
+
 @dataclass
 class _StepBuffers:
     """The inputs of a B-sequence decode step, at the addresses its graph reads."""
@@ -128,39 +165,43 @@ class DecodeGraphs:
                     and (key in self._graphs or verify_shapes < MAX_VERIFY_SHAPES))
         return True
 
-    def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+    def step(self, batch: list[ScheduledSeq]) -> DecodeStep:
+        """The inputs of a step `takes` accepted, for `logits`."""
+        return DecodeStep.of(batch, self.block_size, self.hybrid)
+
+    def logits(self, step: DecodeStep) -> torch.Tensor | None:
         """Float32 logits [B, vocab] of a step `takes` accepted, valid until the next call; None
         when this step must run eagerly instead (its capture was refused, or a kernel refused its
         inputs, which the eager run then reports by name)."""
-        key = (self.shape(batch), torch.get_num_threads())
+        key = (step.shape, torch.get_num_threads())
         captured = self._graphs.get(key)
         if captured is None:
-            return self._capture(batch, key)
-        self._write_inputs(captured.buffers, batch)
+            return self._capture(step, key)
+        self._write_inputs(captured.buffers, step)
         try:
             (out,) = captured.graph.replay()
         except GraphReplayError:
             return None
         return out if captured.logits_in_graph else self.model.compute_logits(out)
 
-    def _capture(self, batch: list[ScheduledSeq], key: tuple[Shape, int]) -> torch.Tensor | None:
+    def _capture(self, step: DecodeStep, key: tuple[Shape, int]) -> torch.Tensor | None:
         """Captures the step with its logits, else (an output layer that is not all native
         kernels, such as torch's int8 op) without them, the logits then computed eagerly."""
         shape = key[0]
-        buffers = self._buffers([item.num_tokens for item in batch])
+        buffers = self._buffers(step.rows_per_seq)
         model = self.model
         reasons = []
-        before = self._states(batch)
+        before = self._states(step)
         for logits_in_graph in (True, False):
 
-            def step(logits_in_graph: bool = logits_in_graph) -> list[torch.Tensor]:
+            def forward(logits_in_graph: bool = logits_in_graph) -> list[torch.Tensor]:
                 hidden = model.run_layers(buffers.x, (buffers.cos, buffers.sin), buffers.meta)
                 return [model.compute_logits(hidden) if logits_in_graph else hidden]
 
-            self._write_inputs(buffers, batch)
+            self._write_inputs(buffers, step)
             try:
-                (eager,), graph = capture(step, self._arena)
-                self._write_inputs(buffers, batch)  # the capture overwrote x; the KV writes repeat
+                (eager,), graph = capture(forward, self._arena)
+                self._write_inputs(buffers, step)  # the capture overwrote x; the KV writes repeat
                 self._put_back(before)  # the replay steps the states on from where the eager run did
                 (replayed,) = graph.replay()
                 if not torch.equal(replayed.view(torch.uint8), eager.view(torch.uint8)):
@@ -179,12 +220,12 @@ class DecodeGraphs:
         self._say("step", "decode steps of %s run eagerly: %s", shape, reasons[-1])
         return None
 
-    def _states(self, batch: list[ScheduledSeq]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Copies of the batch's state slots in every linear-attention layer (none for a
+    def _states(self, step: DecodeStep) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Copies of the step's state slots in every linear-attention layer (none for a
         transformer): (slots, conv, recurrent) per layer."""
         if not self.hybrid:
             return []
-        slots = torch.tensor([item.seq.state_slot for item in batch], dtype=torch.long)
+        slots = torch.tensor(step.state_slots, dtype=torch.long)
         return [(slots, layer.state.conv[slots], layer.state.recurrent[slots])
                 for layer in self.model.linear_attention_layers()]  # fmt: skip
 
@@ -228,29 +269,15 @@ class DecodeGraphs:
             meta=meta,
         )
 
-    def _write_inputs(self, buffers: _StepBuffers, batch: list[ScheduledSeq]) -> None:
-        bs = self.block_size
-        starts = [item.start for item in batch]
-        if all(item.num_tokens == 1 for item in batch):
-            positions = starts
-            tokens = [item.seq.token_ids[item.start] for item in batch]
-            slots = [slot(item.seq.block_table, p, bs) for item, p in zip(batch, positions, strict=True)]
-        else:
-            positions, tokens, slots = [], [], []
-            for item in batch:
-                span = range(item.start, item.start + item.num_tokens)
-                positions.extend(span)
-                tokens.extend(item.token_ids())
-                slots.extend(slot(item.seq.block_table, p, bs) for p in span)
-        x, (cos, sin) = self.model.embed(torch.tensor(tokens), torch.tensor(positions))
+    def _write_inputs(self, buffers: _StepBuffers, step: DecodeStep) -> None:
+        x, (cos, sin) = self.model.embed(torch.tensor(step.tokens), torch.tensor(step.positions))
         buffers.x.copy_(x)
         buffers.cos.copy_(cos)
         buffers.sin.copy_(sin)
         tables = buffers.block_tables.numpy()
-        for row, item in enumerate(batch):
-            table = item.seq.block_table
+        for row, table in enumerate(step.block_tables):
             tables[row, : len(table)] = table
-        buffers.slot_mapping.numpy()[:] = slots
-        buffers.seq_info.numpy()[:, 2] = starts
+        buffers.slot_mapping.numpy()[:] = step.slots
+        buffers.seq_info.numpy()[:, 2] = step.starts
         if self.hybrid:
-            buffers.state_slots.numpy()[:] = [item.seq.state_slot for item in batch]
+            buffers.state_slots.numpy()[:] = step.state_slots

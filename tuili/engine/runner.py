@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tuili.engine.block_manager import BlockCopies, blocks_for, slot
-from tuili.engine.decode_graphs import DecodeGraphs
+from tuili.engine.decode_graphs import DecodeGraphs, DecodeStep
 from tuili.engine.pool import PoolPlan
 from tuili.engine.prompt_logprobs import PromptLogprobs, PromptSpan, prompt_spans, score
 from tuili.engine.request import Sequence
@@ -255,13 +255,21 @@ class ModelRunner:
         its sequence); None when no chunk does."""
         pooling = any(item.seq.pooling is not None for item in batch)
         if self.graphs is not None and not pooling and self.graphs.takes(batch):
-            logits = self.graphs.logits(batch)
+            logits = self._replay(self.graphs.step(batch))
             if logits is not None:
                 if all(item.samples for item in batch):
                     return logits
                 # a one-token chunk short of its sequence's end (a draft model catching up)
                 rows = [i for i, item in enumerate(batch) if item.samples]
                 return logits[rows] if rows else None
+        return self._eager_logits(batch, pooling)
+
+    def _replay(self, step: DecodeStep) -> torch.Tensor | None:
+        """The step's logits from its CPU graph, or None: run it eagerly."""
+        assert self.graphs is not None
+        return self.graphs.logits(step)
+
+    def _eager_logits(self, batch: list[ScheduledSeq], pooling: bool) -> torch.Tensor | None:
         input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         if self._keep_hidden:

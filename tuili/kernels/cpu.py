@@ -38,6 +38,7 @@ LINEAR_INT4_MAX_GROUP = 256  # inputs per group: 256 x 255 x 127 x 254 < 2^31 (c
 # Error codes of csrc/common.h.
 _BAD_SEQ_ROWS, _BAD_SEQ_POS, _TOO_FEW_BLOCKS, _BAD_BLOCK_ID, _NO_MEMORY, _NO_AMX = 1, 2, 3, 4, 5, 6
 _BAD_SLOT = 8
+SHM_COUNTER_STRIDE = 16  # int64s: one shared-memory counter per 128 bytes, so ranks never share a cache line
 _PROMPT_ATTENTION_MAX_HEAD_DIM = 256  # MAX_HEAD_DIM of csrc/prompt_attention.c
 
 
@@ -129,6 +130,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.tuili_deltanet_chunks.restype = i32
     library.tuili_argmax_rows.argtypes = [p, i64, i64, p, i32]  # x, rows, n, out, threads
     library.tuili_argmax_rows.restype = i32
+    library.tuili_shm_arrive.argtypes = [p, i64, i64, i64]  # counters, their stride, rank, sequence number
+    library.tuili_shm_arrive.restype = i32
+    library.tuili_shm_wait.argtypes = [p, i64, i64, i64, i64, i64, i64]  # counters, stride, world, first, count, seq, timeout
+    library.tuili_shm_wait.restype = i32
+    library.tuili_shm_all_reduce.argtypes = [
+        p, i64, i64, i64, i64, i64,  # segment, counter stride, world, rank, header bytes, slot bytes
+        p, p, p, i64, i32,  # sequence number cell, stats (ns, calls), x, its elements, dtype
+    ]  # fmt: skip
+    library.tuili_shm_all_reduce.restype = i32
     library.tuili_amx_init.argtypes = []
     library.tuili_amx_init.restype = i32
     library.tuili_linear_amx.argtypes = [
@@ -193,6 +203,11 @@ def recording() -> Iterator[list[tuple[str, tuple[object, ...]]]]:
         yield calls
     finally:
         _recording.calls = None
+
+
+def is_recording() -> bool:
+    """Whether this thread is recording kernel calls for a graph."""
+    return _recording.calls is not None
 
 
 # -- argument checks -----------------------------------------------------------------------------
@@ -900,3 +915,52 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if n:
         _call("tuili_argmax_rows", x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+
+def shm_arrive(counters: torch.Tensor, rank: int, seq: int) -> None:
+    """Raise rank `rank`'s counter to `seq` after every write this thread made before (a release
+    store). counters: int64 [world + 1, stride] at the start of a shared segment, the last row's
+    first word the group's abort flag (tuili/parallel/shm.py)."""
+    _check_counters(counters, rank)
+    _library().tuili_shm_arrive(counters.data_ptr(), counters.stride(0), rank, seq)
+
+
+def shm_wait(counters: torch.Tensor, first: int, count: int, seq: int, timeout_s: float) -> bool | None:
+    """Whether the counters of ranks first .. first + count - 1 all reached `seq` within
+    `timeout_s` seconds (0: look once); None if the group was aborted. Once True, their writes
+    before arriving are visible here. Spins, then yields the core between looks; the GIL is
+    released while it waits."""
+    _check_counters(counters, first + count - 1)
+    status = _library().tuili_shm_wait(counters.data_ptr(), counters.stride(0), counters.shape[0] - 1, first, count,
+                                       seq, int(timeout_s * 1e9))
+    return None if status < 0 else bool(status)
+
+
+def shm_all_reduce(segment: torch.Tensor, world: int, rank: int, header_bytes: int, slot_bytes: int,
+                   seq: torch.Tensor, stats: torch.Tensor, x: torch.Tensor) -> bool:
+    """x (contiguous float32 or bfloat16) summed over the ranks in place through `segment`, in
+    exchanges numbered on from seq[0] (int64 [1], moved on); False if the group was aborted.
+    Every rank adds in rank order in float32 and rounds once: all hold the same bits. stats
+    (int64 [2]) gains the nanoseconds spent and one call. A CPU graph may record it."""
+    x = _check("x", x, _FLOAT_DTYPES, x.dim())
+    segment = _check("segment", segment, (torch.uint8,), 1)
+    if segment.numel() < header_bytes + 2 * world * slot_bytes or not 0 <= rank < world:
+        raise ValueError(f"a segment of {segment.numel()} bytes does not hold rank {rank} of {world}'s slots")
+    seq = _check("seq", seq, (torch.int64,), (1,))
+    stats = _check("stats", stats, (torch.int64,), (2,))
+    status = _call("tuili_shm_all_reduce", segment.data_ptr(), SHM_COUNTER_STRIDE, world, rank, header_bytes, slot_bytes,
+                   seq.data_ptr(), stats.data_ptr(), x.data_ptr(), x.numel(), _DTYPE_CODES[x.dtype])
+    return status == 0
+
+
+
+
+def _check_counters(counters: torch.Tensor, rank: int) -> None:
+    # Only shm_all_reduce may be captured in a CPU graph (it numbers its exchanges itself);
+    # these calls belong to the Python side of an exchange, which a replay would skip.
+    if _recording.calls is not None:
+        raise RuntimeError("a shared-memory exchange driven from Python cannot be captured in a CPU graph")
+    _check("counters", counters, (torch.int64,), (counters.shape[0], SHM_COUNTER_STRIDE))
+    if not 0 <= rank < counters.shape[0] - 1:
+        raise ValueError(f"rank {rank} is outside the {counters.shape[0] - 1} ranks' counters")

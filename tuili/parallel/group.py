@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from tuili.errors import TuiliError
 from tuili.parallel.shard import TensorShard
+from tuili.parallel.shm import SharedMemoryLink
+from tuili.platform import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +62,29 @@ class TensorParallelGroup:
         self.process_group = process_group
         self.root = root
         self.device = device
-        self.comm_seconds = 0.0  # all-reduce and logits gather time, cumulative (the ruler reads it)
-        self.num_collectives = 0
+        self._seconds = 0.0  # collectives timed here (the native all-reduce times itself)
+        self._collectives = 0
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
+        # A pipeline stage's group fails with the whole group (whose rank 0 watches the processes).
+        self.parent: TensorParallelGroup | None = None
+        self.children: list[TensorParallelGroup] = []
+        # Ranks on one CPU machine: all-reduces, gathers and broadcasts through shared memory.
+        self.link: SharedMemoryLink | None = None
         self._workers: list[subprocess.Popen] = []
         self._stopping = False
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds in all-reduces and the logits gather (or a pipeline's sends and receives),
+        waits for the slower rank included, cumulative: the ruler reads it."""
+        native = self.link.native_time()[0] if self.link is not None else 0.0
+        return self._seconds + native
+
+    @property
+    def num_collectives(self) -> int:
+        native = self.link.native_time()[1] if self.link is not None else 0
+        return self._collectives + native
 
     @property
     def rank(self) -> int:
@@ -77,8 +96,34 @@ class TensorParallelGroup:
 
     # -- collectives ---------------------------------------------------------------------
 
+    def connect_shared_memory(self) -> None:
+        """Collective: move this group's collectives to shared memory where its ranks share a
+        CPU machine (tuili/parallel/shm.py); otherwise they stay on gloo / NCCL."""
+        if self.world > 1 and Platform.detect(self.device).native_kernels:
+            self.link = SharedMemoryLink.open(self.rank, self.world, self.root, self.process_group, self._check_alive)
+
+    def _check_alive(self, aborted: bool = False) -> None:
+        """Raises WorkerLostError once the group has failed: checked between the slices of a
+        shared-memory wait, so that no wait outlives a rank (the watcher stops once stop()
+        begins, so a worker that exits then is found here)."""
+        exited = self._exited_worker()
+        if exited is not None:
+            self.fail(exited)
+        lost = self.failure or (self.parent.failure if self.parent is not None else None)
+        if lost is None and self.link is not None and self.link.lost is not None:
+            rank, pid = self.link.lost
+            who = "rank 0" if rank == 0 else f"{self.kind} worker rank {rank}"
+            lost = f"{who} (pid {pid}) is gone (seen by rank {self.rank})"
+        if lost is None and aborted:
+            lost = f"another rank of this {self.kind} group failed (it aborted the shared-memory collectives)"
+        if lost is not None:
+            self.fail(lost)
+            raise WorkerLostError(lost)
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place, timed."""
+        if self.link is not None:
+            return self.link.all_reduce(tensor)  # timed by the native call (also inside a CPU graph)
         started = time.perf_counter()
         self._guard(dist.all_reduce, tensor, dist.ReduceOp.SUM, self.process_group)
         self._count(started)
@@ -93,8 +138,11 @@ class TensorParallelGroup:
         if tensor.shape[-1] < widest:
             padded = torch.nn.functional.pad(tensor, (0, widest - tensor.shape[-1]))
         padded = padded.contiguous()
-        pieces = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None
-        self._guard(dist.gather, padded, pieces, self.root, self.process_group)
+        if self.link is not None:
+            pieces = self.link.gather(padded)
+        else:
+            pieces = [torch.empty_like(padded) for _ in widths] if self.rank == 0 else None
+            self._guard(dist.gather, padded, pieces, self.root, self.process_group)
         self._count(started)
         if pieces is None:
             return None
@@ -102,6 +150,8 @@ class TensorParallelGroup:
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank (pickled: step plans, the pool plan)."""
+        if self.link is not None and self.process_group is None:
+            return self.link.broadcast(obj)
         holder = [obj if self.rank == 0 else None]
         self._guard(dist.broadcast_object_list, holder, 0)
         return holder[0]
@@ -135,8 +185,8 @@ class TensorParallelGroup:
     def _count(self, started: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # NCCL returns before the transfer is done
-        self.comm_seconds += time.perf_counter() - started
-        self.num_collectives += 1
+        self._seconds += time.perf_counter() - started
+        self._collectives += 1
 
     def _guard(self, collective: Callable, *args) -> Any:
         if self.failure is not None:
@@ -155,6 +205,10 @@ class TensorParallelGroup:
             return
         self.failure = reason
         logger.error("%s", reason)
+        if self.link is not None:
+            self.link.abort()
+        for child in self.children:
+            child.fail(reason)
         self._terminate_workers()
         if self.on_failure is not None:
             self.on_failure(reason)
@@ -200,6 +254,9 @@ class TensorParallelGroup:
                 self.broadcast(("stop",))
             except WorkerLostError:
                 pass
+        for group in (self, *self.children):
+            if group.link is not None:
+                group.link.close()  # the workers now exit: not a failure
         deadline = time.monotonic() + STOP_WAIT_SECONDS
         for proc in self._workers:
             try:
@@ -252,6 +309,8 @@ def join(world: int, device: torch.device, config: Any, kind: str = "tensor-para
     _share_threads(world if started_here else int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    if kind == "tensor-parallel":  # a pipeline's stages keep gloo between them; each stage's own group may not
+        group.connect_shared_memory()
     if PARENT_ENV in os.environ:
         threading.Thread(target=_exit_with_parent, args=(int(os.environ[PARENT_ENV]),), daemon=True).start()
     return group

@@ -82,6 +82,9 @@ def join_stage(whole: TensorParallelGroup, tp: int, pp: int) -> tuple[PipelineSt
         TensorShard(stage.tp_rank, tp), whole.device, "tensor-parallel", groups[stage.rank], stage.rank * tp,
     )
     stage_group.on_failure = whole.fail
+    stage_group.parent = whole
+    whole.children.append(stage_group)
+    stage_group.connect_shared_memory()
     return stage, stage_group
 
 

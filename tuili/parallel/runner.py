@@ -4,7 +4,9 @@ Each step rank 0 prepares the flat batch inputs as ModelRunner does (token ids, 
 attention metadata, the rows to sample), broadcasts them, and every rank runs its shard of the
 forward (the all-reduces inside it keep the ranks in step); the logits are gathered to rank 0,
 which samples. Workers run `serve()`: the same forwards on rank 0's inputs until told to stop.
-Decode graphs are off: a replayed graph cannot take part in a collective.
+Pure decode steps replay CPU graphs where the group's all-reduce is the native shared-memory
+one (tuili/parallel/shm.py), which a graph records like any kernel: rank 0 sends the step's
+plain inputs (DecodeStep) and every rank replays its own graph. Over gloo every step is eager.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import torch
 
 from tuili.engine.block_manager import BlockCopies
+from tuili.engine.decode_graphs import DecodeStep
 from tuili.engine.pool import PoolPlan
 from tuili.engine.prompt_logprobs import PromptLogprobs, PromptSpan, project_blocks, score, score_rows
 from tuili.engine.runner import CausalLM, ModelRunner, RunnerConfig
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.parallel.group import TensorParallelGroup
 
-_EXECUTE, _SCORE, _LOGITS, _COPY, _WEIGHTS, _STOP = "execute", "score", "logits", "copy", "weights", "stop"
+_EXECUTE, _GRAPH, _SCORE, _LOGITS, _COPY, _WEIGHTS, _STOP = (
+    "execute", "graph", "score", "logits", "copy", "weights", "stop")
 
 
 class ParallelModelRunner(ModelRunner):
@@ -32,8 +36,14 @@ class ParallelModelRunner(ModelRunner):
             self.group.broadcast((_COPY, copies))
         super().copy_blocks(copies)
 
-    @torch.inference_mode()
-    def sample_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+    def _replay(self, step: DecodeStep) -> torch.Tensor | None:
+        """Every rank replays its shard's graph of the step (the all-reduces inside it; the
+        logits gathered after it). A rank's graph runs the same collectives as its eager forward,
+        so ranks stay in step even if one of them runs the step eagerly."""
+        self.group.broadcast((_GRAPH, step))
+        return super()._replay(step)
+
+    def _eager_logits(self, batch: list[ScheduledSeq], pooling: bool) -> torch.Tensor | None:
         """ModelRunner's forward, on every rank: rank 0 broadcasts the inputs, all run their
         shard, the logits of the sampling rows come back to rank 0 (which samples, in execute)."""
         inputs = self._prepare(batch)
@@ -90,6 +100,8 @@ class ParallelModelRunner(ModelRunner):
                 self.group.gather_objects(self.weight_bytes())
             elif kind == _EXECUTE:
                 self._forward(message[1], message[2])
+            elif kind == _GRAPH:
+                super()._replay(message[1])
             elif kind == _SCORE:
                 _, inputs, num_sampling, rows = message
                 hidden = self.model(*inputs[:3])

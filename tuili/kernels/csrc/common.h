@@ -34,6 +34,7 @@ enum tuili_error {
     TUILI_BAD_SHAPE = 7, /* a dimension the kernel cannot take (checked in Python first) */
     TUILI_BAD_SLOT = 8,  /* a KV cache slot outside [0, num_slots) */
     TUILI_BAD_PROGRAM = 9, /* a graph program that does not decode (graph.c) */
+    TUILI_ABORTED = 10,    /* a shared-memory collective's group was aborted (shm_comm.c) */
 };
 
 /* Fused where the hardware fuses (one rounding, faster); elsewhere a plain multiply and add. */

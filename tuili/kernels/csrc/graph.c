@@ -21,6 +21,7 @@ enum graph_op {
     OP_LINEAR_PACKED,
     OP_DELTANET_DECODE,
     OP_SIGMOID_GATE,
+    OP_SHM_ALL_REDUCE,
     OP_COUNT
 };
 
@@ -39,6 +40,7 @@ static const struct {
     [OP_LINEAR_PACKED] = {"tuili_linear_packed", 10},
     [OP_DELTANET_DECODE] = {"tuili_deltanet_decode", 29},
     [OP_SIGMOID_GATE] = {"tuili_sigmoid_gate", 9},
+    [OP_SHM_ALL_REDUCE] = {"tuili_shm_all_reduce", 11},
 };
 
 /* The name and argument count of graph op `op`, or NULL past the last one: how Python learns
@@ -81,6 +83,8 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
                                      P(25), a[26], I(27), error);
     case OP_SIGMOID_GATE:
         return tuili_sigmoid_gate(P(0), P(1), a[2], a[3], a[4], a[5], a[6], I(7), I(8));
+    case OP_SHM_ALL_REDUCE:
+        return tuili_shm_all_reduce(P(0), a[1], a[2], a[3], a[4], a[5], P(6), P(7), P(8), a[9], I(10));
     default:
         return TUILI_BAD_PROGRAM;
     }

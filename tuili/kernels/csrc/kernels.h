@@ -59,5 +59,10 @@ int tuili_deltanet_chunks(const void *mixed, int64_t mixed_stride, const void *z
                           int64_t v_heads, int64_t dk, int64_t dv, int64_t kernel, float eps, int dtype, void *out,
                           int64_t out_stride, int num_threads, int64_t *error);
 int tuili_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
+int tuili_shm_arrive(int64_t *counters, int64_t stride, int64_t rank, int64_t seq);
+int tuili_shm_wait(const int64_t *counters, int64_t stride, int64_t world, int64_t first, int64_t count, int64_t seq,
+                   int64_t timeout_ns);
+int tuili_shm_all_reduce(void *segment, int64_t stride, int64_t world, int64_t rank, int64_t header_bytes,
+                         int64_t slot_bytes, int64_t *seq, int64_t *stats, void *x, int64_t numel, int dtype);
 
 #endif
