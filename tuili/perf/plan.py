@@ -457,7 +457,7 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         # The engine's kv_cache_memory is its target pool's (slots, checkpoints, blocks); the
         # proposer's KV and state come beside it, per block and per sequence. The budget is
         # split in proportion to what a request takes on each side.
-        target_budget = budget * request / (request + proposer_request) if proposer_request else budget
+        target_budget = math.floor(budget * request / (request + proposer_request)) if proposer_request else budget
         checkpoints = state_checkpoint_bytes(target_budget, kv_device, state_device)
         fits = max_concurrent_requests(target_budget, checkpoints, request)
         if proposer_request:
@@ -545,7 +545,7 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         "stage_transfer_seconds_per_step": roof.stage_transfer(batch),
         "kv_transfer_bytes": kv_transfer_bytes,
         "kv_transfer_seconds": kv_transfer_bytes / over.bandwidth + over.latency if over else None,
-        "kv_cache_memory_bytes": target_budget,
+        "kv_cache_memory_bytes": math.floor(target_budget),
         **speculative,
     }
 
