@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from tuili import LLM, SamplingParams
 from tuili.cli import main
@@ -64,6 +66,24 @@ def hybrid(tmp_path_factory) -> str:
     config = transformers.Qwen3_5TextConfig(**QWEN3_5)
     config.architectures = ["Qwen3_5ForCausalLM"]
     return write(config, tmp_path_factory.mktemp("qwen3_5") / "target")
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp(hybrid, tmp_path_factory) -> str:
+    """The tiny Qwen3.5 with random mtp.* tensors added (transformers writes none): one MTP
+    layer shaped as its full-attention layer, fc, the fc's input norms and mtp.norm."""
+    path = tmp_path_factory.mktemp("qwen3_5") / "mtp"
+    shutil.copytree(hybrid, path)
+    tensors = load_file(path / "model.safetensors")
+    layer = "model.layers.3."  # the full-attention layer
+    mtp = {f"mtp.layers.0.{name.removeprefix(layer)}": torch.randn(t.shape) * 0.02
+           for name, t in tensors.items() if name.startswith(layer)}  # fmt: skip
+    h = QWEN3_5["hidden_size"]
+    mtp["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.02
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = torch.ones(h)
+    save_file(tensors | mtp, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
 
 
 def raw_config(path: str) -> dict:
@@ -171,6 +191,10 @@ def engine_memory(engine) -> tuple[int, int]:
               + pool.num_state_checkpoints * pool.state_bytes_per_slot)  # fmt: skip
     proposer = 0
     draft = getattr(engine.speculator.proposer, "pool", None)
+    mtp = getattr(engine.speculator.proposer, "mtp", None)
+    if mtp is not None:  # its layers' KV beside the target's blocks, and its scratch blocks
+        proposer = sum(a.kv_cache.key.untyped_storage().nbytes() + a.kv_cache.value.untyped_storage().nbytes()
+                       for a in mtp.attention_layers())  # fmt: skip
     if draft is not None:
         proposer = (draft.num_blocks * draft.bytes_per_block
                     + (draft.num_state_slots + draft.num_state_checkpoints) * draft.state_bytes_per_slot)  # fmt: skip
@@ -180,8 +204,8 @@ def engine_memory(engine) -> tuple[int, int]:
 CONTEXT = 64  # 4 blocks of 16
 
 
-@pytest.mark.parametrize("case", ["llama_draft", "hybrid_ngram", "hybrid_self_int4"])
-def test_plan_and_engine_agree_on_concurrent_requests(case, llama, llama_draft, hybrid):
+@pytest.mark.parametrize("case", ["llama_draft", "hybrid_ngram", "hybrid_self_int4", "hybrid_mtp"])
+def test_plan_and_engine_agree_on_concurrent_requests(case, llama, llama_draft, hybrid, hybrid_mtp):
     """For the budget beside the weights, the plan's max_concurrent_requests N: an engine given
     the plan's kv_cache_memory and max_num_seqs N holds N requests of the planned context (state
     slots and KV blocks), its proposer's pool and state fit in the rest of the budget, and the
@@ -190,6 +214,7 @@ def test_plan_and_engine_agree_on_concurrent_requests(case, llama, llama_draft, 
         "llama_draft": (llama, 1 << 20, {"model": llama_draft, "num_speculative_tokens": 3}),
         "hybrid_ngram": (hybrid, 8 << 20, {"method": "ngram", "num_speculative_tokens": 4}),
         "hybrid_self_int4": (hybrid, 8 << 20, {"model": "self", "quantization": "int4", "num_speculative_tokens": 3}),
+        "hybrid_mtp": (hybrid_mtp, 8 << 20, {"method": "mtp", "num_speculative_tokens": 3}),
     }[case]
     raw = raw_config(target)
     cost, storage = ModelCost.from_config(raw), weight_format("fp32")
@@ -214,6 +239,8 @@ def test_plan_and_engine_agree_on_concurrent_requests(case, llama, llama_draft, 
     assert target_bytes <= kv_cache_memory
     assert proposer_bytes <= budget - kv_cache_memory
     assert (proposer_bytes > 0) == (case != "hybrid_ngram")
+    if case == "hybrid_mtp":  # the MTP block's own weights, as the engine holds them (float32)
+        assert spec.proposer_held_bytes() == engine.draft_weight_bytes()
     # N + 1 sequences do not fit the target's pool at that budget
     model = ModelConfig.from_hf_config(raw)
     more = plan_pool(model, EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=n + 1, max_model_len=CONTEXT,
@@ -343,3 +370,15 @@ def test_plan_measure_runs_the_engine_speculating(tmp_path, capsys, monkeypatch,
         assert row["predicted"] > 0 and row["measured"] > 0
     note = next(n for n in report["notes"] if n.startswith("speculation"))
     assert "the plan assumes acceptance 0.7" in note and "decode steps verified" in note
+
+
+def test_plan_of_an_mtp_checkpoint_counts_its_block_from_the_checkpoint(capsys, hybrid_mtp):
+    """`tuili plan --model` reads the checkpoint's headers: its mtp.* tensors are left out of the
+    language model's weights and counted as the proposer's, at the bytes per parameter stored."""
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    code, out, err = run(capsys, "--model", hybrid_mtp, "--hardware", "h100-sxm", "--speculative-config", spec, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    mtp_tensors = {n: t for n, t in load_file(Path(hybrid_mtp) / "model.safetensors").items() if n.startswith("mtp.")}
+    assert plan["proposer_weights_bytes"] == sum(t.numel() * t.element_size() for t in mtp_tensors.values())
+    assert plan["speculative_method"] == "mtp" and plan["spec_proposer_seconds"] > 0

@@ -9,8 +9,9 @@ overlap. Where `tuili probe` timed tuili's own linears (weight streaming at one 
 prompt size), a step takes at least what those rates allow: the difference to the roofline is
 the step's `kernels` term. Packed int4 linears (plan --measure of an engine that holds them) run kernels of their
 own: their time is a roofline of its own with their measured unpacking rate as a third ceiling,
-and a many-row step first dequantizes them. docs/ruler.md states each formula and the reserve
-assumed.
+and a many-row step first dequantizes them. A speculating engine's decode step is the target's
+verification of k proposals per sequence plus the proposer's forwards (tuili/perf/speculation.py).
+docs/ruler.md states each formula and the reserve assumed.
 """
 
 from __future__ import annotations
