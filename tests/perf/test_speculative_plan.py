@@ -382,3 +382,35 @@ def test_plan_of_an_mtp_checkpoint_counts_its_block_from_the_checkpoint(capsys, 
     mtp_tensors = {n: t for n, t in load_file(Path(hybrid_mtp) / "model.safetensors").items() if n.startswith("mtp.")}
     assert plan["proposer_weights_bytes"] == sum(t.numel() * t.element_size() for t in mtp_tensors.values())
     assert plan["speculative_method"] == "mtp" and plan["spec_proposer_seconds"] > 0
+
+
+def test_a_mixture_of_experts_verification_reads_the_experts_of_all_its_rows():
+    """A verification chunk of 4 rows routes 4 tokens: the expected experts touched by 4 tokens
+    (uniform routing), in the plan and in the meter alike; more than one decode reads."""
+    raw = {"model_type": "qwen3_moe", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 5000, "num_experts": 16, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 128}  # fmt: skip
+    cost = ModelCost.from_config(raw)
+    spec = speculation_for({"method": "ngram", "num_speculative_tokens": 3}, 0.7, raw, weight_format("fp32"))
+    roof = Roofline(cost, CARD, PlanInputs(weights=weight_format("fp32"), kv_dtype="fp32", speculation=spec))
+    meter = UtilizationMeter(cost, CARD, cost.weight_bytes("fp32"), cost.kv_bytes_per_token("fp32"),
+                             compute_dtype="fp32")  # fmt: skip
+    meter.record_step([], [], 1.0, verify_chunks=[(20, 4)])
+    step = roof.verify([(20, 4)])
+    assert step.bytes == pytest.approx(meter.decode_bytes, abs=2)
+    assert step.bytes == cost.decode_weight_bytes("fp32", 4) + 24 * cost.kv_bytes_per_token("fp32")
+    assert cost.decode_weight_bytes("fp32", 4) > cost.decode_weight_bytes("fp32", 1)
+
+
+def test_end_to_end_speculating_takes_fewer_steps():
+    raw = dict(LLAMA, model_type="llama")
+    cost = ModelCost.from_config(raw)
+    inputs = PlanInputs(weights=weight_format("bf16"), prompt=100, output=33, batch=1)
+    plain = make_plan(cost, preset("h100-sxm"), inputs)
+    # acceptance 1 and k = 3: four tokens a step, so the 32 tokens after the first take 8 steps
+    spec = speculation_for({"method": "ngram", "num_speculative_tokens": 3}, 1.0, raw, weight_format("bf16"))
+    fast = make_plan(cost, preset("h100-sxm"), dataclasses.replace(inputs, speculation=spec))
+    roof = Roofline(cost, preset("h100-sxm"), dataclasses.replace(inputs, speculation=spec))
+    steps = sum(roof.speculative(101 + 4 * j, 1).seconds for j in range(8))
+    assert fast["spec_e2e_seconds"] == pytest.approx(plain["ttft_seconds"] + steps)
+    assert fast["spec_e2e_seconds"] < plain["e2e_seconds"]

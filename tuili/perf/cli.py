@@ -241,7 +241,8 @@ def format_plan(p: dict) -> str:
         ("overhead", _overhead_line(p)),
         ("compute-bound", "never (KV reads grow as fast as compute)" if p["compute_bound_batch"] is None
                           else f"from batch {p['compute_bound_batch']:.1f}"),
-        ("end to end", f"{p['prompt_tokens']} + {p['output_tokens']} tokens: {_seconds(p['e2e_seconds'])}"),
+        ("end to end", f"{p['prompt_tokens']} + {p['output_tokens']} tokens: {_seconds(p['e2e_seconds'])}"
+                       + (f" ({_seconds(p['spec_e2e_seconds'])} speculating)" if p["speculative_method"] else "")),
     ]
     if tp > 1:
         lines.append(("all-reduce", f"{_si(p['allreduce_bytes_per_step'], 'B')} per device per step over "

@@ -178,6 +178,16 @@ class Roofline:
         # one row and their FLOP/s at prompt sizes (linear_flops), each capped by the hardware's figure
         self.stream = min(hardware.linear_stream_bandwidth.get(self.compute_dtype, math.inf), self.bandwidth)
         self._packed: dict[Step, PackedWork | None] = {}
+        self._proposer: Roofline | None = None
+        spec = inputs.speculation
+        if spec is not None and spec.proposer is not None:
+            assert spec.proposer_weights is not None
+            # A draft's KV pool is in the working dtype; MTP's sits beside the target's, in its dtype.
+            kv_dtype = inputs.kv_dtype if spec.head_shared else inputs.conv_state_dtype
+            self._proposer = Roofline(spec.proposer, hardware, replace(
+                inputs, weights=spec.proposer_weights, kv_dtype=kv_dtype, speculation=None,
+                packed_linears=spec.proposer_packed,
+            ))  # fmt: skip
         if inputs.packed_linears:
             by_kind = cost.weight_bytes_by_kind(inputs.weights)
             self.packed_bytes = (by_kind["attention"] + by_kind["mlp"]) / tp
@@ -324,16 +334,6 @@ class Roofline:
     def proposer(self) -> Roofline | None:
         """The proposer's own roofline (a draft model, or the MTP block with the shared head),
         on the same hardware; None without one (prompt lookup, or no speculation)."""
-        spec = self.inputs.speculation
-        if spec is None or spec.proposer is None:
-            return None
-        if not hasattr(self, "_proposer"):
-            assert spec.proposer_weights is not None
-            # A draft's KV pool is in the working dtype; MTP's sits beside the target's, in its dtype.
-            kv_dtype = self.inputs.kv_dtype if spec.head_shared else self.inputs.conv_state_dtype
-            inputs = replace(self.inputs, weights=spec.proposer_weights, kv_dtype=kv_dtype, speculation=None,
-                             packed_linears=spec.proposer_packed)
-            self._proposer = Roofline(spec.proposer, self.hardware, inputs)
         return self._proposer
 
     def speculative_step(
@@ -577,6 +577,11 @@ def _speculative_figures(
             "speedup": spec.tokens_per_step * plain / spec_step,
         })  # fmt: skip
     plain = roof.decode_uniform(context, batch).seconds
+    # The output after the prefill's first token, in steps of E tokens per sequence on average
+    # (the last one partly used), each at the context it has reached.
+    tokens, steps = spec.tokens_per_step, (inputs.output - 1) / spec.tokens_per_step
+    whole = math.ceil(steps)
+    decode = sum(roof.speculative(inputs.prompt + 1 + math.floor(j * tokens), batch).seconds for j in range(whole))
     return {
         "speculative_method": spec.config.method,
         "num_speculative_tokens": spec.k,
@@ -594,5 +599,6 @@ def _speculative_figures(
         "spec_decode_step_seconds": step.seconds,
         "spec_decode_tokens_per_second": batch * step.tokens_per_sequence / step.seconds,
         "spec_speedup": step.tokens_per_sequence * plain / step.seconds,
+        "spec_e2e_seconds": roof.prefill(0, inputs.prompt).seconds + (decode * steps / whole if whole else 0.0),
         "spec_by_batch": rows,
     }

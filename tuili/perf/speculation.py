@@ -29,8 +29,9 @@ from tuili.perf.cost import CheckpointBytes, ModelCost, WeightStorage
 from tuili.perf.formats import weight_format
 from tuili.perf.shapes import FULL, ModelShape, Weight
 
-# vLLM's own benchmarks and the EAGLE/Medusa papers report per-token acceptance of about 0.6-0.8
-# for a well-matched draft on chat text; 0.7 is the middle, and the plan's default.
+# An assumption, not a measurement: a well-matched draft on chat text keeps most of its
+# proposals; prompt lookup on copy-heavy text keeps more, on free text far fewer. --measure sets
+# the run's own rate beside it.
 DEFAULT_ACCEPTANCE = 0.7
 BLOCK_SIZE = 16  # the engine's default KV block size, which the MTP scratch blocks come in
 DRAFT_RING_ROWS = 2  # a hybrid draft's ring holds k + 2 states per slot (tuili/engine/spec/draft.py)
