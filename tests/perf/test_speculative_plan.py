@@ -338,9 +338,15 @@ def test_cli_prints_tokens_per_second_with_and_without_speculation(capsys, confi
         (["--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'], "/nonexistent/draft"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--tp", "2"],
          "is not modelled"),
+        (["--speculative-config", '{"model": "BIG_DRAFT", "num_speculative_tokens": 2}'],
+         "has vocab_size=64000, more than the target's 32000"),
     ],
 )
 def test_bad_speculation_arguments_are_clear_errors(capsys, config_file, argv, message):
+    if any("BIG_DRAFT" in a for a in argv):  # a draft with a larger vocabulary than the target
+        big = config_file.parent / "big.json"
+        big.write_text(json.dumps({**json.loads(config_file.read_text()), "vocab_size": 64000}))
+        argv = [a.replace("BIG_DRAFT", str(big)) for a in argv]
     code, out, err = run(capsys, "--config", str(config_file), "--hardware", "h100-sxm", *argv)
     assert code == 2 and not out
     assert message in err and "Traceback" not in err

@@ -127,6 +127,10 @@ def speculation_for(
 
         source = read_model(config.model)
         draft = ModelCost.from_config(source.config)
+        target_vocab = ModelShape.from_config(target_config).vocab_size
+        if draft.shape.vocab_size > target_vocab:
+            raise TuiliError(f"speculative_config model={config.model!r} has vocab_size={draft.shape.vocab_size}, "
+                             f"more than the target's {target_vocab}: a draft must share the target's tokenizer")
         if config.quantization is not None:
             storage = weight_format(config.quantization)
         else:
