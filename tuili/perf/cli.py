@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 
+from tuili.engine.cli import parse_json_object
 from tuili.errors import TuiliError
+from tuili.perf.speculation import DEFAULT_ACCEPTANCE
 
 
 def register(subparsers) -> None:
@@ -49,6 +51,14 @@ def register(subparsers) -> None:
                       help="the engine's working dtype for --measure (default auto: bf16 on a CPU with bf16 "
                       "arithmetic, else float32; GGUF Q4_0/Q4_1/Q8_0 linears stay packed unless float32 "
                       "is named)")
+    plan.add_argument("--speculative-config", type=parse_json_object, default=None, metavar="JSON",
+                      help="plan a speculating engine: the same dict as `tuili serve --speculative-config` "
+                      "('{\"method\": \"ngram\", \"num_speculative_tokens\": 4}', a draft \"model\", or "
+                      "\"mtp\"); decode steps then verify k proposals each, and the plan prints decode tokens/s "
+                      "with and without speculation side by side")
+    plan.add_argument("--spec-acceptance", type=float, default=None, metavar="A",
+                      help="assumed probability that the target keeps each proposed token, in [0, 1] "
+                      f"(default {DEFAULT_ACCEPTANCE}); a step then yields (1 - A^(k+1)) / (1 - A) tokens per sequence")
     plan.add_argument("--list-hardware", action="store_true", help="list hardware presets and links with sources")
     plan.set_defaults(func=run_plan)
 
@@ -100,8 +110,17 @@ def run_plan(args: argparse.Namespace) -> int:
             storage = weight_format(args.weights)
         else:
             storage = source.weights or weight_format("bf16")
+        speculation = None
+        if args.speculative_config is not None:
+            from tuili.perf.speculation import speculation_for
+
+            acceptance = DEFAULT_ACCEPTANCE if args.spec_acceptance is None else args.spec_acceptance
+            speculation = speculation_for(args.speculative_config, acceptance, source.config, storage)
+        elif args.spec_acceptance is not None:
+            raise TuiliError(f"--spec-acceptance {args.spec_acceptance} is the acceptance of speculative decoding: "
+                             f"add --speculative-config, or drop it")
         inputs = PlanInputs(
-            weights=storage, kv_dtype=canonical_dtype(args.kv), gpus=args.gpus or args.tp * args.pp, tp=args.tp, pp=args.pp,
+            weights=storage, speculation=speculation, kv_dtype=canonical_dtype(args.kv), gpus=args.gpus or args.tp * args.pp, tp=args.tp, pp=args.pp,
             context=args.context or args.prompt + args.output, prompt=args.prompt, output=args.output,
             batch=args.batch, link=hw.link(args.link) if args.link else None,
             reserve_fraction=DEFAULT_RESERVE_FRACTION if args.reserve is None else args.reserve,
@@ -218,10 +237,12 @@ def format_plan(p: dict) -> str:
                    + _split(p["decode_step_roofline_seconds"], p["decode_step_dequant_seconds"],
                             p["decode_step_overhead_seconds"])
                    + f", {p['decode_tokens_per_second']:.1f} tokens/s"),
+        *_speculative_lines(p),
         ("overhead", _overhead_line(p)),
         ("compute-bound", "never (KV reads grow as fast as compute)" if p["compute_bound_batch"] is None
                           else f"from batch {p['compute_bound_batch']:.1f}"),
-        ("end to end", f"{p['prompt_tokens']} + {p['output_tokens']} tokens: {_seconds(p['e2e_seconds'])}"),
+        ("end to end", f"{p['prompt_tokens']} + {p['output_tokens']} tokens: {_seconds(p['e2e_seconds'])}"
+                       + (f" ({_seconds(p['spec_e2e_seconds'])} speculating)" if p["speculative_method"] else "")),
     ]
     if tp > 1:
         lines.append(("all-reduce", f"{_si(p['allreduce_bytes_per_step'], 'B')} per device per step over "
@@ -240,6 +261,34 @@ def format_plan(p: dict) -> str:
         lines.append(("note", "the hardware figures are a quick estimate: run `tuili probe` for measured ones"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+
+
+def _speculative_lines(p: dict) -> list[tuple[str, str]]:
+    """The speculation line and its table: decode tokens/s without and with speculation per batch."""
+    if p["speculative_method"] is None:
+        return []
+    k, tokens = p["num_speculative_tokens"], p["spec_tokens_per_step"]
+    proposer = (f"{_seconds(p['spec_proposer_seconds'])} proposing ({k} forwards, "
+                f"{_si(p['spec_proposer_bytes'], 'B')}) + " if p["spec_proposer_seconds"] else "")
+    lines = [
+        ("speculation", f"{p['speculative_method']}, k={k}, assumed acceptance {p['spec_acceptance']:g}: "
+                        f"{tokens:.2f} tokens per sequence per step; batch {p['batch']}: {proposer}"
+                        f"{_seconds(p['spec_verify_step_seconds'])} verifying ({k + 1} rows per sequence, "
+                        f"{_si(p['spec_verify_step_bytes'], 'B')}) -> {p['spec_decode_tokens_per_second']:.1f} "
+                        f"tokens/s, {p['spec_speedup']:.2f}x"),
+    ]
+    if p["proposer_weights_bytes"] or p["proposer_bytes_per_request"]:
+        lines.append(("proposer memory", f"{_si(p['proposer_weights_bytes'], 'B')} of weights, "
+                                         f"{_si(p['proposer_bytes_per_request'], 'B')} of KV and state per request; "
+                                         f"the engine's kv_cache_memory for its own pool: "
+                                         f"{_si(p['kv_cache_memory_bytes'], 'B')}"))
+    header = f"{'batch':>6} {'step':>10} {'tokens/s':>10} {'spec step':>10} {'tokens/s':>10} {'speedup':>8}"
+    lines += [("decode tokens/s", "without, then with speculation (a speedup below 1: it does not pay)"), ("", header)]
+    for row in p["spec_by_batch"]:
+        lines.append(("", f"{row['batch']:>6} {_seconds(row['step_seconds']):>10} {row['tokens_per_second']:>10.1f} "
+                          f"{_seconds(row['speculative_step_seconds']):>10} "
+                          f"{row['speculative_tokens_per_second']:>10.1f} {row['speedup']:>7.2f}x"))
+    return lines
 
 
 def _split(roofline: float, dequant: float, overhead: float) -> str:

@@ -28,12 +28,15 @@ from tuili.perf.formats import canonical_dtype
 from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec
 from tuili.perf.harness import build_engine
 from tuili.perf.meter import UtilizationMeter
-from tuili.perf.plan import PlanInputs, Roofline
+from tuili.perf.plan import PlanInputs, Roofline, SpeculativeStepCost, StepCost
 from tuili.perf.probe import mean_rates
+from tuili.perf.speculation import Speculation, scaled_storage
 from tuili.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from tuili.engine.core import LLMEngine
 
 
 TTFT_RUNS = 3  # lone prompts timed; their median is the measured TTFT
@@ -83,15 +86,18 @@ def measure(
     if inputs.tp != 1 or inputs.pp != 1 or inputs.gpus != 1:
         raise TuiliError("--measure runs on one device here: drop --tp, --pp and --gpus")
     total = inputs.prompt + inputs.output
+    spec = inputs.speculation
     engine, log = build_engine(
         str(source.path), device=device, dtype=dtype,
         max_num_batched_tokens=max(512, inputs.prompt * inputs.batch), max_num_seqs=inputs.batch,
-        max_model_len=total + 1,
+        max_model_len=total + 1, speculative_config=spec.config if spec is not None else None,
     )
     working = canonical_dtype(str(engine.dtype))
     packed = _packed_compute_dtype(engine.model)
     inputs = replace(inputs, weights=engine_storage(engine.model), kv_dtype=working, conv_state_dtype=working,
                      compute_dtype=packed or working, packed_linears=packed is not None)
+    if spec is not None:
+        inputs = replace(inputs, speculation=_engine_speculation(engine, cost, spec, inputs.weights))
     probed = hardware
     if refresh is not None:
         hardware = refresh()
@@ -127,9 +133,11 @@ def measure(
             seconds = time.perf_counter() - t0
             assert log.last is not None  # every step with work reports
             chunks, decodes = log.last.prefill_chunks, log.last.decode_context_lens
-            meter.record_step(chunks, decodes, seconds)
-            if decodes and not chunks:
-                decode_log.append((decodes, seconds))
+            record = log.last
+            meter.record_step(chunks, decodes, seconds, record.verify_chunks, record.num_accepted,
+                              record.draft_forwards)
+            if (decodes or record.verify_chunks) and not chunks:
+                decode_log.append((decodes, record.verify_chunks, record.draft_forwards, seconds))
             if first_token is None and outputs:
                 first_token = time.perf_counter() - start
         return first_token or 0.0
@@ -138,9 +146,15 @@ def measure(
         # The engine's decode_weight_bytes is one sequence's; a mixture of experts reads more
         # experts as the batch grows, which the meter takes from the cost model's read fraction.
         return UtilizationMeter(cost, hardware, weight_bytes, kv_per_token, compute_dtype=inputs.compute_dtype,
-                                decode_weight_bytes=None if cost.shape.moe is not None else decode_weight_bytes)
+                                decode_weight_bytes=None if cost.shape.moe is not None else decode_weight_bytes,
+                                draft_weight_bytes=engine.draft_weight_bytes())
 
     run(1, 2, new_meter(), [])  # warm-up: first calls allocate and pick kernels
+    if spec is not None:
+        # A speculating engine captures a CPU graph per shape of verification rows and per draft
+        # batch the first time it meets one: a warm-up run of the measured shape meets most of
+        # them, so that the timed steps are steps, not captures.
+        run(inputs.batch, inputs.output, new_meter(), [])
     prefill_meter = new_meter()
     # The median of a few: one prompt's time swings with the host's load from one run to the next.
     ttft = sorted(run(1, 1, prefill_meter, []) for _ in range(TTFT_RUNS))[TTFT_RUNS // 2]
@@ -155,14 +169,17 @@ def measure(
         notes.append(_drift_note(probed, metered, after, inputs.compute_dtype))
     roof = Roofline(cost, hardware, inputs)
 
-    predicted_steps = [roof.decode(contexts) for contexts, _ in decode_log]
-    measured_step = sum(s for _, s in decode_log) / len(decode_log)
+    # Each step as it was scheduled: a speculating engine's verification chunks, plain decodes
+    # beside them, and its proposer's forwards before the step.
+    predicted_steps = [roof.speculative_step(decodes, verify, forwards) if spec is not None else roof.decode(decodes)
+                       for decodes, verify, forwards, _ in decode_log]  # fmt: skip
+    measured_step = sum(s for *_, s in decode_log) / len(decode_log)
     predicted_step = sum(p.seconds for p in predicted_steps) / len(predicted_steps)
-    roofline_step = sum(p.roofline for p in predicted_steps) / len(predicted_steps)
+    roofline_step = sum(_roofline(p) for p in predicted_steps) / len(predicted_steps)
     step_bytes = sum(p.bytes for p in predicted_steps)
     bandwidth = hardware.memory_bandwidth
     predicted_mbu = step_bytes / sum(p.seconds for p in predicted_steps) / bandwidth
-    measured_mbu = step_bytes / sum(s for _, s in decode_log) / bandwidth
+    measured_mbu = step_bytes / sum(s for *_, s in decode_log) / bandwidth
     prefill = roof.prefill(0, inputs.prompt)
     comparisons = [
         Comparison("TTFT", "s", prefill.seconds, ttft),
@@ -175,8 +192,10 @@ def measure(
         Comparison("decode step, roofline alone", "s", roofline_step, measured_step),
         Comparison("decode MBU", "fraction", predicted_mbu, measured_mbu),
     ]
+    if spec is not None:
+        notes.append(_speculation_note(engine, inputs, decode_log, predicted_steps))
     if hardware.host_overhead_seconds:
-        notes.append(f"host overhead {predicted_steps[0].overhead * 1e3:.2f} ms per decode step, "
+        notes.append(f"host overhead {_overhead(predicted_steps[0]) * 1e3:.2f} ms per decode step, "
                      f"{prefill.overhead * 1e3:.2f} ms in the prefill ({cost.shape.num_layers} layers; "
                      + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in hardware.host_overhead_seconds.items()) + ")")
     else:
@@ -184,7 +203,7 @@ def measure(
                      f"run `tuili probe` to measure them")
     dtype = inputs.compute_dtype
     if not inputs.packed_linears and dtype in hardware.linear_stream_bandwidth:
-        kernels = sum(p.kernels for p in predicted_steps) / len(predicted_steps)
+        kernels = sum(_step_cost(p).kernels for p in predicted_steps) / len(predicted_steps)
         curve = sorted(hardware.linear_flops_by_rows.get(dtype, {}).items()) or [
             (ENGINE_PREFILL_ROWS, hardware.linear_prefill_flops.get(dtype, 0.0))
         ]
@@ -203,6 +222,54 @@ def measure(
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
         comparisons=comparisons, decode_steps=len(decode_log), notes=notes,
     )
+
+
+def _step_cost(step: StepCost | SpeculativeStepCost) -> StepCost:
+    """The target's forward of a step (a speculating step's verification)."""
+    return step.verify if isinstance(step, SpeculativeStepCost) else step
+
+
+def _roofline(step: StepCost | SpeculativeStepCost) -> float:
+    """A step's roofline alone: the target's forward's and each proposer forward's."""
+    if isinstance(step, SpeculativeStepCost):
+        return step.verify.roofline + sum(p.roofline for p in step.proposer)
+    return step.roofline
+
+
+def _overhead(step: StepCost | SpeculativeStepCost) -> float:
+    if isinstance(step, SpeculativeStepCost):
+        return step.verify.overhead + sum(p.overhead for p in step.proposer)
+    return step.overhead
+
+
+def _engine_speculation(engine: LLMEngine, cost: ModelCost, spec: Speculation, target: CheckpointBytes) -> Speculation:
+    """``spec`` with the proposer's weights as the engine holds them: a draft model's tensors by
+    kind (packed or not), the MTP block at the bytes per parameter of the engine's target."""
+    if spec.proposer is None:
+        return spec
+    if spec.head_shared:
+        return replace(spec, proposer_weights=scaled_storage(cost, target, spec.proposer))
+    draft = engine.speculator.proposer.runner.model
+    return replace(spec, proposer_weights=engine_storage(draft), proposer_packed=_packed_compute_dtype(draft) is not None)
+
+
+def _speculation_note(
+    engine: LLMEngine, inputs: PlanInputs, decode_log: list, predicted: list[SpeculativeStepCost],
+) -> str:  # fmt: skip
+    """What the speculating run did against what the plan assumes."""
+    spec = inputs.speculation
+    assert spec is not None
+    stats = engine.stats().spec
+    verifying = [p for p, (_, verify, _, _) in zip(predicted, decode_log, strict=True) if verify]
+    proposing = sum(sum(f.seconds for f in p.proposer) for p in verifying)
+    note = (f"speculation ({spec.config.method}, k up to {spec.k}): the plan assumes acceptance {spec.acceptance:g}, "
+            f"{spec.tokens_per_step:.2f} tokens per verification; the run kept "
+            f"{stats.num_accepted_tokens} of {stats.num_proposed_tokens} proposals "
+            f"({stats.acceptance_rate:.2f}), {stats.tokens_per_verification:.2f} tokens per verification; "
+            f"{len(verifying)} of {len(decode_log)} decode steps verified")
+    if verifying:
+        note += f", predicted {proposing / len(verifying) * 1e3:.2f} ms of proposer forwards in each"
+    return note
 
 
 def _drift_note(probed: HardwareSpec, before: HardwareSpec, after: HardwareSpec, dtype: str) -> str:

@@ -173,13 +173,15 @@ class UtilizationMeter:
         self.record_step(record.prefill_chunks, record.decode_context_lens, record.seconds,
                          record.verify_chunks, record.num_accepted, record.draft_forwards)
 
-    def step_decode_bytes(self, decode_context_lens: Sequence[int]) -> int:
-        """Bytes a decode step over these sequences must read."""
+    def step_decode_bytes(self, decode_context_lens: Sequence[int], rows: int | None = None) -> int:
+        """Bytes a decode step over these sequences must read; ``rows``: the tokens it computes
+        (default one per sequence; a verification chunk computes several), which set the experts
+        and embedding rows it reads."""
         if not decode_context_lens:
             return 0
         weights = self.decode_weight_bytes
         if weights is None:
-            batch = len(decode_context_lens)
+            batch = len(decode_context_lens) if rows is None else rows
             fraction = self._read_fraction.get(batch)
             if fraction is None:
                 fraction = self._read_fraction[batch] = self.cost.weight_read_fraction(batch)
@@ -202,7 +204,8 @@ class UtilizationMeter:
         plus one token. Each of the step's `draft_forwards` reads the draft model's weights."""
         p_flops = sum(self.cost.prefill_flops(start, length) for start, length in prefill_chunks)
         contexts = [*decode_context_lens, *(start + length for start, length in verify_chunks)]
-        d_bytes = self.step_decode_bytes(contexts) + draft_forwards * self.draft_weight_bytes
+        rows = len(decode_context_lens) + sum(length for _, length in verify_chunks)
+        d_bytes = self.step_decode_bytes(contexts, rows) + draft_forwards * self.draft_weight_bytes
         d_flops = self.cost.decode_flops(decode_context_lens) if decode_context_lens else 0
         for start, length in verify_chunks:
             d_flops += self.cost.decode_flops(range(start + 1, start + length + 1))

@@ -9,13 +9,15 @@ overlap. Where `tuili probe` timed tuili's own linears (weight streaming at one 
 prompt size), a step takes at least what those rates allow: the difference to the roofline is
 the step's `kernels` term. Packed int4 linears (plan --measure of an engine that holds them) run kernels of their
 own: their time is a roofline of its own with their measured unpacking rate as a third ceiling,
-and a many-row step first dequantizes them. docs/ruler.md states each formula and the reserve
-assumed.
+and a many-row step first dequantizes them. A speculating engine's decode step is the target's
+verification of k proposals per sequence plus the proposer's forwards (tuili/perf/speculation.py).
+docs/ruler.md states each formula and the reserve assumed.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tuili.errors import TuiliError
@@ -23,6 +25,7 @@ from tuili.perf.cost import CheckpointBytes, ModelCost, WeightStorage
 from tuili.perf.formats import WeightFormat, dtype_bytes
 from tuili.perf.hardware import HardwareSpec, LinkSpec, link
 from tuili.perf.overhead import HOST_KEYS, PackedWork, Step, host_seconds, packed_work
+from tuili.perf.speculation import Speculation
 
 # Share of each device's memory kept back for activations, the CUDA context, allocator slack and
 # other runtime state: vLLM's default gpu_memory_utilization=0.9 leaves 10%, and seed 004 advises
@@ -51,6 +54,8 @@ class PlanInputs:
     # The dtype of the DeltaNet conv state (the working dtype, whatever the KV cache's; the
     # recurrent state is float32 always): bf16 for a plan, the engine's own under --measure.
     conv_state_dtype: str = "bf16"
+    # Speculative decoding (tuili/perf/speculation.py): each decode step verifies k proposals.
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "tp", "pp", "context", "prompt", "output", "batch"):
@@ -66,6 +71,9 @@ class PlanInputs:
                 raise TuiliError(f"--{name} {getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
         dtype_bytes(self.kv_dtype)
         dtype_bytes(self.conv_state_dtype)
+        if self.speculation is not None and (self.tp > 1 or self.pp > 1):
+            raise TuiliError(f"--speculative-config with --tp {self.tp} --pp {self.pp} is not modelled: the plan "
+                             f"counts speculation on one device per replica (--tp 1 --pp 1)")
 
 
 # A hybrid model's prefix cache (tuili/engine/pool.py, state_checkpoint_count): state checkpoints
@@ -122,6 +130,28 @@ class StepCost:
     kernels: float = 0.0  # how far the engine's measured linears keep the step above its roofline
 
 
+@dataclass(frozen=True)
+class SpeculativeStepCost:
+    """A speculating decode step: the proposer's forwards, then the target's verification of
+    every sequence's proposals; it yields ``tokens_per_sequence`` tokens per sequence on average."""
+
+    verify: StepCost
+    proposer: tuple[StepCost, ...]  # one per proposer forward (none for prompt lookup)
+    tokens_per_sequence: float
+
+    @property
+    def seconds(self) -> float:
+        return self.verify.seconds + sum(p.seconds for p in self.proposer)
+
+    @property
+    def flops(self) -> float:
+        return self.verify.flops + sum(p.flops for p in self.proposer)
+
+    @property
+    def bytes(self) -> float:
+        return self.verify.bytes + sum(p.bytes for p in self.proposer)
+
+
 class Roofline:
     """Step times of one model on one hardware spec and parallel layout: each step takes the
     larger of its compute time and its memory time, plus the dequantization of packed weights it
@@ -148,6 +178,16 @@ class Roofline:
         # one row and their FLOP/s at prompt sizes (linear_flops), each capped by the hardware's figure
         self.stream = min(hardware.linear_stream_bandwidth.get(self.compute_dtype, math.inf), self.bandwidth)
         self._packed: dict[Step, PackedWork | None] = {}
+        self._proposer: Roofline | None = None
+        spec = inputs.speculation
+        if spec is not None and spec.proposer is not None:
+            assert spec.proposer_weights is not None
+            # A draft's KV pool is in the working dtype; MTP's sits beside the target's, in its dtype.
+            kv_dtype = inputs.kv_dtype if spec.head_shared else inputs.conv_state_dtype
+            self._proposer = Roofline(spec.proposer, hardware, replace(
+                inputs, weights=spec.proposer_weights, kv_dtype=kv_dtype, speculation=None,
+                packed_linears=spec.proposer_packed,
+            ))  # fmt: skip
         if inputs.packed_linears:
             by_kind = cost.weight_bytes_by_kind(inputs.weights)
             self.packed_bytes = (by_kind["attention"] + by_kind["mlp"]) / tp
@@ -270,6 +310,56 @@ class Roofline:
         nbytes = weights + batch * self.sequence_bytes(context)
         return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch))
 
+    def verify(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
+        """One step verifying each sequence's chunk of (tokens cached, positions): its last token
+        and its proposals. As the live meter counts it (tuili/perf/meter.py): the weights once for
+        the step's rows (a mixture of experts reads the experts its rows were routed to), each
+        sequence's KV once at the chunk's end and its state read and written back, and every
+        position's FLOPs at its own context, logits included."""
+        rows = sum(length for _, length in chunks)
+        flops = sum(self.cost.decode_flops(range(start + 1, start + length + 1)) for start, length in chunks)
+        weights = self.cost.decode_weight_bytes(self.inputs.weights, rows, self.tp)
+        nbytes = weights + sum(self.sequence_bytes(start + length) for start, length in chunks)
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows))
+
+    def verify_uniform(self, context: int, batch: int, k: int) -> StepCost:
+        """verify([(context - 1, k + 1)] * batch): ``batch`` sequences at ``context`` (their last
+        token included) each verifying k proposals, in constant time."""
+        rows = batch * (k + 1)
+        flops = batch * sum(self.cost.flops_per_token(context + j) for j in range(k + 1))
+        weights = self.cost.decode_weight_bytes(self.inputs.weights, rows, self.tp)
+        nbytes = weights + batch * self.sequence_bytes(context + k)
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows))
+
+    def proposer(self) -> Roofline | None:
+        """The proposer's own roofline (a draft model, or the MTP block with the shared head),
+        on the same hardware; None without one (prompt lookup, or no speculation)."""
+        return self._proposer
+
+    def speculative_step(
+        self, decode_context_lens: Sequence[int], verify_chunks: Sequence[tuple[int, int]], draft_forwards: int,
+    ) -> SpeculativeStepCost:  # fmt: skip
+        """A step as a speculating engine scheduled it: its plain decodes (sequences without
+        proposals this step) and verification chunks in one forward, after ``draft_forwards``
+        proposer forwards over the sequences that drafted, forward j at context start + 1 + j.
+        Its tokens_per_sequence is not an expectation: 0 (the record says what was kept)."""
+        chunks = [(c - 1, 1) for c in decode_context_lens] + list(verify_chunks)
+        proposer = self.proposer()
+        forwards = () if proposer is None or not verify_chunks else tuple(
+            proposer.decode([start + 1 + j for start, _ in verify_chunks]) for j in range(draft_forwards)
+        )  # fmt: skip
+        return SpeculativeStepCost(self.verify(chunks), forwards, 0.0)
+
+    def speculative(self, context: int, batch: int) -> SpeculativeStepCost:
+        """A decode step of ``batch`` sequences at ``context`` with speculation: k proposer
+        forwards at contexts context .. context + k - 1 (none for prompt lookup), then the
+        verification of k proposals each."""
+        spec = self.inputs.speculation
+        assert spec is not None, "speculative() plans a speculating engine"
+        proposer = self.proposer()
+        forwards = () if proposer is None else tuple(proposer.decode_uniform(context + j, batch) for j in range(spec.k))
+        return SpeculativeStepCost(self.verify_uniform(context, batch, spec.k), forwards, spec.tokens_per_step)
+
     def comm(self, batch: int) -> float:
         """Seconds of tensor-parallel communication in one decode step."""
         if self.tp == 1:
@@ -347,14 +437,34 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
             f"has {hardware.memory_bytes / 1e9:.1f} GB, {reserve / 1e9:.1f} GB of it reserved for "
             f"activations and runtime; use more devices (--tp), fewer bits (--weights), or bigger hardware"
         )
-    per_stage = []  # (requests that fit, request bytes, checkpoint bytes) of each stage's devices
+    spec = inputs.speculation
+    proposer_weights = spec.proposer_held_bytes() if spec is not None else 0
+    if spec is not None and weights_device + proposer_weights > hardware.memory_bytes - reserve:
+        raise TuiliError(
+            f"cannot fit: the weights and the speculative proposer's need "
+            f"{(weights_device + proposer_weights) / 1e9:.1f} GB per device but {hardware.name} has "
+            f"{hardware.memory_bytes / 1e9:.1f} GB, {reserve / 1e9:.1f} GB of it reserved; use a smaller draft, "
+            f"fewer bits (--weights), or bigger hardware"
+        )
+    # A hybrid target keeps the state after each proposed position: k more rows per state slot.
+    state_rows = 1 + (spec.k if spec is not None and roof.state_device else 0)
+    proposer_request = (spec.proposer_bytes_per_request(inputs.context, inputs.kv_dtype, inputs.conv_state_dtype)
+                        if spec is not None else 0.0)  # fmt: skip
+    per_stage = []  # (requests that fit, request bytes, checkpoint bytes, engine KV budget) of each stage's devices
     for weights, kv_share, state_share in zip(stage_weights, kv_shares, state_shares, strict=True):
         kv_device, state_device = roof.kv_token_device * kv_share, roof.state_device * state_share
-        request = kv_device * inputs.context + state_device
-        checkpoints = state_checkpoint_bytes(hardware.memory_bytes - reserve - weights, kv_device, state_device)
-        per_stage.append((max_concurrent_requests(hardware.memory_bytes, weights + checkpoints, request, reserve),
-                          request, checkpoints))
-    per_replica, request_device, checkpoints_device = min(per_stage)
+        request = kv_device * inputs.context + state_device * state_rows
+        budget = hardware.memory_bytes - reserve - weights - proposer_weights
+        # The engine's kv_cache_memory is its target pool's (slots, checkpoints, blocks); the
+        # proposer's KV and state come beside it, per block and per sequence. The budget is
+        # split in proportion to what a request takes on each side.
+        target_budget = math.floor(budget * request / (request + proposer_request)) if proposer_request else budget
+        checkpoints = state_checkpoint_bytes(target_budget, kv_device, state_device)
+        fits = max_concurrent_requests(target_budget, checkpoints, request)
+        if proposer_request:
+            fits = min(fits, max_concurrent_requests(budget - target_budget, 0, proposer_request))
+        per_stage.append((fits, request, checkpoints, target_budget))
+    per_replica, request_device, checkpoints_device, target_budget = min(per_stage)
     if per_replica == 0:
         raise TuiliError(
             f"cannot fit one request of {inputs.context} tokens: it needs {request_device / 1e9:.2f} GB "
@@ -374,6 +484,7 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
     )
     kv_transfer_bytes = kv_token * inputs.prompt + state
     over = roof.link
+    speculative = _speculative_figures(roof, inputs, per_replica, proposer_weights, proposer_request)
 
     return {
         "model_type": cost.shape.model_type,
@@ -435,4 +546,59 @@ def make_plan(cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs) -> di
         "stage_transfer_seconds_per_step": roof.stage_transfer(batch),
         "kv_transfer_bytes": kv_transfer_bytes,
         "kv_transfer_seconds": kv_transfer_bytes / over.bandwidth + over.latency if over else None,
+        "kv_cache_memory_bytes": math.floor(target_budget),
+        **speculative,
+    }
+
+
+# Batch sizes the speculative table compares at (those the capacity allows, and --batch).
+SPECULATIVE_TABLE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _speculative_figures(
+    roof: Roofline, inputs: PlanInputs, capacity: int, proposer_weights: int, proposer_request: float,
+) -> dict[str, object]:  # fmt: skip
+    """The plan's speculative decoding keys: the step at --batch, and the decode tokens/s with and
+    without speculation at each batch size of the table (docs/ruler.md, §4.4)."""
+    spec = inputs.speculation
+    if spec is None:
+        return {"speculative_method": None}
+    context, batch = inputs.context, inputs.batch
+    step = roof.speculative(context, batch)
+    rows = []
+    for b in sorted({b for b in SPECULATIVE_TABLE_BATCHES if b <= capacity} | {batch}):
+        plain, spec_step = roof.decode_uniform(context, b).seconds, roof.speculative(context, b).seconds
+        rows.append({
+            "batch": b,
+            "step_seconds": plain,
+            "speculative_step_seconds": spec_step,
+            "tokens_per_second": b / plain,
+            "speculative_tokens_per_second": b * spec.tokens_per_step / spec_step,
+            "speedup": spec.tokens_per_step * plain / spec_step,
+        })  # fmt: skip
+    plain = roof.decode_uniform(context, batch).seconds
+    # The output after the prefill's first token, in steps of E tokens per sequence on average
+    # (the last one partly used), each at the context it has reached.
+    tokens, steps = spec.tokens_per_step, (inputs.output - 1) / spec.tokens_per_step
+    whole = math.ceil(steps)
+    decode = sum(roof.speculative(inputs.prompt + 1 + math.floor(j * tokens), batch).seconds for j in range(whole))
+    return {
+        "speculative_method": spec.config.method,
+        "num_speculative_tokens": spec.k,
+        "spec_acceptance": spec.acceptance,
+        "spec_tokens_per_step": spec.tokens_per_step,
+        "proposer_weights_bytes": proposer_weights,
+        "proposer_bytes_per_request": proposer_request,
+        "proposer_kv_bytes_per_device": proposer_request * capacity,
+        "spec_verify_step_flops": step.verify.flops,
+        "spec_verify_step_bytes": step.verify.bytes,
+        "spec_verify_step_seconds": step.verify.seconds,
+        "spec_proposer_flops": sum(p.flops for p in step.proposer),
+        "spec_proposer_bytes": sum(p.bytes for p in step.proposer),
+        "spec_proposer_seconds": sum(p.seconds for p in step.proposer),
+        "spec_decode_step_seconds": step.seconds,
+        "spec_decode_tokens_per_second": batch * step.tokens_per_sequence / step.seconds,
+        "spec_speedup": step.tokens_per_sequence * plain / step.seconds,
+        "spec_e2e_seconds": roof.prefill(0, inputs.prompt).seconds + (decode * steps / whole if whole else 0.0),
+        "spec_by_batch": rows,
     }
