@@ -7,8 +7,9 @@ process), on a random checkpoint with Qwen3-0.6B's shape in bf16:
 - prefill of one 512-token prompt (prefix caching off): seconds of the step;
 - TP=2's measured communication (all-reduces and the logits gather) per step against the
   ruler's prediction (tuili/perf/plan.py, Roofline.comm / prefill) over a link measured here:
-  gloo between two processes on this machine, its latency from 2 KiB all-reduces and its
-  bandwidth from 8 MiB ones.
+  the engine's shared-memory all-reduce between two processes on this machine (gloo's measured
+  beside it, for reference), its latency from 2 KiB all-reduces and its bandwidth from 8 MiB
+  ones.
 
     python benchmarks/tensor_parallel.py            # 2 rounds
     python benchmarks/tensor_parallel.py --rounds 1 --tokens 16   # a smoke run
@@ -94,29 +95,38 @@ def run_one(tp: int, tokens: int) -> dict:
     return result
 
 
-def _link_rank(rank: int, port: int, out: str) -> None:
+def _link_rank(rank: int, port: int, out: str, transport: str) -> None:
     import torch.distributed as dist
+
+    from tuili.parallel.shm import SharedMemoryLink
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if transport == "gloo":
+        all_reduce = dist.all_reduce
+    else:
+        link = SharedMemoryLink.open(rank, 2, 0, None, lambda aborted=False: None)
+        assert link is not None, "the engine's shared-memory link could not open here"
+        all_reduce = link.all_reduce
     times = {}
     for size, reps in ((2 << 10, 400), (8 << 20, 20)):
         x = torch.ones(size // 2, dtype=torch.bfloat16)
         for _ in range(3):
-            dist.all_reduce(x)
+            all_reduce(x)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(reps):
-            dist.all_reduce(x)
+            all_reduce(x)
         times[size] = (time.perf_counter() - start) / reps
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
 
 
-def measure_link():
-    """gloo between two processes here, as the ruler's LinkSpec: a ring all-reduce of M bytes
-    over n=2 takes 2 (n-1) (latency + M / n / bandwidth)."""
+def measure_link(transport: str):
+    """An all-reduce between two processes here over `transport` ("shm": the engine's
+    shared-memory link, tuili/parallel/shm.py; "gloo"), as the ruler's LinkSpec: a ring
+    all-reduce of M bytes over n=2 takes 2 (n-1) (latency + M / n / bandwidth)."""
     import socket
     import tempfile
 
@@ -128,13 +138,13 @@ def measure_link():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(suffix=".json")
-    mp.spawn(_link_rank, args=(port, out), nprocs=2)
+    mp.spawn(_link_rank, args=(port, out, transport), nprocs=2)
     times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
     os.unlink(out)
     small, large = min(times), max(times)
     latency = times[small] / 2 - small / 2 / 1e12
     bandwidth = (large / 2) / (times[large] / 2 - latency)
-    return LinkSpec("gloo-loopback", bandwidth, latency, "measured here: gloo all-reduce between two processes")
+    return LinkSpec(f"{transport}-here", bandwidth, latency, f"measured here: {transport} all-reduce between two processes")
 
 
 def predicted(link) -> dict:
@@ -169,8 +179,10 @@ def main() -> None:
         return
     qwen3_06b_checkpoint()
     print(f"# {machine()}; Qwen3-0.6B shape, bf16, random weights; {time.strftime('%Y-%m-%d %H:%M')}")
-    link = measure_link()
-    print(f"link (gloo, 2 processes here): latency {link.latency * 1e6:.1f} us/hop, bandwidth {link.bandwidth / 1e9:.2f} GB/s")
+    for transport in ("gloo", "shm"):
+        link = measure_link(transport)  # the last, shared memory, is the engine's on one machine
+        print(f"link ({transport}, 2 processes here): latency {link.latency * 1e6:.1f} us/hop, "
+              f"bandwidth {link.bandwidth / 1e9:.2f} GB/s")
     results: dict[int, list[dict]] = {1: [], 2: []}
     for _ in range(args.rounds):
         for tp in (1, 2):

@@ -306,6 +306,9 @@ LINKS: dict[str, LinkSpec] = {
     "ib-hdr": LinkSpec("ib-hdr", 200e9 / 8, 2e-6, f"HDR 200 Gb/s; {_IB}; {_LAT}"),
     "ib-ndr": LinkSpec("ib-ndr", 400e9 / 8, 2e-6, f"NDR 400 Gb/s; {_IB}; {_LAT}"),
     "ib-xdr": LinkSpec("ib-xdr", 800e9 / 8, 2e-6, f"XDR 800 Gb/s; {_IB}; {_LAT}"),
+    # Ranks of one CPU machine all-reduce through shared memory (tuili/parallel/shm.py).
+    "cpu-shm": LinkSpec("cpu-shm", 4.5e9, 4.4e-6, "tuili's shared-memory all-reduce between two processes, measured "
+                        "by benchmarks/tensor_parallel.py on an AMD EPYC Zen 5 (2 cores), 2026-12-02"),
 }
 _LINK_ALIASES = {
     "pcie3-x16": "pcie3", "pcie4-x16": "pcie4", "pcie5-x16": "pcie5",

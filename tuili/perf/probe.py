@@ -38,6 +38,8 @@ from tuili.perf.harness import build_engine
 from tuili.platform import Platform
 from tuili.sampling import SamplingParams
 
+CPU_LINK = "cpu-shm"  # how tensor-parallel ranks on one CPU machine all-reduce (tuili/parallel/shm.py)
+
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL_GEMV_K = 512  # a small model's projection: its time is mostly the per-matmul overhead
 
@@ -97,6 +99,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         memory_bytes=_memory_bytes(dev),
         source=f"tuili probe{' --quick' if quick else ''} on {platform.node()}, torch {torch.__version__}",
         origin="probe",
+        interconnect=CPU_LINK if dev.type == "cpu" else None,
         **_int4_fields(results),
         **_linear_fields(linears),
         **_attention_fields(attention),
@@ -200,6 +203,7 @@ def estimate(device: str = "cpu") -> HardwareSpec:
         memory_bytes=_memory_bytes(dev),
         source="quick built-in estimate (tiny buffers; `tuili probe` measures properly)",
         origin="estimate",
+        interconnect=CPU_LINK if dev.type == "cpu" else None,
     )
 
 
