@@ -9,6 +9,7 @@
 - `tuili serve -pp 2` on a tied Llama with 3 layers (stages of 2 and 1 layers): serves the
   tokens the whole model gives; a killed stage fails the request in flight, the server exits
   with status 1 within seconds naming the lost rank, and leaves no process;
+- the real SmolLM2 GGUF at PP=2: the whole model's logits and greedy tokens;
 - the layer split, the micro-batch split, and what is refused, by name.
 """
 
@@ -220,3 +221,20 @@ def test_serve_with_two_stages_and_a_lost_stage(tmp_path, real_tokenizer_dirs, s
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_pipeline_matches_one_stage_on_the_real_smollm2_gguf():
+    """The real SmolLM2 GGUF (30 layers, 15 per stage; dequantized to float32): PP=2 gives the
+    whole model's logits and greedy tokens."""
+    from tuili.models.default_model import default_model_path
+
+    path, engine = str(default_model_path()), {**ENGINE, "kv_cache_memory": 1 << 27}  # 46 KB of KV per token
+    whole = LLM(path, **engine)
+    reference = _run(whole)
+    del whole
+    llm = LLM(path, pipeline_parallel_size=2, **engine)
+    try:
+        result = _run(llm)
+    finally:
+        llm.engine.close()
+    _assert_same(result, reference, atol=1e-4)
