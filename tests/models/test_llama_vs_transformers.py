@@ -113,22 +113,31 @@ def test_greedy_matches_transformers_with_paging_and_chunking(checkpoint, path, 
         assert len(PROMPTS) in graphs.captured_batch_sizes() and not graphs.refused
 
 
-def test_bf16_logits_match_transformers_with_packed_linears(tmp_path):
-    """A bf16 Qwen3 checkpoint: on a CPU with AVX512-BF16 or AMX every decoder linear runs in
-    panels (PanelLinear: the GEMV for the one-token prompt, AMX tiles or dot products for the
-    others); the logits stay
-    within bf16's error of transformers in float32 on the same weights. Measured: mean 0.006 and
-    max 0.043 of the logit spread."""
-    from tuili.layers.linear import PanelLinear
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_logits_match_transformers_with_packed_linears(tmp_path, tied):
+    """A bf16 Qwen3 checkpoint: on a CPU with AVX512-BF16 or AMX every decoder linear and the
+    output head run in panels (PanelLinear: the GEMV for the one-token prompt, AMX tiles or dot
+    products for the others); a tied table is held once, as the head's panels, from which the
+    token lookup reads its rows (PanelEmbedding); the logits stay within bf16's error of
+    transformers in float32 on the same weights. Measured: mean 0.006 and max 0.043 of the
+    logit spread."""
+    from tuili.layers.linear import PanelEmbedding, PanelLinear
     from tuili.platform import Platform
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False)
+    config = transformers.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=tied)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").bfloat16().eval()
     hf.save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", block_size=4, kv_cache_memory=1 << 20)
-    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PanelLinear)]
-    assert len(packed) == (4 * config.num_hidden_layers if Platform.detect().panel_linear else 0)
+    model = llm.engine.runner.model
+    packed = [m for m in model.modules() if isinstance(m, PanelLinear)]
+    panels = Platform.detect().panel_linear
+    assert len(packed) == (4 * config.num_hidden_layers + 1 if panels else 0)
+    if tied and panels:
+        lookup = model.model.embed_tokens
+        assert isinstance(lookup, PanelEmbedding)
+        assert lookup.packed.data_ptr() == model.lm_head.projection.packed.data_ptr()  # one matrix
+        assert llm.engine.weight_bytes() == sum(p.numel() * p.element_size() for p in hf.parameters())
     batch = []
     for i, ids in enumerate(PROMPTS):
         seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(ids), prompt_len=len(ids), params=SamplingParams())

@@ -243,7 +243,7 @@ class DecodeGraphs:
         log.log(level, message, _describe(size), reason)
 
     def _buffers(self, rows_per_seq: list[int]) -> _StepBuffers:
-        hidden = self.model.model.embed_tokens.weight
+        embedding = self.model.model.embed_tokens
         half_dim = self.model.model.rotary.cos.shape[1]
         batch_size, rows = len(rows_per_seq), sum(rows_per_seq)
         block_tables = torch.zeros(batch_size, self.max_blocks_per_seq, dtype=torch.int32)
@@ -259,7 +259,7 @@ class DecodeGraphs:
             meta.states = StateBatch(nothing, torch.arange(batch_size), state_slots, [], nothing, nothing, {}, nothing,
                                      nothing)  # fmt: skip
         return _StepBuffers(
-            x=hidden.new_empty(rows, hidden.shape[1]),
+            x=embedding.weight.new_empty(rows, embedding.embedding_dim),
             cos=torch.empty(rows, 1, half_dim),
             sin=torch.empty(rows, 1, half_dim),
             slot_mapping=slot_mapping,

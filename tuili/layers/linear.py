@@ -210,6 +210,32 @@ class PanelLinear(nn.Module):
         )
 
 
+class PanelEmbedding(nn.Module):
+    """The token lookup of a tied embedding whose one matrix is an output head's PanelLinear:
+    row r is read back from the 16-row panels (panel r // 16, lane r % 16), bit for bit the
+    table's row, so the model holds the matrix once, in the layout its logits read fastest."""
+
+    def __init__(self, head: PanelLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        # The head's buffer, registered here too so that this module's weight is named as the
+        # embedding's (one storage: every byte count dedupes by storage).
+        self.register_buffer("packed", head.packed)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The panels, for what asks a table its dtype and storage (not its shape)."""
+        return self.packed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        lanes = self.packed.permute(0, 2, 1, 3)  # [N / 16, 16, K / 2, 2]: row r is lanes[r // 16, r % 16]
+        rows = lanes[torch.div(input_ids, AMX_PANEL_ROWS, rounding_mode="floor"), input_ids % AMX_PANEL_ROWS]
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the output head's panels"
+
+
 def panel_holds(weight: torch.Tensor, bias: torch.Tensor | None, platform: Platform) -> bool:
     """Whether a linear with this weight and bias can be a PanelLinear on `platform`: bf16 where
     kernels.linear_packed runs, N a multiple of the panel rows and K of the tile's columns."""

@@ -179,6 +179,8 @@ class Qwen3NextForCausalLM(nn.Module):
         self.platform, self.attention = plan.platform, attention
         self.model = Qwen3NextModel(cfg, max_positions, plan, attention)
         self.lm_head = plan.output_head("lm_head", self.model.embed_tokens, cfg.tie_word_embeddings)
+        if cfg.tie_word_embeddings:
+            self.model.embed_tokens = plan.token_lookup(self.model.embed_tokens, self.lm_head)
         self.mtp = multi_token_prediction_weights(plan)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

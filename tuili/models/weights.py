@@ -46,7 +46,7 @@ from torch import nn
 
 from tuili.config import QUANTIZATION_METHODS
 from tuili.errors import CheckpointError, TuiliError
-from tuili.layers.linear import Linear, PanelLinear, panel_holds
+from tuili.layers.linear import Linear, PanelEmbedding, PanelLinear, panel_holds
 from tuili.layers.logits import OutputHead
 from tuili.layers.moe import Experts, QuantizedExperts, RoutedExperts
 from tuili.layers.quant import (
@@ -269,7 +269,7 @@ class WeightPlan:
         (under tensor parallelism: this rank's vocabulary rows, gathered to rank 0)."""
         if tied:
             matrix = embedding.weight
-            projection: nn.Module = Linear.holding(matrix, None, self.platform)
+            projection: nn.Module = self._output_projection(matrix)
         elif self.sharded is not None:
             start, stop = self.sharded.vocab()
             weight = self._stacked([f"{path}.weight"], (stop - start, embedding.embedding_dim), (0, [(start, stop)]))
@@ -277,6 +277,8 @@ class WeightPlan:
             matrix = None
         else:
             projection = self.linear(path, embedding.embedding_dim, embedding.num_embeddings, bias=False)
+            if isinstance(projection, Linear) and projection.weight.dtype == torch.bfloat16 and self.quantization is None:
+                projection = self._output_projection(projection.weight)
             matrix = None
         if self.quantization is not None and matrix is not None:
             # A tied matrix is also the token lookup's table, which keeps reading the float one.
@@ -287,6 +289,25 @@ class WeightPlan:
         if self.sharded is None:
             return head
         return VocabParallelHead(head, self.sharded.vocab_widths(), self.sharded.group)  # type: ignore[arg-type]
+
+    def _output_projection(self, matrix: torch.Tensor) -> nn.Module:
+        """The float output matrix's module: a PanelLinear where it can be one (its GEMV reads
+        the 16-row panels at 43 GB/s where the row-major GEMV reads 31, and 16 rows cost it one
+        read of the matrix instead of two: Qwen3.5-0.8B's 248,320 x 1024 head at 16 rows, 21 ms
+        against 39 on machine B, 2 threads), else a Linear over it. Whole heads only: a tensor-
+        parallel rank's vocabulary slice keeps its Linear."""
+        if self.sharded is None and self.quantization is None and panel_holds(matrix, None, self.platform):
+            return PanelLinear(matrix, None, one_path=self.platform.batch_invariant)
+        return Linear.holding(matrix, None, self.platform)
+
+    @staticmethod
+    def token_lookup(embedding: nn.Module, head: nn.Module) -> nn.Module:
+        """The token lookup a tied model keeps: read from the output head's panels when the head
+        holds the table as a PanelLinear (then the model holds the matrix once), else `embedding`."""
+        projection = getattr(head, "projection", None)
+        if isinstance(projection, PanelLinear) and isinstance(embedding, nn.Embedding):
+            return PanelEmbedding(projection)
+        return embedding
 
     def fill(self, model: nn.Module) -> None:
         """Assign the parameters the plan did not build (norms) from the checkpoint, by name;

@@ -289,13 +289,13 @@ def engine_storage(model: torch.nn.Module) -> CheckpointBytes:
     """The bytes the engine's model holds per kind of weight (tuili/perf/shapes.py KINDS): its
     parameters and its quantized linears' and experts' codes and scales, each storage once (a
     tied embedding is one tensor); a packed copy of the output matrix in that matrix's place."""
-    from tuili.layers.linear import PanelLinear
+    from tuili.layers.linear import PanelEmbedding, PanelLinear
     from tuili.layers.moe import QuantizedExperts
     from tuili.layers.quant import QuantizedLinear
 
     tensors = list(model.named_parameters())
     for name, module in model.named_modules():
-        if isinstance(module, (QuantizedLinear, PanelLinear, QuantizedExperts)):
+        if isinstance(module, (QuantizedLinear, PanelLinear, PanelEmbedding, QuantizedExperts)):
             tensors += [(f"{name}.{b}", t) for b, t in module.named_buffers()]
     if model.lm_head.decode_copy is not None:
         # A decode copy of the output matrix serves the logits of decode steps of few rows: it
