@@ -61,7 +61,7 @@ class PlanInputs:
     speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "tp", "pp", "context", "prompt", "output", "batch"):
+        for name in ("tp", "pp", "gpus", "context", "prompt", "output", "batch"):  # --gpus defaults to tp x pp
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TuiliError(f"--{name} {value!r} is invalid: expected an integer >= 1")
