@@ -248,8 +248,8 @@ def _measure(
         Comparison("TTFT, roofline alone", "s", prefill.roofline, ttft),
         Comparison("prefill MFU", "fraction",
                    prefill.flops / prefill.seconds / machine.flops(inputs.compute_dtype),
-                   (prefill_meter.prefill_mfu or 0.0) * metered.flops(inputs.compute_dtype)
-                   / machine.flops(inputs.compute_dtype)),
+                   # the meter's own MFU is None above its peak: the rate against the mean rates here
+                   prefill_meter.prefill_flops / prefill_meter.prefill_seconds / machine.flops(inputs.compute_dtype)),
         Comparison("decode step", "s", predicted_step, measured_step),
         Comparison("decode step, roofline alone", "s", roofline_step, measured_step),
         Comparison("decode MBU", "fraction", predicted_mbu, measured_mbu),
