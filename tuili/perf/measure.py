@@ -128,6 +128,9 @@ def _measure(
                      compute_dtype=packed or working, packed_linears=packed is not None)
     if ranks > 1 and inputs.link is None and engine.device.type == "cpu":
         inputs = replace(inputs, link=link(CPU_LINK))
+    if ranks > 1 and inputs.link is None and hardware.interconnect is None:
+        raise TuiliError(f"--tp {inputs.tp} --pp {inputs.pp} on {engine.device}: {hardware.name} names no link "
+                         f"between its devices; give --link")
     if spec is not None:
         inputs = replace(inputs, speculation=_engine_speculation(engine, cost, spec, inputs.weights))
 
@@ -196,8 +199,8 @@ def _measure(
     def new_meter() -> UtilizationMeter:
         # The engine's decode_weight_bytes is one sequence's; a mixture of experts reads more
         # experts as the batch grows, which the meter takes from the cost model's read fraction.
-        # Under TP or PP the meter's MFU is the whole machine's (all ranks' FLOPs); its MBU,
-        # from rank 0's bytes, is not used.
+        # Under TP or PP the report takes the prefill's FLOPs and seconds from the meter and
+        # sets them against all the ranks' devices; the meter's MBU, from rank 0's bytes, is unused.
         return UtilizationMeter(cost, hardware, weight_bytes, kv_per_token, compute_dtype=inputs.compute_dtype,
                                 decode_weight_bytes=None if cost.shape.moe is not None else decode_weight_bytes,
                                 draft_weight_bytes=engine.draft_weight_bytes())
@@ -218,15 +221,20 @@ def _measure(
     run(inputs.batch, inputs.output, decode_meter, decode_log, decode_comm)
     if not decode_log:
         raise TuiliError("the run had no pure decode step to measure: use --output 2 or more")
-    metered = hardware  # the rates the meters' MFU and MBU were taken against
+    metered = hardware  # the rates taken before the runs
     if refresh is not None:
         after = refreshed()
         hardware = mean_rates(metered, after)
         notes.append(_drift_note(probed, metered, after, inputs.compute_dtype))
-    machine = hardware  # the whole machine's rates, which its ranks share
-    if ranks > 1:
+    # MFU and MBU are taken against all the ranks' devices together: on a CPU the one machine they
+    # share (each rank predicted at its share of it), on GPUs a device per rank.
+    machine = hardware
+    devices = 1
+    if ranks > 1 and engine.device.type == "cpu":
         hardware = shared_by(machine, ranks)
         notes.append(_ranks_note(engine, inputs, machine, threads, engine_threads))
+    elif ranks > 1:
+        devices = ranks
     roof = Roofline(cost, hardware, inputs)
 
     # Each step as it was scheduled: a speculating engine's verification chunks, plain decodes
@@ -236,10 +244,11 @@ def _measure(
     measured_step = sum(s for *_, s in decode_log) / len(decode_log)
     predicted_step = sum(p.seconds for p in predicted_steps) / len(predicted_steps)
     roofline_step = sum(_roofline(p) for p in predicted_steps) / len(predicted_steps)
-    # MFU and MBU are the machine's: all ranks' FLOPs and bytes (each of the tp ranks of a stage
-    # reads its share; the stages' shares add up to the whole model) against its rates.
+    # All ranks' bytes: each of the tp ranks of a stage reads its share, and the stages' shares
+    # add up to the whole model.
     step_bytes = sum(p.bytes for p in predicted_steps) * inputs.tp
-    bandwidth = machine.memory_bandwidth
+    bandwidth = machine.memory_bandwidth * devices
+    peak = machine.flops(inputs.compute_dtype) * devices
     predicted_mbu = step_bytes / sum(p.seconds for p in predicted_steps) / bandwidth
     measured_mbu = step_bytes / sum(s for *_, s in decode_log) / bandwidth
     prefill = roof.prefill(0, inputs.prompt)
@@ -247,9 +256,9 @@ def _measure(
         Comparison("TTFT", "s", prefill.seconds, ttft),
         Comparison("TTFT, roofline alone", "s", prefill.roofline, ttft),
         Comparison("prefill MFU", "fraction",
-                   prefill.flops / prefill.seconds / machine.flops(inputs.compute_dtype),
+                   prefill.flops / prefill.seconds / peak,
                    # the meter's own MFU is None above its peak: the rate against the mean rates here
-                   prefill_meter.prefill_flops / prefill_meter.prefill_seconds / machine.flops(inputs.compute_dtype)),
+                   prefill_meter.prefill_flops / prefill_meter.prefill_seconds / peak),
         Comparison("decode step", "s", predicted_step, measured_step),
         Comparison("decode step, roofline alone", "s", roofline_step, measured_step),
         Comparison("decode MBU", "fraction", predicted_mbu, measured_mbu),
@@ -265,29 +274,31 @@ def _measure(
         notes.append(_communication_note(inputs, roof))
     if spec is not None:
         notes.append(_speculation_note(engine, inputs, decode_log, predicted_steps))
-    if hardware.host_overhead_seconds:
+    # The notes give the machine's figures (a rank sharing it predicted at its share, above).
+    each_rank = f"; each of the {ranks} ranks at 1/{ranks} of these" if hardware is not machine else ""
+    if machine.host_overhead_seconds:
         notes.append(f"host overhead {_overhead(predicted_steps[0]) * 1e3:.2f} ms per decode step, "
                      f"{prefill.overhead * 1e3:.2f} ms in the prefill ({cost.shape.num_layers} layers; "
-                     + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in hardware.host_overhead_seconds.items()) + ")")
+                     + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in machine.host_overhead_seconds.items()) + ")")
     else:
-        notes.append(f"{hardware.name} has no measured host overheads: the predictions are the roofline alone; "
+        notes.append(f"{machine.name} has no measured host overheads: the predictions are the roofline alone; "
                      f"run `tuili probe` to measure them")
     dtype = inputs.compute_dtype
-    if not inputs.packed_linears and dtype in hardware.linear_stream_bandwidth:
+    if not inputs.packed_linears and dtype in machine.linear_stream_bandwidth:
         kernels = sum(_step_cost(p).kernels for p in predicted_steps) / len(predicted_steps)
-        curve = sorted(hardware.linear_flops_by_rows.get(dtype, {}).items()) or [
-            (ENGINE_PREFILL_ROWS, hardware.linear_prefill_flops.get(dtype, 0.0))
+        curve = sorted(machine.linear_flops_by_rows.get(dtype, {}).items()) or [
+            (ENGINE_PREFILL_ROWS, machine.linear_prefill_flops.get(dtype, 0.0))
         ]
         notes.append(f"tuili's {dtype} linears measured here stream weights at "
-                     f"{hardware.linear_stream_bandwidth[dtype] / 1e9:.1f} GB/s at one row and run "
+                     f"{machine.linear_stream_bandwidth[dtype] / 1e9:.1f} GB/s at one row and run "
                      f"{'/'.join(f'{rate / 1e12:.2f}' for _, rate in curve)} TFLOP/s at "
-                     f"{'/'.join(str(rows) for rows, _ in curve)} rows: "
+                     f"{'/'.join(str(rows) for rows, _ in curve)} rows{each_rank}: "
                      f"+{kernels * 1e3:.2f} ms per decode step, +{prefill.kernels * 1e3:.2f} ms in the prefill "
                      f"above the roofline")
     if inputs.packed_linears:
-        notes.append(f"packed int4 linears: their kernel at {hardware.int4_kernel_seconds_per_value * 1e9:.2f} ns "
+        notes.append(f"packed int4 linears: their kernel at {machine.int4_kernel_seconds_per_value * 1e9:.2f} ns "
                      f"per weight value and row; the prefill dequantizes them, {prefill.dequant * 1e3:.2f} ms at "
-                     f"{hardware.int4_dequant_seconds_per_value * 1e9:.2f} ns per value")
+                     f"{machine.int4_dequant_seconds_per_value * 1e9:.2f} ns per value")
     return MeasureReport(
         model=str(source.path), device=str(engine.device), dtype=working, hardware=hardware.name,
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
