@@ -46,7 +46,8 @@ def register(subparsers) -> None:
     plan.add_argument("--mbu", type=float, default=1.0, help="achievable share of bandwidth assumed (default 1)")
     plan.add_argument("--json", action="store_true", help="one flat JSON object in SI units")
     plan.add_argument("--measure", action="store_true",
-                      help="also run the engine here for this shape and compare (a small model on a CPU)")
+                      help="also run the engine here for this shape and compare (a small model on a CPU); with "
+                      "--tp/--pp it starts the other ranks here and compares their communication too")
     plan.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                       help="the engine's working dtype for --measure (default auto: bf16 on a CPU with bf16 "
                       "arithmetic, else float32; GGUF Q4_0/Q4_1/Q8_0 linears stay packed unless float32 "

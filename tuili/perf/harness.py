@@ -27,7 +27,10 @@ class StepLog:
 
 def build_engine(model: str, **options) -> tuple[LLMEngine, StepLog]:
     """The only way perf builds an engine: `model` (a checkpoint path) with LLM's `options`
-    (EngineConfig fields; LLM's offline defaults for the rest), with a StepLog attached."""
+    (EngineConfig fields; LLM's offline defaults for the rest), with a StepLog attached. With
+    `tensor_parallel_size` or `pipeline_parallel_size` above 1 this process becomes rank 0 and
+    starts the other ranks as worker processes on this machine; the caller ends them with
+    `engine.close()` on every path (the observer sees rank 0's steps, the whole group's)."""
     engine = LLM(model, **options).engine
     log = StepLog()
     engine.add_observer(log)

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 from tuili.errors import TuiliError
 from tuili.perf.checkpoint import ModelSource
 from tuili.perf.cost import CheckpointBytes, ModelCost
-from tuili.perf.formats import canonical_dtype
-from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec
-from tuili.perf.harness import build_engine
+from tuili.perf.formats import canonical_dtype, weight_format
+from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec, link
+from tuili.perf.harness import StepLog, build_engine
 from tuili.perf.meter import UtilizationMeter
-from tuili.perf.plan import PlanInputs, Roofline, SpeculativeStepCost, StepCost
-from tuili.perf.probe import mean_rates
+from tuili.perf.plan import PlanInputs, Roofline, SpeculativeStepCost, StepCost, allreduce_seconds
+from tuili.perf.probe import CPU_LINK, mean_rates
 from tuili.perf.speculation import Speculation, scaled_storage
 from tuili.sampling import SamplingParams
 
@@ -69,6 +69,9 @@ class MeasureReport:
     comparisons: list[Comparison]
     decode_steps: int
     notes: list[str] = field(default_factory=list)
+    tp: int = 1
+    pp: int = 1
+    link: str | None = None  # the link the communication was predicted over (None on one device)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -83,24 +86,68 @@ def measure(
     """Run the engine and compare. ``refresh`` (for this machine's own probe) measures the host's
     drifting rates again: it runs before and after the engine, and the predictions use the mean of
     the two, so that prediction and measurement see the same machine."""
-    if inputs.tp != 1 or inputs.pp != 1 or inputs.gpus != 1:
-        raise TuiliError("--measure runs on one device here: drop --tp, --pp and --gpus")
-    total = inputs.prompt + inputs.output
+    ranks = inputs.tp * inputs.pp
+    if inputs.gpus != ranks:
+        raise TuiliError(f"--measure runs one replica of --tp {inputs.tp} x --pp {inputs.pp} = {ranks} ranks on this "
+                         f"machine: --gpus {inputs.gpus} would be {inputs.gpus // ranks}; drop --gpus")
+    import torch
+
+    threads = torch.get_num_threads()  # the machine's, before the ranks split its cores
     spec = inputs.speculation
     engine, log = build_engine(
         str(source.path), device=device, dtype=dtype,
         max_num_batched_tokens=max(512, inputs.prompt * inputs.batch), max_num_seqs=inputs.batch,
-        max_model_len=total + 1, speculative_config=spec.config if spec is not None else None,
+        max_model_len=inputs.prompt + inputs.output + 1, speculative_config=spec.config if spec is not None else None,
+        tensor_parallel_size=inputs.tp, pipeline_parallel_size=inputs.pp,
     )
+    try:
+        return _measure(engine, log, source, cost, hardware, inputs, refresh, threads)
+    finally:
+        engine.close()  # stops the worker ranks (nothing to do on one device)
+        torch.set_num_threads(threads)  # rank 0 gave up the cores its workers took
+
+
+def _measure(
+    engine: LLMEngine, log: StepLog, source: ModelSource, cost: ModelCost, hardware: HardwareSpec,
+    inputs: PlanInputs, refresh: Callable[[], HardwareSpec] | None, threads: int,
+) -> MeasureReport:  # fmt: skip
+    import torch
+
+    ranks = inputs.tp * inputs.pp
+    spec = inputs.speculation
     working = canonical_dtype(str(engine.dtype))
     packed = _packed_compute_dtype(engine.model)
-    inputs = replace(inputs, weights=engine_storage(engine.model), kv_dtype=working, conv_state_dtype=working,
+    if ranks > 1 and (packed or engine.weights_quantized):
+        raise TuiliError(f"--measure with --tp {inputs.tp} --pp {inputs.pp} plans float weights, but the engine holds "
+                         f"quantized linears ({engine.weights_quantized or packed}): give --dtype float32, or "
+                         f"measure them on one device")
+    # Under TP or PP rank 0 holds a shard or a stage: the plan takes the whole model in the
+    # engine's working dtype (what each rank holds a part of), which the cost model then splits.
+    weights = engine_storage(engine.model) if ranks == 1 else weight_format(working)
+    inputs = replace(inputs, weights=weights, kv_dtype=working, conv_state_dtype=working,
                      compute_dtype=packed or working, packed_linears=packed is not None)
+    if ranks > 1 and inputs.link is None and engine.device.type == "cpu":
+        inputs = replace(inputs, link=link(CPU_LINK))
+    if ranks > 1 and inputs.link is None and hardware.interconnect is None:
+        raise TuiliError(f"--tp {inputs.tp} --pp {inputs.pp} on {engine.device}: {hardware.name} names no link "
+                         f"between its devices; give --link")
     if spec is not None:
         inputs = replace(inputs, speculation=_engine_speculation(engine, cost, spec, inputs.weights))
+
+    def refreshed() -> HardwareSpec:
+        # The machine's rates, taken with all its cores (rank 0 runs on its share of them) while
+        # the worker ranks wait for a step.
+        assert refresh is not None
+        torch.set_num_threads(threads)
+        try:
+            return refresh()
+        finally:
+            torch.set_num_threads(engine_threads)
+
+    engine_threads = torch.get_num_threads()
     probed = hardware
     if refresh is not None:
-        hardware = refresh()
+        hardware = refreshed()
     weight_bytes = engine.weight_bytes()
     decode_weight_bytes = engine.decode_weight_bytes()
     kv_per_token = engine.pool.kv_bytes_per_token
@@ -108,7 +155,7 @@ def measure(
     if packed:
         notes.append(f"the engine holds its linears quantized ({engine.weights_quantized}) and multiplies them in "
                      f"{packed}: the compute peak is {packed}'s")
-    if decode_weight_bytes != cost.decode_weight_bytes(inputs.weights):
+    if ranks == 1 and decode_weight_bytes != cost.decode_weight_bytes(inputs.weights):
         notes.append(f"a decode step of the engine reads {decode_weight_bytes} bytes of weights, the cost model "
                      f"counts {cost.decode_weight_bytes(inputs.weights)}")
     if hardware.estimated:
@@ -120,14 +167,19 @@ def measure(
     def prompt_ids() -> dict:
         return {"prompt_token_ids": [rng.randrange(vocab) for _ in range(inputs.prompt)]}
 
-    def run(requests: int, max_tokens: int, meter: UtilizationMeter, decode_log: list) -> float:
-        """Run ``requests`` fresh requests to completion; return the first token's delay."""
+    def run(requests: int, max_tokens: int, meter: UtilizationMeter, decode_log: list,
+            decode_comm: list | None = None) -> tuple[float, float]:  # fmt: skip
+        """Run ``requests`` fresh requests to completion; return the first token's delay and the
+        seconds rank 0 spent communicating. Each pure decode step's own communication is
+        appended to ``decode_comm``."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+        comm_start = engine.communication_seconds()
         start = time.perf_counter()
         for _ in range(requests):
             engine.add_request(prompt_ids(), params)
         first_token = None
         while engine.has_unfinished_requests():
+            comm = engine.communication_seconds()
             t0 = time.perf_counter()
             outputs = engine.step()
             seconds = time.perf_counter() - t0
@@ -138,35 +190,51 @@ def measure(
                               record.draft_forwards)
             if (decodes or record.verify_chunks) and not chunks:
                 decode_log.append((decodes, record.verify_chunks, record.draft_forwards, seconds))
+                if decode_comm is not None:
+                    decode_comm.append(engine.communication_seconds() - comm)
             if first_token is None and outputs:
                 first_token = time.perf_counter() - start
-        return first_token or 0.0
+        return first_token or 0.0, engine.communication_seconds() - comm_start
 
     def new_meter() -> UtilizationMeter:
         # The engine's decode_weight_bytes is one sequence's; a mixture of experts reads more
         # experts as the batch grows, which the meter takes from the cost model's read fraction.
+        # Under TP or PP the report takes the prefill's FLOPs and seconds from the meter and
+        # sets them against all the ranks' devices; the meter's MBU, from rank 0's bytes, is unused.
         return UtilizationMeter(cost, hardware, weight_bytes, kv_per_token, compute_dtype=inputs.compute_dtype,
                                 decode_weight_bytes=None if cost.shape.moe is not None else decode_weight_bytes,
                                 draft_weight_bytes=engine.draft_weight_bytes())
 
     run(1, 2, new_meter(), [])  # warm-up: first calls allocate and pick kernels
-    if spec is not None:
+    if spec is not None or ranks > 1:
         # A speculating engine captures a CPU graph per shape of verification rows and per draft
-        # batch the first time it meets one: a warm-up run of the measured shape meets most of
-        # them, so that the timed steps are steps, not captures.
+        # batch the first time it meets one, as tensor-parallel ranks capture their decode steps
+        # per batch size: a warm-up run of the measured shape meets most of them, so that the
+        # timed steps are steps (and their collectives once each), not captures.
         run(inputs.batch, inputs.output, new_meter(), [])
     prefill_meter = new_meter()
     # The median of a few: one prompt's time swings with the host's load from one run to the next.
-    ttft = sorted(run(1, 1, prefill_meter, []) for _ in range(TTFT_RUNS))[TTFT_RUNS // 2]
-    decode_meter, decode_log = new_meter(), []
-    run(inputs.batch, inputs.output, decode_meter, decode_log)
+    lone = [run(1, 1, prefill_meter, []) for _ in range(TTFT_RUNS)]
+    ttft = sorted(t for t, _ in lone)[TTFT_RUNS // 2]
+    prefill_comm = sorted(c for _, c in lone)[TTFT_RUNS // 2]
+    decode_meter, decode_log, decode_comm = new_meter(), [], []
+    run(inputs.batch, inputs.output, decode_meter, decode_log, decode_comm)
     if not decode_log:
         raise TuiliError("the run had no pure decode step to measure: use --output 2 or more")
-    metered = hardware  # the rates the meters' MFU and MBU were taken against
+    metered = hardware  # the rates taken before the runs
     if refresh is not None:
-        after = refresh()
+        after = refreshed()
         hardware = mean_rates(metered, after)
         notes.append(_drift_note(probed, metered, after, inputs.compute_dtype))
+    # MFU and MBU are taken against all the ranks' devices together: on a CPU the one machine they
+    # share (each rank predicted at its share of it), on GPUs a device per rank.
+    machine = hardware
+    devices = 1
+    if ranks > 1 and engine.device.type == "cpu":
+        hardware = shared_by(machine, ranks)
+        notes.append(_ranks_note(engine, inputs, machine, threads, engine_threads))
+    elif ranks > 1:
+        devices = ranks
     roof = Roofline(cost, hardware, inputs)
 
     # Each step as it was scheduled: a speculating engine's verification chunks, plain decodes
@@ -176,8 +244,11 @@ def measure(
     measured_step = sum(s for *_, s in decode_log) / len(decode_log)
     predicted_step = sum(p.seconds for p in predicted_steps) / len(predicted_steps)
     roofline_step = sum(_roofline(p) for p in predicted_steps) / len(predicted_steps)
-    step_bytes = sum(p.bytes for p in predicted_steps)
-    bandwidth = hardware.memory_bandwidth
+    # All ranks' bytes: each of the tp ranks of a stage reads its share, and the stages' shares
+    # add up to the whole model.
+    step_bytes = sum(p.bytes for p in predicted_steps) * inputs.tp
+    bandwidth = machine.memory_bandwidth * devices
+    peak = machine.flops(inputs.compute_dtype) * devices
     predicted_mbu = step_bytes / sum(p.seconds for p in predicted_steps) / bandwidth
     measured_mbu = step_bytes / sum(s for *_, s in decode_log) / bandwidth
     prefill = roof.prefill(0, inputs.prompt)
@@ -185,43 +256,117 @@ def measure(
         Comparison("TTFT", "s", prefill.seconds, ttft),
         Comparison("TTFT, roofline alone", "s", prefill.roofline, ttft),
         Comparison("prefill MFU", "fraction",
-                   prefill.flops / prefill.seconds / hardware.flops(inputs.compute_dtype),
-                   (prefill_meter.prefill_mfu or 0.0) * metered.flops(inputs.compute_dtype)
-                   / hardware.flops(inputs.compute_dtype)),
+                   prefill.flops / prefill.seconds / peak,
+                   # the meter's own MFU is None above its peak: the rate against the mean rates here
+                   prefill_meter.prefill_flops / prefill_meter.prefill_seconds / peak),
         Comparison("decode step", "s", predicted_step, measured_step),
         Comparison("decode step, roofline alone", "s", roofline_step, measured_step),
         Comparison("decode MBU", "fraction", predicted_mbu, measured_mbu),
     ]
+    if ranks > 1:
+        predicted_comm = [_rank0_comm(roof, cost, inputs, len(decodes), len(decodes)) for decodes, *_ in decode_log]
+        comparisons += [
+            Comparison("communication per decode step", "s", sum(predicted_comm) / len(predicted_comm),
+                       sum(decode_comm) / len(decode_comm)),
+            Comparison("communication in the prefill", "s", _rank0_comm(roof, cost, inputs, 1, inputs.prompt),
+                       prefill_comm),
+        ]
+        notes.append(_communication_note(inputs, roof))
     if spec is not None:
         notes.append(_speculation_note(engine, inputs, decode_log, predicted_steps))
-    if hardware.host_overhead_seconds:
+    # The notes give the machine's figures (a rank sharing it predicted at its share, above).
+    each_rank = f"; each of the {ranks} ranks at 1/{ranks} of these" if hardware is not machine else ""
+    if machine.host_overhead_seconds:
         notes.append(f"host overhead {_overhead(predicted_steps[0]) * 1e3:.2f} ms per decode step, "
                      f"{prefill.overhead * 1e3:.2f} ms in the prefill ({cost.shape.num_layers} layers; "
-                     + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in hardware.host_overhead_seconds.items()) + ")")
+                     + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in machine.host_overhead_seconds.items()) + ")")
     else:
-        notes.append(f"{hardware.name} has no measured host overheads: the predictions are the roofline alone; "
+        notes.append(f"{machine.name} has no measured host overheads: the predictions are the roofline alone; "
                      f"run `tuili probe` to measure them")
     dtype = inputs.compute_dtype
-    if not inputs.packed_linears and dtype in hardware.linear_stream_bandwidth:
+    if not inputs.packed_linears and dtype in machine.linear_stream_bandwidth:
         kernels = sum(_step_cost(p).kernels for p in predicted_steps) / len(predicted_steps)
-        curve = sorted(hardware.linear_flops_by_rows.get(dtype, {}).items()) or [
-            (ENGINE_PREFILL_ROWS, hardware.linear_prefill_flops.get(dtype, 0.0))
+        curve = sorted(machine.linear_flops_by_rows.get(dtype, {}).items()) or [
+            (ENGINE_PREFILL_ROWS, machine.linear_prefill_flops.get(dtype, 0.0))
         ]
         notes.append(f"tuili's {dtype} linears measured here stream weights at "
-                     f"{hardware.linear_stream_bandwidth[dtype] / 1e9:.1f} GB/s at one row and run "
+                     f"{machine.linear_stream_bandwidth[dtype] / 1e9:.1f} GB/s at one row and run "
                      f"{'/'.join(f'{rate / 1e12:.2f}' for _, rate in curve)} TFLOP/s at "
-                     f"{'/'.join(str(rows) for rows, _ in curve)} rows: "
+                     f"{'/'.join(str(rows) for rows, _ in curve)} rows{each_rank}: "
                      f"+{kernels * 1e3:.2f} ms per decode step, +{prefill.kernels * 1e3:.2f} ms in the prefill "
                      f"above the roofline")
     if inputs.packed_linears:
-        notes.append(f"packed int4 linears: their kernel at {hardware.int4_kernel_seconds_per_value * 1e9:.2f} ns "
+        notes.append(f"packed int4 linears: their kernel at {machine.int4_kernel_seconds_per_value * 1e9:.2f} ns "
                      f"per weight value and row; the prefill dequantizes them, {prefill.dequant * 1e3:.2f} ms at "
-                     f"{hardware.int4_dequant_seconds_per_value * 1e9:.2f} ns per value")
+                     f"{machine.int4_dequant_seconds_per_value * 1e9:.2f} ns per value")
     return MeasureReport(
         model=str(source.path), device=str(engine.device), dtype=working, hardware=hardware.name,
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
-        comparisons=comparisons, decode_steps=len(decode_log), notes=notes,
+        comparisons=comparisons, decode_steps=len(decode_log), notes=notes, tp=inputs.tp, pp=inputs.pp,
+        link=roof.link.name if ranks > 1 and roof.link is not None else None,
     )
+
+
+def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
+    """One of ``ranks`` ranks on ``machine``, splitting its cores (each runs cores / ranks
+    threads) and its memory: every rate of the machine divided by the ranks, its packed kernels'
+    seconds per value multiplied by them. Host overheads stay: each rank runs a whole step's
+    Python. Under TP the ranks run at once, so a step's roofline equals the whole machine's;
+    under PP they run one after another on their share of the cores (docs/ruler.md §6)."""
+    def each(rates: dict) -> dict:
+        return {k: each(v) if isinstance(v, dict) else v / ranks for k, v in rates.items()}
+
+    return replace(
+        machine, name=f"{machine.name}, 1/{ranks} per rank", peak_flops=each(machine.peak_flops),
+        memory_bandwidth=machine.memory_bandwidth / ranks, memory_bytes=machine.memory_bytes // ranks,
+        int4_kernel_seconds_per_value=machine.int4_kernel_seconds_per_value * ranks,
+        int4_dequant_seconds_per_value=machine.int4_dequant_seconds_per_value * ranks,
+        linear_stream_bandwidth=each(machine.linear_stream_bandwidth),
+        linear_prefill_flops=each(machine.linear_prefill_flops), linear_flops_by_rows=each(machine.linear_flops_by_rows),
+        attention_flops_by_tokens=each(machine.attention_flops_by_tokens),
+        deltanet_prefill_flops=each(machine.deltanet_prefill_flops),
+    )
+
+
+def _rank0_comm(roof: Roofline, cost: ModelCost, inputs: PlanInputs, rows: int, tokens: int) -> float:
+    """Seconds rank 0 communicates in a step of ``tokens`` tokens sampling ``rows`` rows, as
+    `engine.communication_seconds()` counts them: under TP alone every all-reduce and the logits
+    gather (`Roofline.comm` for a decode step); under PP its stage transfers, plus, with TP in
+    each stage, the all-reduces of the first stage's layers and the embedding (the logits are
+    gathered on the last stage)."""
+    if inputs.pp == 1:
+        return roof.comm(rows) if tokens == rows else roof.prefill_comm(tokens) + roof.gather(rows)
+    transfers = roof.stage_transfer(rows, tokens)
+    assert transfers is not None and roof.link is not None  # a link is named or defaulted above
+    if inputs.tp == 1:
+        return transfers
+    first_stage_layers = sum(cost.stage_layer_kinds(inputs.pp)[0])
+    return transfers + (2 * first_stage_layers + 1) * allreduce_seconds(tokens * roof.hidden_bytes, inputs.tp, roof.link)
+
+
+def _ranks_note(engine: LLMEngine, inputs: PlanInputs, machine: HardwareSpec, threads: int, engine_threads: int) -> str:
+    ranks = inputs.tp * inputs.pp
+    held = engine.runner.weight_bytes_per_rank()
+    crowded = f" ({ranks} ranks on {threads} threads take turns)" if ranks * engine_threads > threads else ""
+    return (f"{ranks} ranks (--tp {inputs.tp} --pp {inputs.pp}) share this machine: {engine_threads} of its {threads} "
+            f"threads each{crowded}, and its memory bandwidth, so the predictions take each rank's rates as 1/{ranks} of "
+            f"{machine.name}'s; the decode step and TTFT are indicative, the communication is the point. MFU and "
+            f"MBU are the whole machine's. The ranks hold {', '.join(str(b) for b in held)} bytes of weights")
+
+
+def _communication_note(inputs: PlanInputs, roof: Roofline) -> str:
+    """How the communication rows were measured and predicted."""
+    assert roof.link is not None
+    note = (f"communication: rank 0's seconds in collectives (engine.communication_seconds()) around each pure "
+            f"decode step and around the lone prompt's step (median of {TTFT_RUNS}), against the ruler's over "
+            f"{roof.link.name} ({roof.link.bandwidth / 1e9:g} GB/s, {roof.link.latency * 1e6:g} µs); the ruler counts "
+            f"bf16 activations and logits, the engine sends its working dtype and gathers float32 logits; each collective waits for the last rank to "
+            f"arrive, so the measured time holds the ranks' skew too (on a loaded machine, most of it)")
+    if inputs.pp > 1:
+        note += ("; under PP rank 0's communication includes its waits for the later stages to run their layers "
+                 "(docs/engine.md), so it exceeds the transfers, and the stages send over gloo (TCP on this "
+                 "machine), not the shared-memory link: give --link for another")
+    return note
 
 
 def _step_cost(step: StepCost | SpeculativeStepCost) -> StepCost:
@@ -357,7 +502,8 @@ def format_measurement(r: MeasureReport) -> str:
 
     lines = [
         f"measured {r.model} on {r.device} ({r.dtype}) against {r.hardware} [{r.hardware_origin}]",
-        f"prompt {r.prompt}, output {r.output}, batch {r.batch}; {r.decode_steps} decode steps timed",
+        f"prompt {r.prompt}, output {r.output}, batch {r.batch}; {r.decode_steps} decode steps timed"
+        + (f"; --tp {r.tp} --pp {r.pp}, communication over {r.link}" if r.tp * r.pp > 1 else ""),
         f"{'':<38}{'predicted':>12}{'measured':>12}{'error':>9}",
     ]
     for c in r.comparisons:

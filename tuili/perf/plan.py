@@ -32,6 +32,9 @@ from tuili.perf.speculation import Speculation
 # 10-20% for activations plus a few hundred MB to 1 GB for the framework.
 DEFAULT_RESERVE_FRACTION = 0.10
 ACTIVATION_DTYPE = "bf16"  # what crosses the link in a tensor-parallel all-reduce
+# The fewest tokens the engine puts in one pipeline micro-batch (tuili/parallel/pipeline_runner.py
+# MIN_MICRO_BATCH_TOKENS, which a test keeps equal): a decode step of fewer sequences runs whole.
+PIPELINE_MICRO_BATCH_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class PlanInputs:
     speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "tp", "pp", "context", "prompt", "output", "batch"):
+        for name in ("tp", "pp", "gpus", "context", "prompt", "output", "batch"):  # --gpus defaults to tp x pp
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TuiliError(f"--{name} {value!r} is invalid: expected an integer >= 1")
@@ -286,7 +289,7 @@ class Roofline:
         flops = cost.prefill_flops(start, length)
         weights = cost.decode_weight_bytes(self.inputs.weights, length, tp)
         nbytes = weights + self.kv_token_device * length
-        comm = self.allreduces * allreduce_seconds(length * self.hidden_bytes, tp, self.link) if tp > 1 else 0.0
+        comm = self.prefill_comm(length)
         attention = cost.prefill_attention_flops(start, length)
         state = cost.prefill_state_flops(length)
         return self._step(flops, nbytes, weights, Step(prefill=True, tokens=length), comm, attention, state)
@@ -365,10 +368,23 @@ class Roofline:
         if self.tp == 1:
             return 0.0
         assert self.link is not None
+        return self.allreduces * allreduce_seconds(batch * self.hidden_bytes, self.tp, self.link) + self.gather(batch)
+
+    def gather(self, rows: int) -> float:
+        """Seconds to gather ``rows`` rows of the vocabulary-parallel lm_head's logits on one device."""
+        if self.tp == 1:
+            return 0.0
+        assert self.link is not None
         tp, over = self.tp, self.link
-        # the vocabulary-parallel lm_head's logits are gathered on one device
-        gather = (tp - 1) * over.latency + (tp - 1) / tp * self._logits_bytes(batch) / over.bandwidth
-        return self.allreduces * allreduce_seconds(batch * self.hidden_bytes, tp, over) + gather
+        return (tp - 1) * over.latency + (tp - 1) / tp * self._logits_bytes(rows) / over.bandwidth
+
+    def prefill_comm(self, length: int) -> float:
+        """Seconds of tensor-parallel all-reduces in a ``length``-token prefill (its few sampled
+        rows' logits gather is not counted: `gather`)."""
+        if self.tp == 1:
+            return 0.0
+        assert self.link is not None
+        return self.allreduces * allreduce_seconds(length * self.hidden_bytes, self.tp, self.link)
 
     def comm_bytes(self, batch: int) -> float:
         """Bytes one device sends in one decode step: 2 (n-1)/n of each all-reduced message
@@ -378,25 +394,31 @@ class Roofline:
         tp = self.tp
         return 2 * (tp - 1) / tp * self.allreduces * batch * self.hidden_bytes + (tp - 1) / tp * self._logits_bytes(batch)
 
-    def stage_transfer_bytes(self, batch: int) -> float:
-        """Bytes a pipeline-parallel decode step of ``batch`` sequences sends between stages: each
-        of the pp - 1 hops carries the residual stream (two hidden vectors per sequence), and
-        the last stage sends the float32 logits back to the first (0 without a pipeline)."""
+    def stage_transfer_bytes(self, batch: int, tokens: int | None = None) -> float:
+        """Bytes a pipeline-parallel step sends between stages: each of the pp - 1 hops carries
+        the residual stream (two hidden vectors per token; ``tokens`` defaults to ``batch``, a
+        decode step), and the last stage sends the ``batch`` sampled rows' float32 logits back to
+        the first (0 without a pipeline)."""
         pp = self.inputs.pp
         if pp == 1:
             return 0.0
-        return (pp - 1) * batch * 2 * self.hidden_bytes + batch * self.cost.shape.vocab_size * 4
+        tokens = batch if tokens is None else tokens
+        return (pp - 1) * tokens * 2 * self.hidden_bytes + batch * self.cost.shape.vocab_size * 4
 
-    def stage_transfer(self, batch: int) -> float | None:
-        """Seconds of those transfers over the link, one after another (a latency per hop and
-        micro-batch, the engine cutting a step into up to pp micro-batches); None without a link."""
+    def stage_transfer(self, batch: int, tokens: int | None = None) -> float | None:
+        """Seconds of those transfers over the link, one after another: a latency per hop and
+        micro-batch, the engine cutting a step of ``tokens`` tokens into micro-batches of at least
+        PIPELINE_MICRO_BATCH_TOKENS, at most pp of them (a decode step of fewer than twice that
+        many sequences is one); None without a link."""
         pp = self.inputs.pp
         if pp == 1:
             return 0.0
         if self.link is None:
             return None
-        messages = min(batch, pp) * pp  # pp - 1 hops forward and one back, per micro-batch
-        return messages * self.link.latency + self.stage_transfer_bytes(batch) / self.link.bandwidth
+        tokens = batch if tokens is None else tokens
+        micro_batches = max(1, min(pp, tokens // PIPELINE_MICRO_BATCH_TOKENS))
+        messages = micro_batches * pp  # pp - 1 hops forward and one back, per micro-batch
+        return messages * self.link.latency + self.stage_transfer_bytes(batch, tokens) / self.link.bandwidth
 
     def _logits_bytes(self, batch: int) -> float:
         return batch * self.cost.shape.vocab_size * dtype_bytes(ACTIVATION_DTYPE)
