@@ -3,7 +3,9 @@
 One module owns every way a model's output matrix is held, so that the model file says only
 "the logits are `lm_head(hidden)`". The loader's weight plan builds it whole:
 
-- `projection` multiplies by the output matrix: a float `Linear` over it (for tied embeddings
+- `projection` multiplies by the output matrix: in bf16 on a CPU whose kernels read 16-row
+  panels, a `PanelLinear` (for tied embeddings the table itself, held once: the token lookup
+  reads its rows back from the panels, `PanelEmbedding`); else a float `Linear` over it (tied:
   the embedding table itself, one tensor for both), or a quantized linear (`--quantization`);
 - `decode_copy`, when present, is a quantized copy of the same matrix (a GGUF file run packed),
   which its native GEMV reads in fewer bytes than the float matrix: it serves steps of up to
