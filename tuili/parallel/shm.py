@@ -46,7 +46,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -164,12 +164,7 @@ class SharedMemoryLink:
     def _torch_all_reduce(self, flat: torch.Tensor) -> None:
         """The native all-reduce's exchanges for the dtypes it does not take (float16)."""
         self._refuse_capture("float16 all-reduce")
-        per_chunk = SLOT_BYTES // flat.element_size()
-        for start in range(0, flat.numel(), per_chunk):
-            chunk = flat[start:start + per_chunk]
-            seq = self._begin()
-            self._slot(seq, self.rank, chunk).copy_(chunk)
-            self._arrive(seq)
+        for _, chunk, seq in self._published(flat):
             self._wait(seq, 0, self.world)
             total = self._slot(seq, 0, chunk).float()
             for r in range(1, self.world):
@@ -181,12 +176,7 @@ class SharedMemoryLink:
         self._refuse_capture("gather")
         flat = tensor.contiguous().view(-1)
         pieces = [torch.empty_like(flat) for _ in range(self.world)] if self.rank == 0 else None
-        per_chunk = SLOT_BYTES // flat.element_size()
-        for start in range(0, flat.numel(), per_chunk):
-            chunk = flat[start:start + per_chunk]
-            seq = self._begin()
-            self._slot(seq, self.rank, chunk).copy_(chunk)
-            self._arrive(seq)
+        for start, chunk, seq in self._published(flat):
             if pieces is not None:
                 self._wait(seq, 0, self.world)
                 for r, piece in enumerate(pieces):
@@ -229,6 +219,17 @@ class SharedMemoryLink:
         being captured could not replay it. Every rank refuses at the same call."""
         if kernels.is_recording():
             raise GraphCaptureError(f"the shared-memory {what} is driven from Python, so a replay would skip it")
+
+    def _published(self, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, int]]:
+        """Each slot-sized chunk of `flat`, once written to this rank's slot and arrived at, as
+        (its first element, the chunk, its exchange number)."""
+        per_chunk = SLOT_BYTES // flat.element_size()
+        for start in range(0, flat.numel(), per_chunk):
+            chunk = flat[start:start + per_chunk]
+            seq = self._begin()
+            self._slot(seq, self.rank, chunk).copy_(chunk)
+            self._arrive(seq)
+            yield start, chunk, seq
 
     def _begin(self, writes: bool = True) -> int:
         """The next exchange's number; for a rank that writes its slot, once the slot is free
