@@ -44,6 +44,7 @@ PARENT_ENV = "TUILI_TP_PARENT_PID"
 # An idle worker waits for the next step without limit (long idle periods are normal).
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=30)
 STOP_WAIT_SECONDS = 10.0
+STOP = "stop"  # the message that ends the other ranks' serve() loops
 
 
 class WorkerLostError(TuiliError):
@@ -251,7 +252,7 @@ class TensorParallelGroup:
         self._stopping = True
         if self.failure is None and self.rank == 0:
             try:
-                self.broadcast(("stop",))
+                self.broadcast((STOP,))
             except WorkerLostError:
                 pass
         for group in (self, *self.children):

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from tuili.engine.block_manager import BlockCopies
 from tuili.engine.pool import PoolPlan
 from tuili.engine.prompt_logprobs import (
     PromptLogprobs,
@@ -34,12 +33,13 @@ from tuili.engine.prompt_logprobs import (
     score,
     score_rows,
 )
-from tuili.engine.runner import ModelRunner, RunnerConfig
+from tuili.engine.runner import RunnerConfig
 from tuili.engine.scheduler import ScheduledSeq
 from tuili.parallel.group import TensorParallelGroup
 from tuili.parallel.pipeline import StageNetwork
+from tuili.parallel.ranked_runner import RankedRunner
 
-_EXECUTE, _COPY, _WEIGHTS, _STOP = "execute", "copy", "weights", "stop"
+_EXECUTE = "execute"
 # A step is cut into micro-batches of at least this many tokens. Each micro-batch makes every
 # stage read all its weights once more, so a small one is weight-streaming-bound and costs
 # more than the overlap it buys: on the 2-core test machine, PP=2 over SmolLM2, decode steps of 4
@@ -74,22 +74,15 @@ class MicroBatch:
     spans: list[PromptSpan]
 
 
-class PipelineModelRunner(ModelRunner):
+class PipelineModelRunner(RankedRunner):
     def __init__(self, model: StageNetwork, pool: PoolPlan, config: RunnerConfig, group: TensorParallelGroup) -> None:
-        super().__init__(model, pool, config)  # type: ignore[arg-type]
+        super().__init__(model, pool, config, group)  # type: ignore[arg-type]
         self.stage = model.stage
-        self.group = group
         self.hidden_size = model.config.hidden_size
         self.vocab_size = model.config.vocab_size
         self.dtype = config.dtype
 
     # -- rank 0 --------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def copy_blocks(self, copies: BlockCopies) -> None:
-        if copies:
-            self.group.broadcast((_COPY, copies))
-        super().copy_blocks(copies)
 
     @torch.inference_mode()
     def sample_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -114,11 +107,6 @@ class PipelineModelRunner(ModelRunner):
         logits = self._run(micro, False)[0]
         assert logits is not None
         return logits
-
-    def weight_bytes_per_rank(self) -> list[int]:
-        """Bytes of weights each stage holds (measured by each rank over its own modules)."""
-        self.group.broadcast((_WEIGHTS,))
-        return self.group.gather_objects(self.weight_bytes())
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights this stage reads in a decode step of one sequence: all its weights
@@ -202,21 +190,9 @@ class PipelineModelRunner(ModelRunner):
                        if rows else None)
         return out
 
-    @torch.inference_mode()
-    def serve(self) -> None:
-        """A stage other than the first: run rank 0's steps until it says stop (a lost rank
-        raises WorkerLostError)."""
-        while True:
-            message = self.group.broadcast(None)
-            kind = message[0]
-            if kind == _STOP:
-                return
-            if kind == _COPY:
-                super().copy_blocks(message[1])
-            elif kind == _WEIGHTS:
-                self.group.gather_objects(self.weight_bytes())
-            else:
-                self._run(message[1], message[2])
+    def _handle(self, message: tuple) -> None:
+        """A stage other than the first: run rank 0's micro-batches."""
+        self._run(message[1], message[2])
 
 
 def split_batch(

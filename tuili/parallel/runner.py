@@ -3,7 +3,7 @@
 Each step rank 0 prepares the flat batch inputs as ModelRunner does (token ids, positions,
 attention metadata, the rows to sample), broadcasts them, and every rank runs its shard of the
 forward (the all-reduces inside it keep the ranks in step); the logits are gathered to rank 0,
-which samples. Workers run `serve()`: the same forwards on rank 0's inputs until told to stop.
+which samples. Workers run `serve()` (ranked_runner.py): the same forwards on rank 0's inputs until told to stop.
 Pure decode steps replay CPU graphs where the group's all-reduce is the native shared-memory
 one (tuili/parallel/shm.py), which a graph records like any kernel: rank 0 sends the step's
 plain inputs (DecodeStep) and every rank replays its own graph. Over gloo every step is eager.
@@ -13,29 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from tuili.engine.block_manager import BlockCopies
 from tuili.engine.decode_graphs import DecodeStep
-from tuili.engine.pool import PoolPlan
 from tuili.engine.prompt_logprobs import PromptLogprobs, PromptSpan, project_blocks, score, score_rows
-from tuili.engine.runner import CausalLM, ModelRunner, RunnerConfig
 from tuili.engine.scheduler import ScheduledSeq
-from tuili.parallel.group import TensorParallelGroup
+from tuili.parallel.ranked_runner import RankedRunner
 
-_EXECUTE, _GRAPH, _SCORE, _LOGITS, _COPY, _WEIGHTS, _STOP = (
-    "execute", "graph", "score", "logits", "copy", "weights", "stop")
+_EXECUTE, _GRAPH, _SCORE, _LOGITS = "execute", "graph", "score", "logits"
 
 
-class ParallelModelRunner(ModelRunner):
-    def __init__(self, model: CausalLM, pool: PoolPlan, config: RunnerConfig, group: TensorParallelGroup) -> None:
-        super().__init__(model, pool, config)
-        self.group = group
-
-    @torch.inference_mode()
-    def copy_blocks(self, copies: BlockCopies) -> None:
-        if copies:
-            self.group.broadcast((_COPY, copies))
-        super().copy_blocks(copies)
-
+class ParallelModelRunner(RankedRunner):
     def _replay(self, step: DecodeStep) -> torch.Tensor | None:
         """Every rank replays its shard's graph of the step (the all-reduces inside it; the
         logits gathered after it). A rank's graph runs the same collectives as its eager forward,
@@ -70,11 +56,6 @@ class ParallelModelRunner(ModelRunner):
         self.group.broadcast((_LOGITS, inputs))
         return self.model.compute_logits(self.model(*inputs[:3]))
 
-    def weight_bytes_per_rank(self) -> list[int]:
-        """Bytes of weights each rank holds (measured by each rank over its own modules)."""
-        self.group.broadcast((_WEIGHTS,))
-        return self.group.gather_objects(self.weight_bytes())
-
     def _forward(self, inputs: tuple, num_sampling: int) -> torch.Tensor | None:
         input_ids, positions, meta, sample_index = inputs
         return self._sample_rows(self.model(input_ids, positions, meta), sample_index, num_sampling)
@@ -86,27 +67,17 @@ class ParallelModelRunner(ModelRunner):
             hidden = hidden[sample_index]
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
-    def serve(self) -> None:
-        """A worker: run rank 0's steps until it says stop (a lost rank raises WorkerLostError)."""
-        while True:
-            message = self.group.broadcast(None)
-            kind = message[0]
-            if kind == _STOP:
-                return
-            if kind == _COPY:
-                super().copy_blocks(message[1])
-            elif kind == _WEIGHTS:
-                self.group.gather_objects(self.weight_bytes())
-            elif kind == _EXECUTE:
-                self._forward(message[1], message[2])
-            elif kind == _GRAPH:
-                super()._replay(message[1])
-            elif kind == _SCORE:
-                _, inputs, num_sampling, rows = message
-                hidden = self.model(*inputs[:3])
-                for _block in project_blocks(hidden, rows, self.model.compute_logits):
-                    pass  # rank 0 reduces the gathered logits
-                self._sample_rows(hidden, inputs[3], num_sampling)
-            else:
-                self.model.compute_logits(self.model(*message[1][:3]))
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == _EXECUTE:
+            self._forward(message[1], message[2])
+        elif kind == _GRAPH:
+            super()._replay(message[1])
+        elif kind == _SCORE:
+            _, inputs, num_sampling, rows = message
+            hidden = self.model(*inputs[:3])
+            for _block in project_blocks(hidden, rows, self.model.compute_logits):
+                pass  # rank 0 reduces the gathered logits
+            self._sample_rows(hidden, inputs[3], num_sampling)
+        else:
+            self.model.compute_logits(self.model(*message[1][:3]))

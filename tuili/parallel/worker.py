@@ -16,8 +16,7 @@ import sys
 from tuili.config import EngineConfig
 from tuili.engine.core import LLMEngine
 from tuili.parallel.group import CONFIG_ENV, WorkerLostError, under_torchrun
-from tuili.parallel.pipeline_runner import PipelineModelRunner
-from tuili.parallel.runner import ParallelModelRunner
+from tuili.parallel.ranked_runner import RankedRunner
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ def is_worker_rank(config: EngineConfig) -> bool:
 def run_worker(config: EngineConfig) -> int:
     engine = LLMEngine(config)
     runner = engine.runner
-    assert isinstance(runner, (ParallelModelRunner, PipelineModelRunner))
+    assert isinstance(runner, RankedRunner)
     try:
         runner.serve()
     except WorkerLostError as e:
