@@ -100,3 +100,29 @@ def abort_odd_requests():
                     self.engine.abort_request(out.request_id)
 
     return AbortOdd
+
+
+@pytest.fixture(scope="session")
+def assert_nothing_held():
+    """A check that an engine holds nothing after its requests ended: no request left, every KV
+    block free, and (a hybrid) every state slot and prefix-cache checkpoint, and (speculating
+    with a draft model) every draft block and shadow sequence."""
+
+    def check(llm) -> None:
+        engine = llm.engine
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        slots = engine.scheduler.state_slots
+        if slots is not None:
+            assert slots.num_free == slots.num_slots
+        checkpoints = engine.scheduler.checkpoints
+        if checkpoints is not None:
+            assert checkpoints.num_pending == 0
+            assert checkpoints.num_free + checkpoints.num_filed == checkpoints.num_checkpoints
+        proposer = engine.speculator.proposer if engine.speculator is not None else None
+        draft_blocks = getattr(proposer, "blocks", None)
+        if draft_blocks is not None:
+            assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
+            assert not proposer._shadows
+
+    return check

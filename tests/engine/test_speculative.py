@@ -40,17 +40,6 @@ def token_ids(outputs) -> list[list[int]]:
     return [c.token_ids for o in outputs for c in o.outputs]
 
 
-def assert_all_blocks_free(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    proposer = engine.speculator.proposer if engine.speculator is not None else None
-    draft_blocks = getattr(proposer, "blocks", None)
-    if draft_blocks is not None:
-        assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
-        assert not proposer._shadows
-
-
 @pytest.fixture(scope="module")
 def greedy_reference(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32")
@@ -60,7 +49,7 @@ def greedy_reference(tiny_llama):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "self_int8"])
 def test_greedy_output_is_unchanged_with_preemption_and_prefix_hits(method, tiny_llama, tiny_llama_draft,
-                                                                     greedy_reference):
+                                                                     greedy_reference, assert_nothing_held):
     # 12 blocks of 16 tokens for 4 sequences growing to 58-72 tokens: preemption is certain.
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=12 * 16 * 512, max_model_len=128, max_num_seqs=4,
               speculative_config=spec_configs(tiny_llama_draft)[method])
@@ -75,15 +64,15 @@ def test_greedy_output_is_unchanged_with_preemption_and_prefix_hits(method, tiny
     # Both paths ran many times: proposals kept and proposals rejected.
     assert spec.num_accepted_tokens > 10
     assert spec.num_proposed_tokens - spec.num_accepted_tokens > 3  # the int8 self-draft rarely misses
-    assert_all_blocks_free(llm)
+    assert_nothing_held(llm)
 
 
-def test_adaptive_greedy_output_is_unchanged(tiny_llama, greedy_reference):
+def test_adaptive_greedy_output_is_unchanged(tiny_llama, greedy_reference, assert_nothing_held):
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     assert token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)) == greedy_reference
     assert llm.engine.stats().spec.num_verifications > 0
-    assert_all_blocks_free(llm)
+    assert_nothing_held(llm)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +91,7 @@ def tokenizer_llama(tmp_path_factory, real_tokenizer_dirs):
     return path
 
 
-def test_sampling_parameters_behave_as_without_speculation(tokenizer_llama):
+def test_sampling_parameters_behave_as_without_speculation(tokenizer_llama, assert_nothing_held):
     """Penalties, logprobs, min_tokens, stop ids, stop strings and max_tokens landing inside a
     proposal: the same tokens, text, logprobs and finish as without speculation (greedy)."""
     base = LLM(str(tokenizer_llama), dtype="float32")
@@ -131,7 +120,7 @@ def test_sampling_parameters_behave_as_without_speculation(tokenizer_llama):
                 assert mine.keys() == theirs.keys()
                 assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
     assert spec.engine.stats().spec.num_accepted_tokens > 0
-    assert_all_blocks_free(spec)
+    assert_nothing_held(spec)
 
 
 def exact_pair_probabilities(path, prompt: list[int], temperature: float, top_k: int) -> dict[tuple[int, int], float]:
@@ -167,7 +156,7 @@ def copy_prompt(path, prompt: list[int], top_k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_outputs_keep_the_target_distribution(method, tiny_llama, tiny_llama_draft):
+def test_sampled_outputs_keep_the_target_distribution(method, tiny_llama, tiny_llama_draft, assert_nothing_held):
     """Chi-square goodness of fit of the first two sampled tokens (the second is always
     verified) against transformers' exact pair probabilities. 3000 seeded samples; the test
     rejects at p < 1e-4, so a correct sampler fails it for one seed set in 10,000."""
@@ -200,10 +189,10 @@ def test_sampled_outputs_keep_the_target_distribution(method, tiny_llama, tiny_l
     # Seeded requests are reproducible.
     again = llm.generate([{"prompt_token_ids": prompt}] * 20, params[:20])
     assert token_ids(again) == token_ids(outputs[:20])
-    assert_all_blocks_free(llm)
+    assert_nothing_held(llm)
 
 
-def test_no_blocks_leak_after_aborts_mid_draft_and_errors(tiny_llama, tiny_llama_draft, abort_odd_requests):
+def test_no_blocks_leak_after_aborts_mid_draft_and_errors(tiny_llama, tiny_llama_draft, abort_odd_requests, assert_nothing_held):
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=24 * 16 * 512, max_model_len=128,
               speculative_config=spec_configs(tiny_llama_draft)["draft_model"])
     engine = llm.engine
@@ -217,7 +206,7 @@ def test_no_blocks_leak_after_aborts_mid_draft_and_errors(tiny_llama, tiny_llama
         llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
                      [SamplingParams(), SamplingParams(max_tokens=0)])
     assert engine.stats().spec.num_proposed_tokens > engine.stats().spec.num_accepted_tokens
-    assert_all_blocks_free(llm)
+    assert_nothing_held(llm)
     # The engine still serves after all that.
     assert len(llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(max_tokens=5))[0].outputs[0].token_ids) == 5
 

@@ -47,24 +47,6 @@ def prompts(order=slice(None)) -> list[dict]:
     return [{"prompt_token_ids": p} for p in PROMPTS[order]]
 
 
-def assert_nothing_held(llm: LLM) -> None:
-    """Every KV block, state slot and draft-side block is free again."""
-    engine = llm.engine
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    slots = engine.scheduler.state_slots
-    assert slots.num_free == slots.num_slots
-    checkpoints = engine.scheduler.checkpoints
-    if checkpoints is not None:
-        assert checkpoints.num_pending == 0
-        assert checkpoints.num_free + checkpoints.num_filed == checkpoints.num_checkpoints
-    proposer = engine.speculator.proposer
-    draft_blocks = getattr(proposer, "blocks", None)
-    if draft_blocks is not None:
-        assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
-        assert not proposer._shadows
-
-
 @pytest.fixture(scope="module")
 def hybrid(tiny_hybrid_checkpoint):
     return tiny_hybrid_checkpoint("dense", INIT)
@@ -83,7 +65,7 @@ SPEC = {
 
 
 @pytest.mark.parametrize("method", list(SPEC))
-def test_greedy_output_is_unchanged_with_preemption_and_state_checkpoint_hits(method, hybrid, reference):
+def test_greedy_output_is_unchanged_with_preemption_and_state_checkpoint_hits(method, hybrid, reference, assert_nothing_held):
     k = SPEC[method]["num_speculative_tokens"]
     # State for 4 sequences (a slot and k verification rows each), 4 checkpoints and 12 KV blocks
     # for 4 sequences growing to 50-64 tokens (4 blocks each): preemption is certain.
@@ -132,7 +114,7 @@ def test_a_hybrid_drafts_state_is_rewound_to_where_the_texts_agree(hybrid):
     assert checked >= 5
 
 
-def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint):
+def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint, assert_nothing_held):
     path = str(tiny_hybrid_checkpoint("moe", INIT))
     want = token_ids(LLM(path, dtype="float32", kv_cache_memory=SMALL).generate(prompts()[:2], GREEDY))
     llm = LLM(path, dtype="float32", kv_cache_memory=SMALL, speculative_config=SPEC["ngram"])
@@ -142,7 +124,7 @@ def test_a_mixture_of_experts_target(tiny_hybrid_checkpoint):
     assert_nothing_held(llm)
 
 
-def test_the_portable_torch_path_keeps_the_accepted_state_too(hybrid, monkeypatch):
+def test_the_portable_torch_path_keeps_the_accepted_state_too(hybrid, monkeypatch, assert_nothing_held):
     """Without the native kernels a verification chunk runs the chunked rule in pieces cut at
     every saved position (tuili/layers/deltanet.py `_pieces`); float32 greedy text is the same."""
     monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
@@ -155,7 +137,7 @@ def test_the_portable_torch_path_keeps_the_accepted_state_too(hybrid, monkeypatc
     assert_nothing_held(llm)
 
 
-def test_bf16_on_the_native_path_is_unchanged_too(hybrid):
+def test_bf16_on_the_native_path_is_unchanged_too(hybrid, assert_nothing_held):
     """The DeltaNet kernels run a verification chunk token by token, as decodes: in bf16 the
     tokens and their logprobs are the same bits as without speculation."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -261,7 +243,7 @@ def test_the_mtp_step_matches_transformers_layers(hybrid_mtp):
         assert proposal == [first, int(hf.lm_head(y2[0, -1]).argmax())]
 
 
-def test_mtp_greedy_output_is_unchanged_with_preemption_and_prefix_hits(hybrid_mtp, reference):
+def test_mtp_greedy_output_is_unchanged_with_preemption_and_prefix_hits(hybrid_mtp, reference, assert_nothing_held):
     k = MTP["num_speculative_tokens"]
     memory = 4 * SLOT * (1 + k) + 4 * SLOT + 12 * BLOCK
     llm = LLM(str(hybrid_mtp), dtype="float32", kv_cache_memory=memory, max_model_len=128, max_num_seqs=4,
@@ -278,7 +260,7 @@ def test_mtp_greedy_output_is_unchanged_with_preemption_and_prefix_hits(hybrid_m
     assert not llm.engine.speculator.proposer._last
 
 
-def test_mtp_with_a_mixture_of_experts_target(tiny_hybrid_checkpoint, tmp_path):
+def test_mtp_with_a_mixture_of_experts_target(tiny_hybrid_checkpoint, tmp_path, assert_nothing_held):
     """Qwen3.5-MoE's MTP layer is a mixture of experts too (routed experts and a shared one)."""
     path = str(with_mtp(tiny_hybrid_checkpoint("moe", INIT), tmp_path / "moe_mtp"))
     want = token_ids(LLM(path, dtype="float32", kv_cache_memory=SMALL).generate(prompts(), GREEDY))
@@ -297,7 +279,7 @@ def test_mtp_without_mtp_weights_is_refused_by_name(checkpoint, hybrid, tiny_lla
         LLM(str(path), dtype="float32", kv_cache_memory=SMALL, speculative_config=MTP)
 
 
-def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid_mtp, reference, abort_odd_requests):
+def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid_mtp, reference, abort_odd_requests, assert_nothing_held):
     """With MTP proposals (and the hybrid's verification rows): greedy and sampled requests,
     some aborted mid-generation, one refused; every block, slot and kept MTP output is freed."""
     llm = LLM(str(hybrid_mtp), dtype="float32", kv_cache_memory=SMALL, max_model_len=128,
