@@ -299,3 +299,30 @@ def test_nothing_leaks_after_aborts_mid_draft_rejections_and_errors(hybrid_mtp, 
     assert not engine.speculator.proposer._last
     # The engine still serves, and greedy text is still the target's.
     assert token_ids(llm.generate(prompts()[2:3], GREEDY)) == reference[2:3]
+
+
+def test_mtp_from_a_gguf_file_written_by_llama_cpp(tmp_path, real_tokenizer_dirs, llama_cpp_convert, assert_nothing_held):
+    """A Qwen3.5 checkpoint with an MTP block, converted by llama.cpp's own converter (the block
+    becomes its `nextn.*` layer): speculating with it from the GGUF file keeps the greedy text of
+    the safetensors checkpoint without speculation, and its proposals are verified and kept.
+    The converter reads the vocabulary from Qwen3's tokenizer, so the model has its 151,936 rows."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256, initializer_range=INIT,
+    )  # fmt: skip
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    plain = tmp_path / "plain"
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(plain)
+    hf_dir = with_mtp(plain, tmp_path / "mtp")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real_tokenizer_dirs["qwen3"] / name, hf_dir / name)
+    gguf = llama_cpp_convert(hf_dir, tmp_path / "mtp-f32.gguf", "f32")
+
+    want = token_ids(LLM(str(plain), dtype="float32", kv_cache_memory=SMALL).generate(prompts(), GREEDY))
+    llm = LLM(str(gguf), dtype="float32", kv_cache_memory=SMALL, speculative_config=MTP)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == want
+    spec = llm.engine.stats().spec
+    assert spec.method == "mtp" and spec.num_verifications > 10 and spec.num_accepted_tokens > 0, spec
+    assert_nothing_held(llm)
