@@ -280,6 +280,31 @@ def test_adaptive_k_looks_again_after_switching_off_and_new_sequences_start_from
     assert fresh.choose([1], [4]) == [4]  # sequence 1 has no verifications: the overall rate
 
 
+def test_looks_that_leave_speculation_off_take_a_bounded_share_and_the_sequence_least_behind():
+    """Where verifying never pays, the first look comes after 16 plain steps and measures what it
+    cost (its proposals' time and its step beyond a plain one); each next look waits until the
+    plain steps took 1 / 0.02 of that, so looks take at most 2% of the time. A look drafts for the
+    sequence whose proposer has the fewest tokens to catch up (a draft model's shadow)."""
+    adaptive = AdaptiveK(max_k=4)
+    for rows, verified, seconds in [(3, False, 0.010), (7, True, 0.060), (5, True, 0.055)]:
+        adaptive.record_step(rows, verified, seconds)
+    gaps, looked, plain = [], [], 0
+    while len(gaps) < 3:
+        ks = adaptive.choose([1, 2, 3], [4] * 3, [100, 5, 60])
+        if any(ks):
+            gaps.append(plain)
+            looked.append(ks)
+            plain = 0
+            adaptive.record_proposals(0.0205)  # the draft's time for the look
+            adaptive.record_step(7, True, 0.060)  # still dear: speculation stays off
+        else:
+            plain += 1
+            adaptive.record_step(3, False, 0.010)
+    # a look costs 20.5 ms of proposals + 50 ms over a 10 ms plain step: 70.5 ms / 0.02 = 352.5 plain steps
+    assert gaps[0] == 16 and gaps[1:] == [353, 353], gaps
+    assert looked == [[0, 4, 0]] * 3
+
+
 def test_a_draft_forward_measured_for_one_sequence_does_not_make_a_batch_look_free():
     """The draft's cost per forward is fitted to the sequences it drafts for: seen only at one
     sequence it is taken as proportional, so 32 sequences' proposals are weighed at 32 times it."""

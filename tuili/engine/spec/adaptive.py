@@ -9,7 +9,8 @@ row costs. Two things are measured as the engine runs:
   Beta(1, 1) prior), so a new request of a workload that accepts well is proposed for at once;
   proposal j (1-based) then adds alpha^j expected tokens;
 * cost: the step time as a linear function of the rows computed, fitted by least squares to the
-  median time of each kind of recent step that only decoded or verified, with a separate constant for steps that verify
+  median time of each kind of recent step that only decoded or verified (the last `_HISTORY`
+  plain steps and the last `_HISTORY` verifying ones), with a separate constant for steps that verify
   (they run eagerly and attend through gathered blocks, where plain decodes may replay a CPU
   graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's forwards are
   paid once per proposal depth of the step, at a cost fitted the same way to the sequences they
@@ -24,7 +25,17 @@ all its proposals, then half of them. Once it has chosen to propose nothing, nei
 any acceptance would ever change again (a verification step's cost measured while it captured a
 CPU graph, or a new request's prior acceptance of 1/2, would switch speculation off for good), so
 after `_REEXPLORE_AFTER` steps without a verification one sequence verifies its proposals once
-more: at most one step in that many pays for a look.
+more. What a look costs is measured (its proposals' time and its step's time beyond the fitted
+plain step), and the next look waits until the plain steps since the last verification have
+taken 1 / `_LOOK_SHARE` times that: where speculation does not pay (a large batch, whose look
+turns the whole step eager and catches a draft's shadow up), looks take at most that share of
+the time.
+
+A draft model's shadow that has not proposed for a while must first compute the tokens it
+missed (its backlog: a chunk, the whole prompt the first time), which the per-step plan does not
+weigh: a sequence that speculates keeps its backlog at one or two tokens. Looks and the first
+exploration take the sequence with the smallest backlog, so a look at a large batch catches up
+the same shadow each time, over the tokens since its last look, not a new prompt.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import numpy as np
 _HISTORY = 64  # steps the cost fit remembers
 _DECAY_AT = 32.0  # acceptance counts are halved when their trials reach this
 _REEXPLORE_AFTER = 16  # steps without a verification before one sequence verifies again
+_LOOK_SHARE = 0.02  # ... and no sooner than the plain steps since then took a look's cost / this
 
 
 @dataclass
@@ -62,23 +74,31 @@ class AdaptiveK:
         self.adaptive = adaptive
         self._acceptance: dict[int, _Acceptance] = {}  # by seq_id
         self._overall = _Acceptance()  # every sequence's verifications: a new sequence's rate
-        self._steps: deque[tuple[int, bool, float]] = deque(maxlen=_HISTORY)  # (rows, verified, seconds)
+        # (rows, seconds) of recent steps, by whether they verified: kept apart, so that a long run
+        # of plain steps does not push the last verifications' costs out of the fit
+        self._steps: dict[bool, deque[tuple[int, float]]] = {v: deque(maxlen=_HISTORY) for v in (False, True)}
         self._draft: deque[tuple[int, float]] = deque(maxlen=_HISTORY)  # (sequences, seconds per forward)
         self._explore = 0
         self._steps_since_verified = 0
+        self._plain_seconds = 0.0  # time of the plain steps since the last verification
+        self._look_cost: float | None = None  # seconds the last look added (None: none measured)
+        self._look_rows: int | None = None  # the plain rows of the step now looking (None: none is)
+        self._proposal_seconds = 0.0  # the proposer's time in the step now being taken
 
-    def choose(self, seq_ids: list[int], limits: list[int]) -> list[int]:
-        """Proposals per decoding sequence this step, each at most its limit."""
+    def choose(self, seq_ids: list[int], limits: list[int], backlogs: list[int] | None = None) -> list[int]:
+        """Proposals per decoding sequence this step, each at most its limit; `backlogs`: the
+        tokens each sequence's proposer computes before proposing (None: none)."""
         if not self.adaptive or not seq_ids:
             return [min(self.max_k, lim) for lim in limits]
         full = [min(self.max_k, lim) for lim in limits]
+        backlogs = backlogs or [0] * len(full)
         fit = self._fit()
         if fit is None:  # explore: plain, then one sequence with full and with half its proposals
             self._explore += 1
             phase = self._explore % 3
             ks = [0] * len(full)
             if phase:
-                i = (self._explore // 3) % len(full)
+                i = min(range(len(full)), key=lambda i: (full[i] == 0, backlogs[i]))  # the cheapest to draft for
                 ks[i] = full[i] if phase == 1 else (full[i] + 1) // 2
             return ks
         c_plain, c_row, c_spec = fit
@@ -107,16 +127,33 @@ class AdaptiveK:
                 seconds += cost
             if any(ks) and tokens / seconds > best_rate:
                 best_rate, best = tokens / seconds, ks
-        if not any(best) and self._steps_since_verified >= _REEXPLORE_AFTER and any(full):
+        if not any(best) and any(full) and self._look_due():
             self._explore += 1
-            i = max(range(batch), key=lambda i: (full[i] > 0, rates[i]))  # the likeliest to gain
+            self._look_rows = batch
+            # the cheapest to draft for, then the likeliest to gain
+            i = min(range(batch), key=lambda i: (full[i] == 0, backlogs[i], -rates[i]))
             best[i] = full[i]
         return best
 
+    def _look_due(self) -> bool:
+        if self._steps_since_verified < _REEXPLORE_AFTER:
+            return False
+        return self._look_cost is None or self._plain_seconds * _LOOK_SHARE >= self._look_cost
+
+    def record_proposals(self, seconds: float) -> None:
+        """The proposer's time this step (drafting, a shadow's catch-up): a look's cost too."""
+        self._proposal_seconds = seconds
+
     def record_step(self, rows: int, verified: bool, seconds: float) -> None:
         """A step that only decoded or verified: `rows` positions computed in `seconds`."""
-        self._steps.append((rows, verified, seconds))
+        fit = self._fit()
+        if verified and self._look_rows is not None and fit is not None:
+            plain = fit[0] + fit[1] * self._look_rows
+            self._look_cost = max(seconds - plain, 0.0) + self._proposal_seconds
+        self._look_rows, self._proposal_seconds = None, 0.0
+        self._steps[verified].append((rows, seconds))
         self._steps_since_verified = 0 if verified else self._steps_since_verified + 1
+        self._plain_seconds = 0.0 if verified else self._plain_seconds + seconds
 
     def record_acceptance(self, seq_id: int, proposed: int, accepted: int) -> None:
         self._acceptance.setdefault(seq_id, _Acceptance()).add(proposed, accepted)
@@ -150,8 +187,9 @@ class AdaptiveK:
         count: a step that captured a CPU graph, or met another process on the core, is an
         outlier that must not move the fit."""
         groups: dict[tuple[int, bool], list[float]] = {}
-        for rows, verified, seconds in self._steps:
-            groups.setdefault((rows, verified), []).append(seconds)
+        for verified, steps in self._steps.items():
+            for rows, seconds in steps:
+                groups.setdefault((rows, verified), []).append(seconds)
         if not any(not verified for _, verified in groups) or len({r for r, v in groups if v}) < 2:
             return None
         keys = list(groups)

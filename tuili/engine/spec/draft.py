@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -55,6 +56,13 @@ class DraftModel:
         platform: Platform, dtype: torch.dtype, stop_tokens: StopTokens,
     ) -> None:  # fmt: skip
         path = target_path if spec.model == SELF_DRAFT else spec.model
+        if spec.adaptive:
+            # The draft never decides a token (the target verifies every one), and with adaptive k
+            # its proposals depend on the batch anyway: it runs the fastest kernel at every row
+            # count (an int4 catch-up chunk as AMX/oneDNN products, not in GEMV row blocks: 3x
+            # faster). With a fixed k it keeps the engine's setting, so that a seeded sampled
+            # request's proposals, and so its text, do not depend on the batch.
+            platform = dataclasses.replace(platform, batch_invariant=False)
         loaded = load_model(
             path, dtype, platform, pool.max_model_len, spec.quantization,
             packed_compute_dtype(config.dtype, platform.device, dtype),
@@ -94,6 +102,7 @@ class DraftModel:
         self._slot_depth: dict[int, int] = {}
         self._saved: dict[int, dict[int, int]] = {}
         self._restore: dict[int, int] = {}
+        self._forward_times: list[tuple[int, float]] = []  # (shadows, seconds) of one-token forwards
 
     def weight_bytes(self) -> int:
         """Bytes of weights one draft forward of one sequence reads."""
@@ -117,6 +126,7 @@ class DraftModel:
                 missing = shadow.num_tokens - shadow.num_computed_tokens
                 n = missing if missing > k + 1 else 1
                 batch.append(self._item(shadow, n, n == missing))
+            started = time.perf_counter()
             logits = self.runner.sample_logits(batch)
             for item in batch:
                 item.seq.num_computed_tokens += item.num_tokens
@@ -129,6 +139,8 @@ class DraftModel:
                     proposals[i].token_ids.append(token)
                     if q is not None:
                         q_rows[i].append(q)
+            if all(item.num_tokens == 1 for item in batch):
+                self._forward_times.append((len(batch), time.perf_counter() - started))
             active = [(i, shadow, k) for i, shadow, k in active if len(proposals[i].token_ids) < k]
         for i, rows in q_rows.items():
             if rows:
@@ -137,6 +149,22 @@ class DraftModel:
 
     def observe(self, batch: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
         pass  # the shadow syncs to the target's tokens when it next proposes
+
+    def backlog(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens each shadow computes before it proposes: all of them without a shadow, else
+        those after the last sync's agreement (a lower bound of where the texts still agree)."""
+        found = []
+        for seq in seqs:
+            shadow = self._shadows.get(seq.seq_id)
+            done = 0 if shadow is None else min(shadow.num_computed_tokens, self._synced.get(seq.seq_id, 0))
+            found.append(seq.num_tokens - done)
+        return found
+
+    def take_forward_times(self) -> list[tuple[int, float]] | None:
+        """The logits of each forward in which every shadow computed one token (a proposal or
+        a one-token catch-up), timed; chunks (a prompt, a long catch-up) are the backlog's cost."""
+        times, self._forward_times = self._forward_times, []
+        return times
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq.seq_id, None)

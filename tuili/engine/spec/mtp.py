@@ -142,6 +142,12 @@ class MTPProposer:
             next_ids, positions, meta, _ = self.runner.prepare(items)
             hidden = self.model.mtp_forward(self.mtp, next_ids, positions, hidden, meta, step)
 
+    def backlog(self, seqs: list[Sequence]) -> list[int]:
+        return [0] * len(seqs)  # observe() keeps every sequence's output current
+
+    def take_forward_times(self) -> list[tuple[int, float]] | None:
+        return None
+
     def release(self, seq: Sequence) -> None:
         self._last.pop(seq.seq_id, None)
 

@@ -48,6 +48,14 @@ class SpecStats:
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]: ...
 
+    def backlog(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens of each sequence the proposer must compute before its first proposal (a draft
+        model's shadow catching up; 0 where proposing costs no catch-up)."""
+
+    def take_forward_times(self) -> list[tuple[int, float]] | None:
+        """(sequences, seconds) of each one-token-per-sequence forward since the last call, or
+        None where the proposer's forwards are timed as the whole proposal (MTP) or it runs none."""
+
     def observe(self, batch: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
         """After each target forward (MTP reads the target's hidden states here)."""
 
@@ -65,6 +73,12 @@ class PromptLookup:
 
     def observe(self, batch: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
         pass
+
+    def backlog(self, seqs: list[Sequence]) -> list[int]:
+        return [0] * len(seqs)
+
+    def take_forward_times(self) -> list[tuple[int, float]] | None:
+        return None
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -95,13 +109,18 @@ class Speculator:
                 limits.append(limit)
         if not seqs:
             return {}
-        ks = self.adaptive.choose([seq.seq_id for seq in seqs], limits)
+        ks = self.adaptive.choose([seq.seq_id for seq in seqs], limits, self.proposer.backlog(seqs))
         chosen = [(seq, k) for seq, k in zip(seqs, ks, strict=True) if k > 0]
         if not chosen:
             return {}
         started = time.perf_counter()
         proposals = self.proposer.propose([seq for seq, _ in chosen], [k for _, k in chosen])
-        if self.config.method != "ngram":  # a model's forwards, one per proposal depth
+        self.adaptive.record_proposals(time.perf_counter() - started)
+        forward_times = self.proposer.take_forward_times()
+        if forward_times is not None:  # a draft model: its one-token forwards, catch-up chunks apart
+            for sequences, seconds in forward_times:
+                self.adaptive.record_draft_forward(seconds, sequences)
+        elif self.config.method != "ngram":  # MTP: one forward per proposal depth
             forwards = max(k for _, k in chosen)
             self.adaptive.record_draft_forward((time.perf_counter() - started) / forwards, len(chosen))
         out = {}
