@@ -136,6 +136,9 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str, Path]:
 
 
 LLAMA_CPP = CACHE / "llama.cpp"  # built by benchmarks/build_peers.sh llama
+# The llama.cpp binaries a run uses: the native build, or `llama-avx2`'s (AVX2 only, to compare
+# with tuili's kernels built with TUILI_KERNEL_CFLAGS=-march=x86-64-v3) when TUILI_LLAMA_BUILD=build-avx2.
+LLAMA_BIN = LLAMA_CPP / os.environ.get("TUILI_LLAMA_BUILD", "build") / "bin"
 
 
 def qwen3_06b_gguf(ftype: str) -> Path:
@@ -177,7 +180,7 @@ def converted_gguf(name: str, checkpoint: Callable[[], Path], ftype: str, conver
         command = [sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(stage),
                    "--outtype", ftype, "--outfile", str(partial), *convert_options]
     else:
-        command = [str(LLAMA_CPP / "build" / "bin" / "llama-quantize"), str(converted_gguf(name, checkpoint, "bf16", convert_options)),
+        command = [str(LLAMA_BIN / "llama-quantize"), str(converted_gguf(name, checkpoint, "bf16", convert_options)),
                    str(partial), ftype, str(os.cpu_count() or 1)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

