@@ -392,6 +392,23 @@ spec.loader.exec_module(build)
 print("available:", build.load().library is not None)
 """
 
+# linear_int4 on fixed inputs, its integer path (not `exact`): a digest per call
+INT4_BITS_PROBE = """
+import hashlib, torch
+from tuili import kernels
+from tuili.layers.quant import Int4Linear, quantize_int4
+from tuili.platform import Platform
+torch.manual_seed(0)
+platform = Platform.detect("cpu")
+for group in (32, 128):
+    module = Int4Linear(quantize_int4(torch.randn(200, 512), group), platform=platform)
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 512)
+        out = torch.empty(rows, 200)
+        kernels.linear_int4(x, module.packed, module.scale_zero, out, 1, False)
+        print("int4", group, rows, hashlib.sha256(out.numpy().tobytes()).hexdigest())
+"""
+
 
 def start(command: list[str], cache: Path, **env: str) -> subprocess.Popen:
     """A fresh Python process on its own kernel cache, its output captured."""
@@ -464,6 +481,10 @@ def fresh_processes(tmp_path_factory) -> dict[str, str]:
     outputs = {name: run.communicate(timeout=600)[0] for name, run in runs.items()}
     outputs |= {f"{name} status": str(run.returncode) for name, run in runs.items()}
     outputs["later"] = probe(BUILD_PROBE, root / "shared").communicate(timeout=300)[0]
+    if platform.machine() == "x86_64":  # on the libraries built above: no compile of their own
+        bits = {"int4 bits": probe(INT4_BITS_PROBE, root / "shared"),
+                "int4 bits, AVX2": probe(INT4_BITS_PROBE, root / "-march=x86-64-v3", TUILI_KERNEL_CFLAGS="-march=x86-64-v3")}
+        outputs |= {name: run.communicate(timeout=300)[0] for name, run in bits.items()}
     outputs["root"] = str(root)
     return outputs
 
@@ -494,6 +515,21 @@ def test_code_paths_of_other_x86_cpus(fresh_processes, flags):
     output = fresh_processes[flags]
     assert fresh_processes[f"{flags} status"] == "0" and " passed" in output, output[-3000:]
     assert len(list((Path(fresh_processes["root"]) / flags).glob("tuili_cpu_*.so"))) == 1
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
+def test_the_avx2_int4_sums_are_the_vnni_paths_bits(fresh_processes):
+    """On AVX2 linear_int4 makes VPDPBUSD of VPMADDUBSW and VPMADDWD: the same exact integer sums
+    of the same two int8 parts of x, the same float32 epilogue, so the AVX2 build's outputs are
+    the VNNI build's bits. Compared where this CPU has AVX512-VNNI and VBMI (the native build then
+    takes the VNNI path)."""
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if not {"avx512_vnni", "avx512vbmi"} <= set(flags):
+        pytest.skip("this CPU has no AVX512-VNNI and VBMI: no VNNI build to compare the AVX2 one with")
+    native = [line for line in fresh_processes["int4 bits"].splitlines() if line.startswith("int4 ")]
+    avx2 = [line for line in fresh_processes["int4 bits, AVX2"].splitlines() if line.startswith("int4 ")]
+    assert len(native) == 6, fresh_processes["int4 bits"][-3000:]
+    assert avx2 == native
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -153,13 +153,16 @@ def test_linear_amx_rejects_bad_input_naming_the_argument():
 
 @needs_amx
 def test_linear_takes_amx_between_the_gemv_and_onednn(monkeypatch):
+    """The fastest kernel per row count (batch_invariant=False); the batch-invariant mode takes
+    one kernel at every row count instead (tests/engine/test_batch_invariance.py)."""
     calls = []
     original = kernels.linear_amx
     monkeypatch.setattr(kernels, "linear_amx", lambda *a: calls.append(a[0].shape[0]) or original(*a))
     weight = torch.randn(64, 32).bfloat16()
+    fastest = Platform.detect(batch_invariant=False)
     for rows in (1, NATIVE_MAX_ROWS[torch.bfloat16], NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
-        linear(torch.randn(rows, 32).bfloat16(), weight, platform=Platform.detect())
-    linear(torch.randn(8, 48).bfloat16(), torch.randn(64, 48).bfloat16(), platform=Platform.detect())  # K not a multiple of 32: oneDNN
+        linear(torch.randn(rows, 32).bfloat16(), weight, platform=fastest)
+    linear(torch.randn(8, 48).bfloat16(), torch.randn(64, 48).bfloat16(), platform=fastest)  # K not a multiple of 32: oneDNN
     assert calls == [NATIVE_MAX_ROWS[torch.bfloat16] + 1, AMX_MAX_ROWS]
 
 

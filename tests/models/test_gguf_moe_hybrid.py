@@ -202,7 +202,10 @@ def test_q8_0_file_matches_transformers_on_its_weights(q8_0_file, prompt_logits,
             tensor.copy_(_as_stored(tensor, qtype))
     llm = _llm(files["q8_0"])  # float32 asked for by name: every weight dequantized at load
     float_logits = prompt_logits(llm, PROMPTS)
-    assert_logits_match(float_logits, reference, PROMPTS)
+    # float32 rounding, with a little more room than the default 2e-5: on an Intel Xeon with AMX
+    # (oneDNN's float32 reduction order there) two of Qwen3-Next's 3.5 million logits were 2.13e-5
+    # from transformers'; on AMD Zen 5 all within 2e-5.
+    assert_logits_match(float_logits, reference, PROMPTS, atol=3e-5, rtol=1e-4)
 
     # The experts as the loader holds a GGUF file run packed: the Q8_0 blocks as stored, in the
     # int8-group layout (no float copy). With float32 compute (the exact path) the logits must

@@ -11,7 +11,7 @@
  * Per group g of K' the product needs no dequantized weight:
  *   y[n] += scale[g, n] * sum_k x[k] * q[n, k] + (zero[g, n] - 8 scale[g, n]) * sum_k x[k]
  * The inner sums run over the 64 rows of a tile at once (a tile row of 32 bytes is 64 codes, one
- * per output row). Two ways, by what the CPU has:
+ * per output row). Three ways, by what the CPU has:
  *
  * - AVX512-VNNI and VBMI (Ice Lake, Sapphire Rapids, Zen 4 and 5): x is written per group as
  *   two int8 parts, x ~ sx * (254 xq + xq_low) with xq = round(x * 127 / max |x|) and xq_low the
@@ -25,8 +25,11 @@
  *   perplexity 1.4% over float32 sums, the two parts keep it within the tests' 1%. The second
  *   part doubles the dot products, which a decode row never waits for (it waits for memory);
  *   four rows at once pay ~20% (two accumulator sets fill the registers at two rows).
- * - other AVX-512 CPUs: float32 throughout, exact up to float32 rounding: each k broadcasts x[k]
- *   into four 16-lane multiply-adds, a code becoming q - 8 by one permute from a 16-entry table.
+ * - AVX2 CPUs (int4 weights): the same two int8 parts and exact integer sums, VPDPBUSD made of
+ *   VPMADDUBSW and VPMADDWD (below, "AVX2"): the VNNI path's bits.
+ * - other AVX-512 CPUs, and Q8_0 on AVX2: float32 throughout, exact up to float32 rounding: each
+ *   k broadcasts x[k] into 16-lane multiply-adds, a code becoming q - 8 by one permute from a
+ *   16-entry table (AVX2 and plain C: by widening).
  *
  * Either way a row's result depends on that row alone (x is rounded per row and group, the int32
  * sums are exact, the float32 epilogue runs in one order), so the batch-invariant mode runs the
@@ -43,7 +46,7 @@
  * again for each pair; the integer sums, hence the bits, are the same either way. */
 #include <omp.h>
 #include <stdlib.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -383,13 +386,7 @@ static void q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows,
     }
 }
 
-static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE],
-                          const void *cache) {
-    (void)cache;
-    if (a->q8) {
-        q8_tile_rows(a, tile, i0, rows, total);
-        return;
-    }
+static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
     const uint8_t *codes = a->packed + tile * a->kp * HALF;
     for (int64_t g = 0; g < a->kp / a->group; g++) {
         float sums[ROWS_AT_ONCE][TILE] = {{0}};
@@ -406,6 +403,95 @@ static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows
         }
         add_group(a, tile, g, i0, rows, sums, total);
     }
+}
+
+#if defined(__AVX2__)
+/* AVX2 (older Intel, AMD Zen 1-3): int4 weights take the VNNI way above, its VPDPBUSD made of
+ * VPMADDUBSW (code x xq, pairs of k summed in int16: |.| <= 2 x 15 x 128, no saturation) and
+ * VPMADDWD by ones (the pairs summed in int32): the same exact integer sums and the same float32
+ * epilogue, so the results are the VNNI path's bits. Its byte permute becomes two rounds of
+ * unpacks of four tile rows. The plain C float32 sums are compute bound here (4.4 GB/s of int4
+ * bytes on two 2.0 GHz cores, against 20 GB/s for AVX-512), as were AVX2 intrinsics of them.
+ * Q8_0's codes u = 16h + l reach 255, whose pairs would saturate int16: it keeps the float32 sums. */
+#define AVX2_DOTS 1
+#define LOW_STEPS 254
+
+/* Tile rows k .. k + 3 of nibble half `half` (0: tile rows 0-31, 1: 32-63) as four vectors of
+ * eight 32-bit lanes, each lane four consecutive k of one row: vector v holds rows 4v .. 4v + 3
+ * of the half (lanes 0-3) and 16 + 4v .. 16 + 4v + 3 (lanes 4-7). */
+static inline __attribute__((always_inline)) void quad_avx2(const uint8_t *codes, int64_t k, int half, __m256i w[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i n[4];
+    for (int l = 0; l < 4; l++) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
+        n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+    }
+    const __m256i t0 = _mm256_unpacklo_epi8(n[0], n[1]), t1 = _mm256_unpackhi_epi8(n[0], n[1]);
+    const __m256i t2 = _mm256_unpacklo_epi8(n[2], n[3]), t3 = _mm256_unpackhi_epi8(n[2], n[3]);
+    w[0] = _mm256_unpacklo_epi16(t0, t2);
+    w[1] = _mm256_unpackhi_epi16(t0, t2);
+    w[2] = _mm256_unpacklo_epi16(t1, t3);
+    w[3] = _mm256_unpackhi_epi16(t1, t3);
+}
+
+/* Rows i0 .. i0 + rows - 1 of x against int4 tile `tile`, one row of x at a time (its eight
+ * accumulators per half fill the registers with the codes), into total. */
+static void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
+    const uint8_t *codes = a->packed + tile * a->kp * HALF;
+    const int64_t groups = a->kp / a->group;
+    const __m256i ones = _mm256_set1_epi16(1), steps = _mm256_set1_epi32(LOW_STEPS);
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t folded[ROWS_AT_ONCE][TILE]; /* LOW_STEPS * (codes . xq) + codes . xq_low, by tile row */
+        for (int half = 0; half < 2; half++) {
+            for (int i = 0; i < rows; i++) {
+                __m256i acc[4], rest[4];
+                for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
+                for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
+                    if (half == 0 && i == 0) __builtin_prefetch(codes + (k + PREFETCH_ROWS) * HALF, 0, 2);
+                    __m256i w[4];
+                    quad_avx2(codes, k, half, w);
+                    int32_t four_high, four_low;
+                    memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
+                    memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
+                    const __m256i xh = _mm256_set1_epi32(four_high), xl = _mm256_set1_epi32(four_low);
+                    for (int v = 0; v < 4; v++) {
+                        acc[v] = _mm256_add_epi32(acc[v], _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], xh), ones));
+                        rest[v] = _mm256_add_epi32(rest[v], _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], xl), ones));
+                    }
+                }
+                for (int v = 0; v < 4; v++) {
+                    const __m256i sum = _mm256_add_epi32(_mm256_mullo_epi32(acc[v], steps), rest[v]);
+                    _mm_storeu_si128((__m128i *)(folded[i] + HALF * half + 4 * v), _mm256_castsi256_si128(sum));
+                    _mm_storeu_si128((__m128i *)(folded[i] + HALF * half + 16 + 4 * v), _mm256_extracti128_si256(sum, 1));
+                }
+            }
+        }
+        /* tile_rows_vnni's epilogue, lane by lane: the same fused operations in the same order. */
+        const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        for (int r = 0; r < TILE; r++) {
+            const float s = bf16_to_f32(sz[2 * r]), z = bf16_to_f32(sz[2 * r + 1]);
+            const float offset = fmaf(-8.0f, s, z); /* zero - 8 scale */
+            for (int i = 0; i < rows; i++) {
+                const int64_t at = (i0 + i) * groups + g;
+                const float t = fmaf(offset, a->xsum[at], total[i][r]);
+                total[i][r] = fmaf(s * a->sx[at], (float)folded[i][r], t);
+            }
+        }
+    }
+}
+#endif
+
+static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE],
+                          const void *cache) {
+    (void)cache;
+    if (a->q8)
+        q8_tile_rows(a, tile, i0, rows, total);
+#ifdef AVX2_DOTS
+    else if (!a->exact)
+        tile_rows_avx2(a, tile, i0, rows, total);
+#endif
+    else
+        plain_tile_rows(a, tile, i0, rows, total);
 }
 #endif
 
@@ -446,7 +532,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
             largest = fmaxf(largest, fabsf(xg[j]));
         }
         xsum[at] = sum;
-#ifdef VNNI /* x ~ sx * (LOW_STEPS xq + xq_low), only where VPDPBUSD reads it */
+#if defined(VNNI) || defined(AVX2_DOTS) /* x ~ sx * (LOW_STEPS xq + xq_low), where integer dots read it */
         if (exact) continue;
         const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
         int32_t qsum = 0;
