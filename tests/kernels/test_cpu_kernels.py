@@ -518,8 +518,9 @@ def test_code_paths_of_other_x86_cpus(fresh_processes, flags):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
-def test_the_avx2_int4_sums_are_the_vnni_paths_bits(fresh_processes):
-    """On AVX2 linear_int4 makes VPDPBUSD of VPMADDUBSW and VPMADDWD: the same exact integer sums
+def test_the_avx2_build_gives_the_vnni_builds_bits(fresh_processes):
+    """(Its name matches none of X86_VARIANTS' selections: a variant run must not start variants.)
+    On AVX2 linear_int4 makes VPDPBUSD of VPMADDUBSW and VPMADDWD: the same exact integer sums
     of the same two int8 parts of x, the same float32 epilogue, so the AVX2 build's outputs are
     the VNNI build's bits. Compared where this CPU has AVX512-VNNI and VBMI (the native build then
     takes the VNNI path)."""
