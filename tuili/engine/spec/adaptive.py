@@ -146,8 +146,7 @@ class AdaptiveK:
 
     def record_step(self, rows: int, verified: bool, seconds: float) -> None:
         """A step that only decoded or verified: `rows` positions computed in `seconds`."""
-        fit = self._fit()
-        if verified and self._look_rows is not None and fit is not None:
+        if verified and self._look_rows is not None and (fit := self._fit()) is not None:  # a look's step
             plain = fit[0] + fit[1] * self._look_rows
             self._look_cost = max(seconds - plain, 0.0) + self._proposal_seconds
         self._look_rows, self._proposal_seconds = None, 0.0

@@ -115,14 +115,14 @@ class Speculator:
             return {}
         started = time.perf_counter()
         proposals = self.proposer.propose([seq for seq, _ in chosen], [k for _, k in chosen])
-        self.adaptive.record_proposals(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.adaptive.record_proposals(elapsed)
         forward_times = self.proposer.take_forward_times()
         if forward_times is not None:  # a draft model: its one-token forwards, catch-up chunks apart
             for sequences, seconds in forward_times:
                 self.adaptive.record_draft_forward(seconds, sequences)
         elif self.config.method != "ngram":  # MTP: one forward per proposal depth
-            forwards = max(k for _, k in chosen)
-            self.adaptive.record_draft_forward((time.perf_counter() - started) / forwards, len(chosen))
+            self.adaptive.record_draft_forward(elapsed / max(k for _, k in chosen), len(chosen))
         out = {}
         for (seq, k), proposal in zip(chosen, proposals, strict=True):
             proposal.token_ids = proposal.token_ids[:k]

@@ -58,6 +58,7 @@
 #define ROWS_AT_ONCE 4
 #define PREFETCH_ROWS 64 /* tile rows (32 bytes each) read ahead */
 #define CACHE_MIN_ROWS 16 /* rows of x from which a tile's codes are unpacked once (VNNI) */
+#define LOW_STEPS 254     /* integer dots (VNNI, AVX2): x / sx ~ high + low / LOW_STEPS, both int8 */
 
 typedef struct {
     const float *x;       /* [M, K] float32 */
@@ -143,7 +144,6 @@ KERNEL tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define VNNI 1
 #define VNNI_ROWS 2    /* rows of x at a time: two accumulator sets each fill the registers */
-#define LOW_STEPS 254 /* x / sx ~ high + low / LOW_STEPS, both int8 */
 /* Byte 4j + l of the permuted vector: tile row k + l, column j (+ 16 for the second half), from
  * the two 64-byte loads A = rows k, k+1 and B = rows k+2, k+3 (indices 64.. select from B). */
 static inline __m512i transpose_index(int first_column) {
@@ -414,7 +414,6 @@ static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int ro
  * bytes on two 2.0 GHz cores, against 20 GB/s for AVX-512), as were AVX2 intrinsics of them.
  * Q8_0's codes u = 16h + l reach 255, whose pairs would saturate int16: it keeps the float32 sums. */
 #define AVX2_DOTS 1
-#define LOW_STEPS 254
 
 /* Tile rows k .. k + 3 of nibble half `half` (0: tile rows 0-31, 1: 32-63) as four vectors of
  * eight 32-bit lanes, each lane four consecutive k of one row: vector v holds rows 4v .. 4v + 3
