@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -494,7 +495,7 @@ HOST_PREFIX = "host overhead "
 _HOST_VARIANTS = (("", "llama", None), ("packed_", "llama", "int4"), ("qk_norm", "qwen3", None))
 _TOY_LAYERS = (1, 4)
 _TOY_PROMPT = 64  # tokens: a fresh prompt chunk past the packed kernel's rows, as real prompts are
-_TOY_REQUESTS = 8  # timed requests per toy engine (one more warms it up)
+_TOY_REQUESTS = 8  # timed rounds of one request per toy engine (one more warms them up)
 
 
 def _host_overheads(dev: torch.device, quick: bool) -> list[Measurement]:
@@ -502,9 +503,10 @@ def _host_overheads(dev: torch.device, quick: bool) -> list[Measurement]:
 
     tuili's own engine runs toy models of 1 and 4 layers, 64 wide with a 256-token vocabulary,
     where the work is nil and a step's time is its fixed cost: Python, module calls, torch's
-    dispatcher, kernel launches, scheduling, input tensors, sampling. Per model, the best decode
-    step of a few requests and the best prefill of a 64-token prompt; the slope over layers is a
-    layer's cost, the intercept the step's. Variants: float Llama layers, packed int4 ones (where
+    dispatcher, kernel launches, scheduling, input tensors, sampling. Per model and request, the
+    best decode step and the prefill of a 64-token prompt; the slope over layers (the median of
+    the requests' paired differences) is a layer's cost, the intercept under the best steps the
+    step's. Variants: float Llama layers, packed int4 ones (where
     the engine packs: a CPU) and Qwen3's q/k norms (its layer's extra over Llama's). --quick: the
     float Llama layers only.
     """
@@ -515,17 +517,17 @@ def _host_overheads(dev: torch.device, quick: bool) -> list[Measurement]:
     fits: dict[tuple[str, str], tuple[float, float]] = {}  # (variant, step kind) -> (step, layer)
     with tempfile.TemporaryDirectory(prefix="tuili-probe-") as tmp:
         for prefix, family, quantization in variants:
-            # 8 requests each: with 3 (--quick, before) a layer's decode cost, tens of microseconds
-            # (the slope between two engines' best steps), came out zero in 1 run of 10 on a
-            # shared VM; with 8, in none of 15. The toy steps take ~0.3 ms, so this costs little.
-            seconds = {
-                layers: _toy_step_seconds(_toy_checkpoint(Path(tmp) / f"{prefix}{family}-{layers}", family, layers),
-                                          dev, quantization, _TOY_REQUESTS)
-                for layers in _TOY_LAYERS
-            }
+            engines = [_toy_engine(_toy_checkpoint(Path(tmp) / f"{prefix}{family}-{layers}", family, layers),
+                                   dev, quantization) for layers in _TOY_LAYERS]
+            # The two engines take turns, one request each: a shared VM's speed drifts by 1.5x over
+            # seconds, and engines timed one after the other then gave a 4-layer step faster than a
+            # 1-layer one (a layer's cost came out zero; 1 CI run in ~30). A round's pair of best
+            # steps sees the same host, and the median over rounds of their difference is the slope.
+            rounds = [[_toy_request_seconds(engine, request) for engine in engines]
+                      for request in range(_TOY_REQUESTS + 1)][1:]  # the first warms up
             for i, kind in enumerate(("decode", "prefill")):
-                layer = max(0.0, (seconds[hi][i] - seconds[lo][i]) / (hi - lo))
-                fits[prefix, kind] = max(0.0, seconds[lo][i] - lo * layer), layer
+                layer = max(0.0, statistics.median((b[i] - a[i]) / (hi - lo) for a, b in rounds))
+                fits[prefix, kind] = max(0.0, min(a[i] for a, _ in rounds) - lo * layer), layer
     host = {}
     for kind in ("decode", "prefill"):
         host[f"{kind}_step"], host[f"{kind}_layer"] = fits["", kind]
@@ -537,26 +539,22 @@ def _host_overheads(dev: torch.device, quick: bool) -> list[Measurement]:
     return [Measurement(f"{HOST_PREFIX}{key}", value, "s", value) for key, value in host.items()]
 
 
-def _toy_step_seconds(path: Path, dev: torch.device, quantization: str | None, requests: int) -> tuple[float, float]:
-    """(best decode step, best prefill step) of tuili's engine on the toy checkpoint at ``path``."""
+def _toy_engine(path: Path, dev: torch.device, quantization: str | None):
     engine, _ = build_engine(str(path), device=str(dev), max_model_len=2 * _TOY_PROMPT, max_num_seqs=1,
                              kv_cache_memory=16 << 20, quantization=quantization)
+    return engine
+
+
+def _toy_request_seconds(engine, request: int) -> tuple[float, float]:
+    """(best decode step, prefill step) of one 16-token request of a toy engine, alone in it."""
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
-    decode, prefill = float("inf"), float("inf")
-    for request in range(requests + 1):  # the first warms up (allocations, kernel choice)
-        engine.add_request({"prompt_token_ids": [1 + (request + i) % 250 for i in range(_TOY_PROMPT)]}, params)
-        first = True
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            seconds = time.perf_counter() - start
-            if request:
-                if first:
-                    prefill = min(prefill, seconds)
-                else:
-                    decode = min(decode, seconds)
-            first = False
-    return decode, prefill
+    engine.add_request({"prompt_token_ids": [1 + (request + i) % 250 for i in range(_TOY_PROMPT)]}, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return min(steps[1:]), steps[0]
 
 
 def _toy_checkpoint(path: Path, family: str, layers: int) -> Path:
