@@ -396,17 +396,21 @@ print("available:", build.load().library is not None)
 INT4_BITS_PROBE = """
 import hashlib, torch
 from tuili import kernels
-from tuili.layers.quant import Int4Linear, quantize_int4
+from tuili.layers.quant import Int4Linear, Int8GroupLinear, Int8GroupWeight, quantize_int4
 from tuili.platform import Platform
 torch.manual_seed(0)
 platform = Platform.detect("cpu")
-for group in (32, 128):
-    module = Int4Linear(quantize_int4(torch.randn(200, 512), group), platform=platform)
+modules = {f"int4 {group}": Int4Linear(quantize_int4(torch.randn(200, 512), group), platform=platform)
+           for group in (32, 128)}
+q = torch.randint(-128, 128, (200, 512), dtype=torch.int8)
+q[:, :32] = -128  # the sign trick's edge: |q| = 128
+modules["q8_0"] = Int8GroupLinear(Int8GroupWeight(q, torch.rand(200, 16) / 50, 32), platform=platform)
+for name, module in modules.items():
     for rows in (1, 3, 7):
         x = torch.randn(rows, 512)
         out = torch.empty(rows, 200)
-        kernels.linear_int4(x, module.packed, module.scale_zero, out, 1, False)
-        print("int4", group, rows, hashlib.sha256(out.numpy().tobytes()).hexdigest())
+        kernels.linear_int4(x, module.packed, module.scale_zero, out, module._input_copies, False)
+        print("bits", name, rows, hashlib.sha256(out.numpy().tobytes()).hexdigest())
 """
 
 
@@ -523,16 +527,16 @@ def test_code_paths_of_other_x86_cpus(fresh_processes, flags):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
 def test_the_avx2_build_gives_the_vnni_builds_bits(fresh_processes):
     """(Its name matches none of X86_VARIANTS' selections: a variant run must not start variants.)
-    On AVX2 linear_int4 makes VPDPBUSD of VPMADDUBSW and VPMADDWD: the same exact integer sums
-    of the same two int8 parts of x, the same float32 epilogue, so the AVX2 build's outputs are
-    the VNNI build's bits. Compared where this CPU has AVX512-VNNI and VBMI (the native build then
-    takes the VNNI path)."""
+    On AVX2 linear_int4 makes VPDPBUSD of VPMADDUBSW and VPMADDWD (Q8_0 by the sign trick): the
+    same exact integer sums of the same two int8 parts of x, the same float32 epilogue, so the AVX2
+    build's outputs are the VNNI build's bits, int4 and Q8_0. Compared where this CPU has
+    AVX512-VNNI and VBMI (the native build then takes the VNNI path)."""
     flags = Path("/proc/cpuinfo").read_text().split()
     if not {"avx512_vnni", "avx512vbmi"} <= set(flags):
         pytest.skip("this CPU has no AVX512-VNNI and VBMI: no VNNI build to compare the AVX2 one with")
-    native = [line for line in fresh_processes["int4 bits"].splitlines() if line.startswith("int4 ")]
-    avx2 = [line for line in fresh_processes["int4 bits, AVX2"].splitlines() if line.startswith("int4 ")]
-    assert len(native) == 6, fresh_processes["int4 bits"][-3000:]
+    native = [line for line in fresh_processes["int4 bits"].splitlines() if line.startswith("bits ")]
+    avx2 = [line for line in fresh_processes["int4 bits, AVX2"].splitlines() if line.startswith("bits ")]
+    assert len(native) == 9, fresh_processes["int4 bits"][-3000:]
     assert avx2 == native
 
 

@@ -25,9 +25,9 @@
  *   perplexity 1.4% over float32 sums, the two parts keep it within the tests' 1%. The second
  *   part doubles the dot products, which a decode row never waits for (it waits for memory);
  *   four rows at once pay ~20% (two accumulator sets fill the registers at two rows).
- * - AVX2 CPUs (int4 weights): the same two int8 parts and exact integer sums, VPDPBUSD made of
- *   VPMADDUBSW and VPMADDWD (below, "AVX2"): the VNNI path's bits.
- * - other AVX-512 CPUs, and Q8_0 on AVX2: float32 throughout, exact up to float32 rounding: each
+ * - AVX2 CPUs: the same two int8 parts and exact integer sums, VPDPBUSD made of VPMADDUBSW and
+ *   VPMADDWD (below, "AVX2"; Q8_0 by llama.cpp's sign trick): the VNNI path's bits.
+ * - other AVX-512 CPUs: float32 throughout, exact up to float32 rounding: each
  *   k broadcasts x[k] into 16-lane multiply-adds, a code becoming q - 8 by one permute from a
  *   16-entry table (AVX2 and plain C: by widening).
  *
@@ -406,25 +406,22 @@ static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int ro
 }
 
 #if defined(__AVX2__)
-/* AVX2 (older Intel, AMD Zen 1-3): int4 weights take the VNNI way above, its VPDPBUSD made of
- * VPMADDUBSW (code x xq, pairs of k summed in int16: |.| <= 2 x 15 x 128, no saturation) and
- * VPMADDWD by ones (the pairs summed in int32): the same exact integer sums and the same float32
- * epilogue, so the results are the VNNI path's bits. Its byte permute becomes two rounds of
- * unpacks of four tile rows. The plain C float32 sums are compute bound here (4.4 GB/s of int4
- * bytes on two 2.0 GHz cores, against 20 GB/s for AVX-512), as were AVX2 intrinsics of them.
- * Q8_0's codes u = 16h + l reach 255, whose pairs would saturate int16: it keeps the float32 sums. */
+/* AVX2 (older Intel, AMD Zen 1-3): the VNNI way above, its VPDPBUSD made of VPMADDUBSW (codes x
+ * int8 parts of x, pairs of k summed in int16) and VPMADDWD by ones (the pairs summed in int32):
+ * the same exact integer sums and the same float32 epilogue, so the results are the VNNI path's
+ * bits. Its byte permute becomes two rounds of unpacks of four tile rows. int4 codes (0..15) go
+ * in as they are: |pair| <= 2 x 15 x 128, no saturation. Q8_0's u = 16h + l reaches 255, whose
+ * pairs would saturate int16, so it takes llama.cpp's sign trick on q = u - 128 (a byte's top bit
+ * flipped): |q| (<= 128, unsigned) times x with q's sign moved onto it, |pair| <= 2 x 128 x 127.
+ * The sum of q x is the VNNI path's sum of u x less 128 x its sum of x, the same integer. The
+ * plain C float32 sums are compute bound here (4.4 GB/s of int4 bytes on two 2.0 GHz cores,
+ * against 20 GB/s for AVX-512), as were AVX2 intrinsics of them. */
 #define AVX2_DOTS 1
 
-/* Tile rows k .. k + 3 of nibble half `half` (0: tile rows 0-31, 1: 32-63) as four vectors of
- * eight 32-bit lanes, each lane four consecutive k of one row: vector v holds rows 4v .. 4v + 3
- * of the half (lanes 0-3) and 16 + 4v .. 16 + 4v + 3 (lanes 4-7). */
-static inline __attribute__((always_inline)) void quad_avx2(const uint8_t *codes, int64_t k, int half, __m256i w[4]) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    __m256i n[4];
-    for (int l = 0; l < 4; l++) {
-        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
-        n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
-    }
+/* Four rows of bytes n[l] (tile rows k + l, one byte per output row) as four vectors of eight
+ * 32-bit lanes, each lane four consecutive k of one row: vector v holds rows 4v .. 4v + 3 of
+ * the 32 (lanes 0-3) and 16 + 4v .. 16 + 4v + 3 (lanes 4-7). */
+static inline __attribute__((always_inline)) void transpose_quad(const __m256i n[4], __m256i w[4]) {
     const __m256i t0 = _mm256_unpacklo_epi8(n[0], n[1]), t1 = _mm256_unpackhi_epi8(n[0], n[1]);
     const __m256i t2 = _mm256_unpacklo_epi8(n[2], n[3]), t3 = _mm256_unpackhi_epi8(n[2], n[3]);
     w[0] = _mm256_unpacklo_epi16(t0, t2);
@@ -433,47 +430,100 @@ static inline __attribute__((always_inline)) void quad_avx2(const uint8_t *codes
     w[3] = _mm256_unpackhi_epi16(t1, t3);
 }
 
-/* Rows i0 .. i0 + rows - 1 of x against int4 tile `tile`, one row of x at a time (its eight
- * accumulators per half fill the registers with the codes), into total. */
-static void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
-    const uint8_t *codes = a->packed + tile * a->kp * HALF;
+/* int4: the codes of tile rows k .. k + 3 of nibble half `half` (0: output rows 0-31, 1: 32-63),
+ * transposed. */
+static inline __attribute__((always_inline)) void quad_avx2(const uint8_t *codes, int64_t k, int half, __m256i w[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i n[4];
+    for (int l = 0; l < 4; l++) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
+        n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+    }
+    transpose_quad(n, w);
+}
+
+/* Q8_0: q = 16h + l - 128 of tile rows k .. k + 3 (h, l: the high and low halves' nibbles of
+ * `half`), as signed bytes, transposed. */
+static inline __attribute__((always_inline)) void quad_q8_avx2(const uint8_t *high, const uint8_t *low, int64_t k,
+                                                               int half, __m256i w[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0x80);
+    __m256i n[4];
+    for (int l = 0; l < 4; l++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(high + (k + l) * HALF));
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(low + (k + l) * HALF));
+        const __m256i u = half ? _mm256_or_si256(_mm256_andnot_si256(nibble, h),
+                                                 _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble))
+                               : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, nibble), 4),
+                                                 _mm256_and_si256(lo, nibble)); /* a nibble shifted stays in its byte */
+        n[l] = _mm256_xor_si256(u, top);
+    }
+    transpose_quad(n, w);
+}
+
+/* tile_rows_vnni's epilogue for one row of x and one of quad_avx2's vectors of tile rows
+ * (`first`: the tile row of lane 0; lanes 4-7 are 16 rows further): total += scale * sx * sums
+ * + (zero - 8 scale) * sum x, or for Q8_0 scale * sx * sums, with the same fused operations in
+ * the same order, lane by lane. */
+static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *sz, float *total, int first,
+                                                                __m256i sums, float sx, float xsum, const int q8) {
+    const __m256i pairs = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * first))),
+        _mm_loadu_si128((const __m128i *)(sz + 2 * (first + 16))), 1); /* bf16 (scale, zero) per row */
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    __m256 t = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(total + first)), _mm_loadu_ps(total + first + 16), 1);
+    if (!q8) {
+        const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+        const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z); /* zero - 8 scale */
+        t = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum), t);
+    }
+    t = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(sums), t);
+    _mm_storeu_ps(total + first, _mm256_castps256_ps128(t));
+    _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
+}
+
+/* Rows i0 .. i0 + rows - 1 of x against tile `tile` (int4, or Q8_0 when q8), one row of x at a
+ * time (its eight accumulators per half fill the registers with the codes), into total. The
+ * epilogue is vectors too: at groups of 32 (Q4_0, Q8_0) a scalar one took half the time. */
+static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
+                                                                 int rows, float total[ROWS_AT_ONCE][TILE],
+                                                                 const int q8) {
+    const uint8_t *codes = a->packed + tile * (q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
     const int64_t groups = a->kp / a->group;
     const __m256i ones = _mm256_set1_epi16(1), steps = _mm256_set1_epi32(LOW_STEPS);
     for (int64_t g = 0; g < groups; g++) {
-        int32_t folded[ROWS_AT_ONCE][TILE]; /* LOW_STEPS * (codes . xq) + codes . xq_low, by tile row */
+        const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
         for (int half = 0; half < 2; half++) {
             for (int i = 0; i < rows; i++) {
                 __m256i acc[4], rest[4];
                 for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
                 for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
-                    if (half == 0 && i == 0) __builtin_prefetch(codes + (k + PREFETCH_ROWS) * HALF, 0, 2);
+                    if (half == 0 && i == 0) {
+                        __builtin_prefetch(codes + (k + PREFETCH_ROWS) * HALF, 0, 2);
+                        if (q8) __builtin_prefetch(low + (k + PREFETCH_ROWS) * HALF, 0, 2);
+                    }
                     __m256i w[4];
-                    quad_avx2(codes, k, half, w);
+                    if (q8)
+                        quad_q8_avx2(codes, low, k, half, w);
+                    else
+                        quad_avx2(codes, k, half, w);
                     int32_t four_high, four_low;
                     memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
                     memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
                     const __m256i xh = _mm256_set1_epi32(four_high), xl = _mm256_set1_epi32(four_low);
                     for (int v = 0; v < 4; v++) {
-                        acc[v] = _mm256_add_epi32(acc[v], _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], xh), ones));
-                        rest[v] = _mm256_add_epi32(rest[v], _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], xl), ones));
+                        /* VPMADDUBSW's first operand is unsigned: int4 codes as they are, |q| for Q8_0 */
+                        const __m256i wv = q8 ? _mm256_abs_epi8(w[v]) : w[v];
+                        const __m256i hv = q8 ? _mm256_sign_epi8(xh, w[v]) : xh;
+                        const __m256i lv = q8 ? _mm256_sign_epi8(xl, w[v]) : xl;
+                        acc[v] = _mm256_add_epi32(acc[v], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, hv), ones));
+                        rest[v] = _mm256_add_epi32(rest[v], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, lv), ones));
                     }
                 }
-                for (int v = 0; v < 4; v++) {
-                    const __m256i sum = _mm256_add_epi32(_mm256_mullo_epi32(acc[v], steps), rest[v]);
-                    _mm_storeu_si128((__m128i *)(folded[i] + HALF * half + 4 * v), _mm256_castsi256_si128(sum));
-                    _mm_storeu_si128((__m128i *)(folded[i] + HALF * half + 16 + 4 * v), _mm256_extracti128_si256(sum, 1));
-                }
-            }
-        }
-        /* tile_rows_vnni's epilogue, lane by lane: the same fused operations in the same order. */
-        const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
-        for (int r = 0; r < TILE; r++) {
-            const float s = bf16_to_f32(sz[2 * r]), z = bf16_to_f32(sz[2 * r + 1]);
-            const float offset = fmaf(-8.0f, s, z); /* zero - 8 scale */
-            for (int i = 0; i < rows; i++) {
                 const int64_t at = (i0 + i) * groups + g;
-                const float t = fmaf(offset, a->xsum[at], total[i][r]);
-                total[i][r] = fmaf(s * a->sx[at], (float)folded[i][r], t);
+                for (int v = 0; v < 4; v++) /* LOW_STEPS * (codes . xq) + codes . xq_low */
+                    add_sums_avx2(sz, total[i], HALF * half + 4 * v,
+                                  _mm256_add_epi32(_mm256_mullo_epi32(acc[v], steps), rest[v]), a->sx[at], a->xsum[at],
+                                  q8);
             }
         }
     }
@@ -483,12 +533,17 @@ static void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0, int row
 static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE],
                           const void *cache) {
     (void)cache;
+#ifdef AVX2_DOTS
+    if (!a->exact) {
+        if (a->q8)
+            tile_rows_avx2(a, tile, i0, rows, total, 1);
+        else
+            tile_rows_avx2(a, tile, i0, rows, total, 0);
+        return;
+    }
+#endif
     if (a->q8)
         q8_tile_rows(a, tile, i0, rows, total);
-#ifdef AVX2_DOTS
-    else if (!a->exact)
-        tile_rows_avx2(a, tile, i0, rows, total);
-#endif
     else
         plain_tile_rows(a, tile, i0, rows, total);
 }
