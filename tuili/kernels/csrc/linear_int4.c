@@ -485,6 +485,30 @@ static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *
     _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
 }
 
+/* One vector of codes w (quad_avx2's or quad_q8_avx2's) times the two int8 parts of one row of
+ * x, broadcast: Q8_0 into the int32 sums at once, int4 into the int16 ones (INT16_SPAN). */
+static inline __attribute__((always_inline)) void add_products_avx2(__m256i w, __m256i xh, __m256i xl, __m256i *acc,
+                                                                    __m256i *rest, __m256i *acc16, __m256i *rest16,
+                                                                    const int q8) {
+    if (q8) { /* VPMADDUBSW's first operand is unsigned: |q|, and x takes q's sign */
+        const __m256i ones = _mm256_set1_epi16(1), wv = _mm256_abs_epi8(w);
+        *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xh, w)), ones));
+        *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xl, w)), ones));
+    } else {
+        *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(w, xh));
+        *rest16 = _mm256_add_epi16(*rest16, _mm256_maddubs_epi16(w, xl));
+    }
+}
+
+/* The end of a span: int4's int16 sums widened into the int32 ones (Q8_0's are there already). */
+static inline __attribute__((always_inline)) void widen_avx2(__m256i *acc, __m256i *rest, __m256i acc16,
+                                                             __m256i rest16, const int q8) {
+    if (q8) return;
+    const __m256i ones = _mm256_set1_epi16(1);
+    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(acc16, ones));
+    *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(rest16, ones));
+}
+
 /* Rows i0 .. i0 + rows - 1 of x against tile `tile` (int4, or Q8_0 when q8), one row of x at a
  * time (its eight accumulators per half fill the registers with the codes), into total. The
  * epilogue is vectors too: at groups of 32 (Q4_0, Q8_0) a scalar one took half the time. */
@@ -493,7 +517,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
                                                                  const int q8) {
     const uint8_t *codes = a->packed + tile * (q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
     const int64_t groups = a->kp / a->group;
-    const __m256i ones = _mm256_set1_epi16(1), steps = _mm256_set1_epi32(LOW_STEPS);
+    const __m256i steps = _mm256_set1_epi32(LOW_STEPS);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
         for (int half = 0; half < 2; half++) {
@@ -518,23 +542,10 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
                         memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
                         memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
                         const __m256i xh = _mm256_set1_epi32(four_high), xl = _mm256_set1_epi32(four_low);
-                        for (int v = 0; v < 4; v++) {
-                            if (q8) { /* VPMADDUBSW's first operand is unsigned: |q|, and x takes q's sign */
-                                const __m256i wv = _mm256_abs_epi8(w[v]);
-                                const __m256i hv = _mm256_sign_epi8(xh, w[v]), lv = _mm256_sign_epi8(xl, w[v]);
-                                acc[v] = _mm256_add_epi32(acc[v], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, hv), ones));
-                                rest[v] = _mm256_add_epi32(rest[v], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, lv), ones));
-                            } else {
-                                acc16[v] = _mm256_add_epi16(acc16[v], _mm256_maddubs_epi16(w[v], xh));
-                                rest16[v] = _mm256_add_epi16(rest16[v], _mm256_maddubs_epi16(w[v], xl));
-                            }
-                        }
+                        for (int v = 0; v < 4; v++)
+                            add_products_avx2(w[v], xh, xl, &acc[v], &rest[v], &acc16[v], &rest16[v], q8);
                     }
-                    if (!q8)
-                        for (int v = 0; v < 4; v++) {
-                            acc[v] = _mm256_add_epi32(acc[v], _mm256_madd_epi16(acc16[v], ones));
-                            rest[v] = _mm256_add_epi32(rest[v], _mm256_madd_epi16(rest16[v], ones));
-                        }
+                    for (int v = 0; v < 4; v++) widen_avx2(&acc[v], &rest[v], acc16[v], rest16[v], q8);
                 }
                 const int64_t at = (i0 + i) * groups + g;
                 for (int v = 0; v < 4; v++) /* LOW_STEPS * (codes . xq) + codes . xq_low */
@@ -547,7 +558,8 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
 }
 
 /* A tile's quads (quad_avx2's or quad_q8_avx2's vectors, for both halves) unpacked once, for
- * calls of two rows of x or more: cache[(k / 4 * 2 + half) * 4 + v]. */
+ * prompts (CACHE_MIN_ROWS rows of x or more), as unpack_tile on VNNI CPUs:
+ * cache[(k / 4 * 2 + half) * 4 + v]. */
 static void unpack_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
     const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
     for (int64_t k = 0; k < a->kp; k += 4)
@@ -568,7 +580,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_cached(const in
                                                                         const __m256i *cache, const int R,
                                                                         const int q8) {
     const int64_t groups = a->kp / a->group;
-    const __m256i ones = _mm256_set1_epi16(1), steps = _mm256_set1_epi32(LOW_STEPS);
+    const __m256i steps = _mm256_set1_epi32(LOW_STEPS);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
         for (int half = 0; half < 2; half++)
@@ -581,27 +593,15 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_cached(const in
                     for (int i = 0; i < R; i++) acc16[i] = rest16[i] = _mm256_setzero_si256();
                     for (int64_t k = span; k < span + INT16_SPAN && k < end; k += 4) {
                         const __m256i w = _mm256_load_si256(cache + (k / 4 * 2 + half) * 4 + v);
-                        const __m256i wv = q8 ? _mm256_abs_epi8(w) : w;
                         for (int i = 0; i < R; i++) {
                             int32_t four_high, four_low;
                             memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
                             memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
-                            const __m256i xh = _mm256_set1_epi32(four_high), xl = _mm256_set1_epi32(four_low);
-                            if (q8) {
-                                const __m256i hv = _mm256_sign_epi8(xh, w), lv = _mm256_sign_epi8(xl, w);
-                                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, hv), ones));
-                                rest[i] = _mm256_add_epi32(rest[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, lv), ones));
-                            } else {
-                                acc16[i] = _mm256_add_epi16(acc16[i], _mm256_maddubs_epi16(w, xh));
-                                rest16[i] = _mm256_add_epi16(rest16[i], _mm256_maddubs_epi16(w, xl));
-                            }
+                            add_products_avx2(w, _mm256_set1_epi32(four_high), _mm256_set1_epi32(four_low), &acc[i],
+                                              &rest[i], &acc16[i], &rest16[i], q8);
                         }
                     }
-                    if (!q8)
-                        for (int i = 0; i < R; i++) {
-                            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(acc16[i], ones));
-                            rest[i] = _mm256_add_epi32(rest[i], _mm256_madd_epi16(rest16[i], ones));
-                        }
+                    for (int i = 0; i < R; i++) widen_avx2(&acc[i], &rest[i], acc16[i], rest16[i], q8);
                 }
                 for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
@@ -711,16 +711,10 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         void *cache = NULL;
-#ifdef VNNI
+#if defined(VNNI) || defined(AVX2_DOTS)
         /* Only prompts unpack a tile once: at a few rows writing and rereading the buffer costs
-         * more than unpacking per pair (measured at 4 and 8 rows on Zen 5). */
-        if (!exact && m >= CACHE_MIN_ROWS) {
-            cache = aligned_alloc(64, (size_t)k * TILE);
-            failed = cache == NULL;
-        }
-#elif defined(AVX2_DOTS)
-        /* AVX2 too: Q8_0 at 16 rows 46 -> 32 ms (8192x4096, machine A), int4 28 -> 26 ms; from 2 to
-         * 4 rows no gain, or a loss (the dot products, not the unpacking, bound them here). */
+         * more than unpacking per pair (measured at 4 and 8 rows on Zen 5; on AVX2, at 2 to 4 rows
+         * on machine A, where 16 rows of Q8_0 went 46 -> 32 ms on 8192x4096). */
         if (!exact && m >= CACHE_MIN_ROWS) {
             cache = aligned_alloc(64, (size_t)k * TILE);
             failed = cache == NULL;
