@@ -12,6 +12,8 @@ import torch
 import transformers
 
 from tuili import LLM, SamplingParams, kernels
+from tuili.layers.quant import quantize_int8
+from tuili.models import weights
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU graphs replay the native kernels")
 
@@ -28,19 +30,36 @@ PROMPTS = [[5, 17, 250, 3, 99], [42], list(range(30, 53)), [7, 7, 7, 200, 201]]
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])
 def test_graph_steps_equal_eager_steps(tiny_qwen3_bf16, quantization):
     # Different lengths: the decode batch shrinks from 4 to 1 as requests finish, and sampled
-    # with a seed so that logits, not only their argmax, must agree. int4: the tied output
-    # matrix is an int8 copy run by torch's op, so the graph stops before the logits; int8: every
-    # linear is torch's op, so nothing is replayed.
+    # with a seed so that logits, not only their argmax, must agree. int4 and int8: every linear,
+    # the tied output matrix's int8 copy included, runs the native kernel (int8 per group).
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + 5 * i, logprobs=3) for i in range(4)]
     options = dict(dtype="bfloat16", quantization=quantization)
     llm, replayed = generate(tiny_qwen3_bf16, PROMPTS, params, **options)
     _, eager = generate(tiny_qwen3_bf16, PROMPTS, params, enforce_eager=True, **options)
     assert replayed == eager
     graphs = llm.engine.runner.graphs
-    if quantization == "int8":
-        assert graphs.captured_batch_sizes() == [] and "aten._weight_int8pack_mm" in graphs.refused[4]
-    else:
-        assert graphs.captured_batch_sizes() == [1, 2, 3, 4] and not graphs.refused
+    assert graphs.captured_batch_sizes() == [1, 2, 3, 4] and not graphs.refused
+
+
+def test_a_draft_catching_up_on_two_tokens_replays_one_graph(tiny_qwen3_bf16):
+    """A self-draft whose proposals were all kept computes the last proposal and the bonus token
+    as one two-row chunk: its step replays a graph that returns every row's logits, of which the
+    runner keeps the chunk's last. The proposals, and so the counts of kept ones, equal the eager
+    run's; the text equals the one without speculation."""
+    spec = {"model": "self", "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for name, options in [("plain", {}), ("graphs", {"speculative_config": spec}),
+                          ("eager", {"speculative_config": spec, "enforce_eager": True})]:
+        llm, out = generate(tiny_qwen3_bf16, PROMPTS[:1], params, dtype="bfloat16", **options)
+        stats = llm.engine.stats().spec
+        runs[name] = (out, stats and (stats.num_proposed_tokens, stats.num_accepted_tokens))
+        if name == "graphs":
+            draft_graphs = llm.engine.speculator.proposer.runner.graphs
+            assert (2,) in draft_graphs.captured_row_shapes() and not draft_graphs.refused
+    assert runs["graphs"] == runs["eager"]
+    assert runs["graphs"][0] == runs["plain"][0]
+    assert runs["graphs"][1][1] > 6  # several rounds kept all three proposals
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +78,25 @@ def tiny_qwen35(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])
-def test_hybrid_graph_steps_equal_eager_steps(tiny_qwen35, quantization):
-    """The DeltaNet layers' states step on in their slots inside the replay. int4: the tied output
-    matrix runs torch's int8 op, so the first capture (with the logits) is refused after every
+@pytest.mark.parametrize("quantization", [None, "int4", "int4-row-head"])
+def test_hybrid_graph_steps_equal_eager_steps(tiny_qwen35, quantization, monkeypatch, caplog):
+    """The DeltaNet layers' states step on in their slots inside the replay. "int4-row-head": the
+    tied output matrix's int8 copy is quantized per row (as where its input size takes no group
+    of 32), which torch's op runs, so the first capture (with the logits) is refused after every
     layer has stepped the states: they must be put back, or the tokens drift from the eager run's."""
+    if quantization == "int4-row-head":
+        monkeypatch.setattr(weights, "quantize_int8_for_kernels", quantize_int8)
+        quantization = "int4"
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + 5 * i, logprobs=3) for i in range(4)]
     options = dict(dtype="bfloat16", quantization=quantization)
-    llm, replayed = generate(tiny_qwen35, PROMPTS, params, **options)
+    with caplog.at_level(logging.INFO, logger="tuili.engine.decode_graphs"):
+        llm, replayed = generate(tiny_qwen35, PROMPTS, params, **options)
     _, eager = generate(tiny_qwen35, PROMPTS, params, enforce_eager=True, **options)
     assert replayed == eager
     graphs = llm.engine.runner.graphs
     assert graphs.captured_batch_sizes() == [1, 2, 3, 4] and not graphs.refused
+    logits_eager = any("the logits of decode steps" in r.getMessage() for r in caplog.records)
+    assert logits_eager == (weights.quantize_int8_for_kernels is quantize_int8)
     slots = llm.engine.scheduler.state_slots
     assert slots.num_free == slots.num_slots
 

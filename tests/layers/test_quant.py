@@ -343,15 +343,22 @@ def test_quantized_model_logits(tiny_checkpoint, method, prompt_logits):
     assert fast.engine.weights_quantized == method
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     head = model.lm_head.projection
-    assert type(head) is Int8Linear and head.compute_dtype == torch.bfloat16
+    # int8 per group (of 64, the largest of 128, 64, 32 dividing hidden_size): the native kernel's
+    # format, which a decode graph replays with the rest of the step
+    assert type(head) is Int8GroupLinear and head.compute_dtype == torch.bfloat16 and head.group_size == 64
     layers = [m for m in model.model.layers.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * TINY["num_hidden_layers"]
     packed = sum(m.weight_bytes for m in layers)
     original = sum(4 * m.in_features * m.out_features for m in layers)  # the fp32 checkpoint
-    # From fp32: int8 is a quarter plus a bf16 scale per row; int4 at group 32 is 4 bits plus a
-    # bf16 scale and zero per 32 values, 5 bits per weight (every row count here is a multiple of 64).
+    # From fp32: int8 is a quarter plus, per group of a row, a bf16 scale and zero for each of the
+    # two nibble halves the kernel reads (8 bytes per 64 values here, per 128 for down_proj's
+    # 128 inputs); int4 at group 32 is 4 bits plus a bf16 scale and zero per 32 values, 5 bits per
+    # weight (every row count here is a multiple of 64).
     if method == "int8":
-        assert original / 4 < packed < original / 4 * 1.05
+        groups = {m.in_features: m.group_size for m in layers}
+        assert groups == {64: 64, 128: 128}
+        assert packed == sum(m.in_features * m.out_features * (m.group_size + 8) // m.group_size for m in layers)
+        assert original / 4 * 1.06 < packed < original / 4 * 1.125
     else:
         assert packed == original * 5 // 32
     # The engine's byte count: every packed buffer, the float norms and embedding; a decode step
@@ -380,10 +387,16 @@ def random_tensors(shapes: dict[str, tuple[int, ...]]) -> dict:
 
 def test_untied_lm_head_is_kept_at_int8():
     torch.manual_seed(0)
-    tensors = random_tensors({"proj.weight": (64, 64), "proj.bias": (64,), "lm_head.weight": (320, 64)})
+    tensors = random_tensors({"proj.weight": (64, 64), "proj.bias": (64,), "lm_head.weight": (320, 64),
+                              "odd.weight": (320, 48)})
     plan = WeightPlan(HERE, torch.float32, tensors, {}, "test", quantization="int4")
     assert type(plan.linear("proj", 64, 64, bias=True)) is Int4Linear
-    assert type(plan.linear("lm_head", 64, 320, bias=False)) is Int8Linear
+    head = plan.linear("lm_head", 64, 320, bias=False)
+    assert type(head) is Int8GroupLinear and head.group_size == 64  # int8 per group: the native kernel's
+    torch.testing.assert_close(head.dequantize(), tensors["lm_head.weight"](), rtol=0, atol=head.dequantize().abs().max().item() / 127)
+    # An input size that takes no group of 32 is quantized per row (torch's int8 op).
+    int8 = WeightPlan(HERE, torch.float32, tensors, {}, "test", quantization="int8")
+    assert type(int8.linear("odd", 48, 320, bias=False)) is Int8Linear
 
 
 def test_smollm2_packed_gguf_matches_the_dequantized_model(smollm2, prompt_logits):

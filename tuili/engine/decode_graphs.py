@@ -13,7 +13,9 @@ rows); the reason is logged once.
 
 Speculative decoding's verification steps are captured the same way, keyed by the query rows of
 each sequence (1 for a decode, 1 + proposals for a verification): their rows go to the paged
-kernel as a few causal queries per sequence, and the graph returns every row's logits. Only
+kernel as a few causal queries per sequence, and the graph returns every row's logits. So are
+short sampled chunks of at most MAX_CHUNK_ROWS tokens (a draft model catching up on the target's
+last proposal and bonus token in one forward), whose last row's logits the runner keeps. Only
 steps of at most MAX_VERIFY_BATCH sequences, and at most MAX_VERIFY_SHAPES shapes, are captured;
 others run eagerly.
 
@@ -49,6 +51,9 @@ MAX_VERIFY_SHAPES = 32  # verification shapes (query rows per sequence) captured
 # Most sequences of a captured verification step: the shapes multiply with the batch (each
 # sequence's rows vary), and a large batch's step is arithmetic, not time between kernels.
 MAX_VERIFY_BATCH = 4
+# Most tokens of a sampled chunk that is not a verification (a draft's catch-up) in a captured
+# step: a graph computes every row's logits, which at a few rows costs about one row's.
+MAX_CHUNK_ROWS = 8
 
 # A step's shape: its batch size for pure decodes, else the query rows of each sequence.
 Shape = int | tuple[int, ...]
@@ -139,6 +144,10 @@ class DecodeGraphs:
     def captured_batch_sizes(self) -> list[int]:
         return sorted({shape for shape, _ in self._graphs if isinstance(shape, int)})
 
+    def captured_row_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of captured steps with a chunk of several rows (query rows per sequence)."""
+        return sorted({shape for shape, _ in self._graphs if isinstance(shape, tuple)})
+
     @staticmethod
     def shape(batch: list[ScheduledSeq]) -> Shape:
         if all(item.num_tokens == 1 for item in batch):
@@ -149,7 +158,8 @@ class DecodeGraphs:
         """Whether `batch` is a pure decode (or verification) step of a shape that has, or may
         get, a graph."""
         if not (0 < len(batch) <= MAX_GRAPH_BATCH
-                and all(item.num_tokens == 1 or (item.samples and item.draft) for item in batch)
+                and all(item.num_tokens == 1 or (item.samples and (item.draft or item.num_tokens <= MAX_CHUNK_ROWS))
+                        for item in batch)
                 and all(len(item.seq.block_table) <= self.max_blocks_per_seq for item in batch)):
             return False
         if self.hybrid and not all(item.num_tokens == 1 and item.start > 0 and item.restore_checkpoint is None

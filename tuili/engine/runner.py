@@ -254,15 +254,24 @@ class ModelRunner:
         order (every position of a verification chunk, the last of any other chunk that ends
         its sequence); None when no chunk does."""
         pooling = any(item.seq.pooling is not None for item in batch)
-        if self.graphs is not None and not pooling and self.graphs.takes(batch):
+        if not pooling and self.replays(batch):
+            assert self.graphs is not None
             logits = self._replay(self.graphs.step(batch))
-            if logits is not None:
-                if all(item.samples for item in batch):
+            if logits is not None:  # every row's: keep a verification's rows, another chunk's last
+                rows, end = [], 0
+                for item in batch:
+                    end += item.num_tokens
+                    if item.samples:
+                        rows.extend(range(end - len(item.draft) - 1, end))
+                if len(rows) == end:
                     return logits
-                # a one-token chunk short of its sequence's end (a draft model catching up)
-                rows = [i for i, item in enumerate(batch) if item.samples]
                 return logits[rows] if rows else None
         return self._eager_logits(batch, pooling)
+
+    def replays(self, batch: list[ScheduledSeq]) -> bool:
+        """Whether a forward over `batch` may replay a CPU graph (a pure decode step, a
+        verification, or short sampled chunks, of a shape not refused)."""
+        return self.graphs is not None and self.graphs.takes(batch)
 
     def _replay(self, step: DecodeStep) -> torch.Tensor | None:
         """The step's logits from its CPU graph, or None: run it eagerly."""

@@ -52,11 +52,12 @@ from tuili.layers.moe import Experts, QuantizedExperts, RoutedExperts
 from tuili.layers.quant import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
+    INT8_GROUP_SIZES,
     QuantizedLinear,
     QuantizedWeight,
     make_linear,
     quantize_int4,
-    quantize_int8,
+    quantize_int8_for_kernels,
     quantize_int8_group,
 )
 from tuili.parallel.layers import (
@@ -158,7 +159,7 @@ class WeightPlan:
         if self.quantization is not None:
             quantized = quantize_int4(weight, self.group_size, self.quantized_dtype) if (
                 self.quantization == "int4" and not _is_output(path)
-            ) else quantize_int8(weight, self.quantized_dtype)
+            ) else quantize_int8_for_kernels(weight, self.quantized_dtype)
             return make_linear(quantized, b, self.quantized_dtype, platform=self.platform).to(self.device)
         if decoder and panel_holds(weight, b, self.platform):
             return PanelLinear(weight, b, one_path=self.platform.batch_invariant)
@@ -188,7 +189,7 @@ class WeightPlan:
         def quantize(w: torch.Tensor) -> QuantizedWeight:
             if self.quantization == "int4":
                 return quantize_int4(w, self.group_size, self.quantized_dtype)
-            return quantize_int8(w, self.quantized_dtype)
+            return quantize_int8_for_kernels(w, self.quantized_dtype)
 
         gate_up, down = ([quantize(w) for w in stack] for stack in floats)
         del floats
@@ -282,7 +283,7 @@ class WeightPlan:
             matrix = None
         if self.quantization is not None and matrix is not None:
             # A tied matrix is also the token lookup's table, which keeps reading the float one.
-            weight = quantize_int8(matrix, self.quantized_dtype)
+            weight = quantize_int8_for_kernels(matrix, self.quantized_dtype)
             projection = make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
         decode_copy = self._gguf_decode_copy() if self.gguf_packed is not None else None
         head = OutputHead(projection, decode_copy)
@@ -413,7 +414,7 @@ class WeightPlan:
         if ckpt.runs_packed(name) and ckpt.tensor_info(name).ggml_type.name == "Q8_0":
             weight = ckpt.quantized_tensor(name)
         else:
-            group = next((g for g in (128, 32) if len(shape) == 2 and shape[1] % g == 0), None)
+            group = next((g for g in INT8_GROUP_SIZES if len(shape) == 2 and shape[1] % g == 0), None)
             if group is None:
                 return None
             matrix = ckpt.load_tensor(name, torch.float32)

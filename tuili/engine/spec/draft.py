@@ -118,14 +118,8 @@ class DraftModel:
                 active.append((i, shadow, k))
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
         while active:
-            # A shadow a few tokens behind (the target kept all proposals: the last one and the
-            # bonus token) catches up one token per forward, so that every forward is a pure
-            # decode step that replays a CPU graph; one far behind (its prompt) in one chunk.
-            batch = []
-            for _, shadow, k in active:
-                missing = shadow.num_tokens - shadow.num_computed_tokens
-                n = missing if missing > k + 1 else 1
-                batch.append(self._item(shadow, n, n == missing))
+            batch = [self._item(shadow, n, n == shadow.num_tokens - shadow.num_computed_tokens)
+                     for (_, shadow, _), n in zip(active, self._chunk_sizes(active), strict=True)]
             started = time.perf_counter()
             logits = self.runner.sample_logits(batch)
             for item in batch:
@@ -146,6 +140,18 @@ class DraftModel:
             if rows:
                 proposals[i].probs = torch.stack(rows)
         return proposals
+
+    def _chunk_sizes(self, active: list[tuple[int, Sequence, int]]) -> list[int]:
+        """Tokens each shadow computes in the next forward. A shadow a few tokens behind (the
+        target kept all proposals: the last one and the bonus token) catches up in one chunk
+        where the runner replays a CPU graph of such a step (two rows cost about what one does),
+        else one token per forward, a pure decode step that replays one; a shadow far behind (its
+        prompt) catches up in one chunk either way."""
+        missing = [shadow.num_tokens - shadow.num_computed_tokens for _, shadow, _ in active]
+        whole = [ScheduledSeq(shadow, shadow.num_computed_tokens, n, True) for (_, shadow, _), n in zip(active, missing, strict=True)]
+        if self.runner.replays(whole):
+            return missing
+        return [n if n > k + 1 else 1 for (_, _, k), n in zip(active, missing, strict=True)]
 
     def observe(self, batch: list[ScheduledSeq], sampled: list[list[SampledToken]]) -> None:
         pass  # the shadow syncs to the target's tokens when it next proposes

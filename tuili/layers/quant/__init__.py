@@ -7,12 +7,14 @@ loader's weight plan (tuili/models/weights.py); GGUF blocks are read in tuili/mo
 from tuili.layers.quant.formats import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
+    INT8_GROUP_SIZES,
     Int4Weight,
     Int8GroupWeight,
     Int8Weight,
     QuantizedWeight,
     quantize_int4,
     quantize_int8,
+    quantize_int8_for_kernels,
     quantize_int8_group,
 )
 from tuili.layers.quant.linear import (
@@ -33,6 +35,7 @@ __all__ = [
     "DEFAULT_INT4_GROUP_SIZE",
     "INT4_GEMV_MAX_ROWS",
     "INT4_GROUP_SIZES",
+    "INT8_GROUP_SIZES",
     "INT4_OP_MAX_ROWS",
     "INT4_TILE_ROWS",
     "INT8_OP_MAX_ROWS",
@@ -49,5 +52,6 @@ __all__ = [
     "make_linear",
     "quantize_int4",
     "quantize_int8",
+    "quantize_int8_for_kernels",
     "quantize_int8_group",
 ]
