@@ -39,6 +39,7 @@ def test_graph_steps_equal_eager_steps(tiny_qwen3_bf16, quantization):
     assert replayed == eager
     graphs = llm.engine.runner.graphs
     assert graphs.captured_batch_sizes() == [1, 2, 3, 4] and not graphs.refused
+    assert llm.engine.runner.graph_captures() == 4  # one per shape: the steps after it replay
 
 
 def test_a_draft_catching_up_on_two_tokens_replays_one_graph(tiny_qwen3_bf16):
@@ -113,6 +114,7 @@ def test_a_batch_the_native_kernels_do_not_cover_runs_eagerly_and_says_why(tiny_
     graphs = llm.engine.runner.graphs
     assert "aten.linear" in graphs.refused[10]
     assert graphs.captured_batch_sizes() == []
+    assert graphs.captures == 1  # a refused capture is tried once: the later steps of 10 run eagerly
     small, _ = generate(tiny_llama, prompts[:3], params, dtype="float32", batch_invariant=False)  # native only
     assert small.engine.runner.graphs.captured_batch_sizes() == [3]
     invariant, _ = generate(tiny_llama, prompts, params, dtype="float32")

@@ -411,6 +411,7 @@ class LLMEngine:
                 metrics.num_cached_tokens = seq.num_cached_tokens or 0
             prompt_tokens += max(0, min(item.start + item.num_tokens, seq.prompt_len) - item.start)
         forward_started = time.perf_counter()
+        captures = self.runner.graph_captures()
         self.runner.copy_blocks(out.copies)
         result = self.runner.execute(out.scheduled, proposals)
         sampled = result.sampled
@@ -422,7 +423,8 @@ class LLMEngine:
         seconds = finished - started  # the proposals' time is the step's too
         accepted = None
         if self.speculator is not None:
-            accepted = self.speculator.record(out, sampled, finished - forward_started)
+            steady = self.runner.graph_captures() == captures  # else not a cost adaptive k may fit
+            accepted = self.speculator.record(out, sampled, finished - forward_started, steady)
         self.scheduler.update(out, accepted)
 
         for scored in result.prompt_logprobs:

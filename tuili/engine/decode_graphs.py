@@ -139,6 +139,9 @@ class DecodeGraphs:
         self._arena = Arena()
         self._graphs: dict[tuple[Shape, int], _Captured] = {}  # (shape, threads) -> its graph
         self.refused: dict[Shape, str] = {}  # shape -> why it runs eagerly
+        # Captures tried so far, kept or refused: a step that tried one ran eagerly, recorded and
+        # replayed, several times a steady step's time (timers that fit step costs skip it).
+        self.captures = 0
         self._said: set[tuple[str, Shape]] = set()  # (what, shape) already logged at info
 
     def captured_batch_sizes(self) -> list[int]:
@@ -198,6 +201,7 @@ class DecodeGraphs:
         """Captures the step with its logits, else (an output layer that is not all native
         kernels, such as torch's int8 op) without them, the logits then computed eagerly."""
         shape = key[0]
+        self.captures += 1
         buffers = self._buffers(step.rows_per_seq)
         model = self.model
         reasons = []

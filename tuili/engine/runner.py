@@ -268,6 +268,10 @@ class ModelRunner:
                 return logits[rows] if rows else None
         return self._eager_logits(batch, pooling)
 
+    def graph_captures(self) -> int:
+        """CPU graph captures tried so far (a step that tried one took several steady steps' time)."""
+        return 0 if self.graphs is None else self.graphs.captures
+
     def replays(self, batch: list[ScheduledSeq]) -> bool:
         """Whether a forward over `batch` may replay a CPU graph (a pure decode step, a
         verification, or short sampled chunks, of a shape not refused)."""

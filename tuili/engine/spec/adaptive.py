@@ -15,7 +15,8 @@ row costs. Two things are measured as the engine runs:
   graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's forwards are
   paid once per proposal depth of the step, at a cost fitted the same way to the sequences they
   draft for: d_fixed + d_seq * sequences (with one size seen so far, taken as proportional to
-  the sequences: a draft forward measured on one explored sequence must not make 32 look free).
+  the sequences: a draft forward measured on one explored sequence must not make 32 look free):
+  the step pays d_fixed for each depth, a sequence d_seq for each proposal it draws.
 
 Each step, for each depth K, the candidates (sequence, j <= K) are taken in order of alpha^j
 while the added tokens per added second beat the step's tokens per second; the plan of the
@@ -118,8 +119,9 @@ class AdaptiveK:
             for gain, i, j in candidates:
                 if ks[i] != j - 1:  # its earlier proposal did not pay: neither does this one
                     continue
-                # A sequence's first proposal also adds it to the draft's forwards.
-                cost = c_row + (d_seq * depth if j == 1 else 0.0)
+                # Each proposal is one more of the sequence's draft forwards (a shadow leaves the
+                # draft's batch once it has its proposals), and one more row of the step.
+                cost = c_row + d_seq
                 if gain * seconds < cost * tokens:  # adds fewer tokens per second than the step makes
                     continue
                 ks[i] += 1
@@ -183,8 +185,9 @@ class AdaptiveK:
     def _fit(self) -> tuple[float, float, float] | None:
         """(c_plain, c_row, c_spec) from the recent steps, or None until they determine it. Each
         kind of step (rows, verified) enters once, as the median of its times weighted by its
-        count: a step that captured a CPU graph, or met another process on the core, is an
-        outlier that must not move the fit."""
+        count: a step that met another process on the core is an outlier that must not move the
+        fit. (Steps that captured a CPU graph are never recorded: a verification shape explored
+        once would have that capture as its only sample, and the fit would hold it for good.)"""
         groups: dict[tuple[int, bool], list[float]] = {}
         for verified, steps in self._steps.items():
             for rows, seconds in steps:

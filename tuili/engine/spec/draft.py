@@ -120,7 +120,7 @@ class DraftModel:
         while active:
             batch = [self._item(shadow, n, n == shadow.num_tokens - shadow.num_computed_tokens)
                      for (_, shadow, _), n in zip(active, self._chunk_sizes(active), strict=True)]
-            started = time.perf_counter()
+            started, captures = time.perf_counter(), self.runner.graph_captures()
             logits = self.runner.sample_logits(batch)
             for item in batch:
                 item.seq.num_computed_tokens += item.num_tokens
@@ -133,7 +133,7 @@ class DraftModel:
                     proposals[i].token_ids.append(token)
                     if q is not None:
                         q_rows[i].append(q)
-            if all(item.num_tokens == 1 for item in batch):
+            if all(item.num_tokens == 1 for item in batch) and self.runner.graph_captures() == captures:
                 self._forward_times.append((len(batch), time.perf_counter() - started))
             active = [(i, shadow, k) for i, shadow, k in active if len(proposals[i].token_ids) < k]
         for i, rows in q_rows.items():
@@ -168,7 +168,8 @@ class DraftModel:
 
     def take_forward_times(self) -> list[tuple[int, float]] | None:
         """The logits of each forward in which every shadow computed one token (a proposal or
-        a one-token catch-up), timed; chunks (a prompt, a long catch-up) are the backlog's cost."""
+        a one-token catch-up), timed; chunks (a prompt, a long catch-up) are the backlog's cost,
+        and a forward that captured a CPU graph paid a one-off cost."""
         times, self._forward_times = self._forward_times, []
         return times
 

@@ -4,7 +4,7 @@
     out = scheduler.schedule()                           # verification chunks where room allows
     tokens = runner.execute(out.scheduled, proposals)    # verify.py accepts and samples
     speculator.proposer.observe(out.scheduled, tokens)   # MTP reads the step's hidden states
-    speculator.record(out, tokens, seconds)              # acceptance, step cost, counters
+    speculator.record(out, tokens, seconds, steady)      # acceptance, step cost, counters
 
 How many tokens each sequence is offered is AdaptiveK's choice, capped so that no proposal
 passes max_tokens (the target's token after the proposals is always emitted) or max_model_len.
@@ -131,9 +131,13 @@ class Speculator:
                 out[seq] = proposal
         return out
 
-    def record(self, out: SchedulerOutput, tokens: list[list[SampledToken]], seconds: float) -> dict[Sequence, int]:
+    def record(
+        self, out: SchedulerOutput, tokens: list[list[SampledToken]], seconds: float, steady: bool,
+    ) -> dict[Sequence, int]:
         """After the forward: the proposals each verifying sequence kept (for Scheduler.update),
-        counted in the stats and fed to the adaptive choice with the step's time."""
+        counted in the stats and fed to the adaptive choice with the step's time, unless the step
+        was not `steady` (it captured a CPU graph: a one-off cost, which the fit would take for the
+        cost of its shape, the only sample of a verification shape explored once)."""
         accepted: dict[Sequence, int] = {}
         sampling = [item for item in out.scheduled if item.samples]
         for item, new in zip(sampling, tokens, strict=True):
@@ -147,7 +151,7 @@ class Speculator:
                 self.stats.num_emitted_tokens += len(new)
         decoding_only = all(item.draft or (item.num_tokens == 1 and item.start >= item.seq.prompt_len)
                             for item in out.scheduled)
-        if out.scheduled and decoding_only and not out.preempted:
+        if out.scheduled and decoding_only and not out.preempted and steady:
             self.adaptive.record_step(out.num_tokens, bool(accepted), seconds)
         return accepted
 
