@@ -43,11 +43,12 @@ def test_graph_steps_equal_eager_steps(tiny_qwen3_bf16, quantization):
 
 
 def test_a_draft_catching_up_on_two_tokens_replays_one_graph(tiny_qwen3_bf16):
-    """A self-draft whose proposals were all kept computes the last proposal and the bonus token
-    as one two-row chunk: its step replays a graph that returns every row's logits, of which the
-    runner keeps the chunk's last. The proposals, and so the counts of kept ones, equal the eager
-    run's; the text equals the one without speculation."""
-    spec = {"model": "self", "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False}
+    """A draft model whose proposals were all kept computes the last proposal and the bonus
+    token as one two-row chunk: its step replays a graph that returns every row's logits, of which
+    the runner keeps the chunk's last. The proposals, and so the counts of kept ones, equal the
+    eager run's; the text equals the one without speculation. (The target's int8 copy named by
+    its path: a "self" draft would adopt the target's KV for the kept proposal instead.)"""
+    spec = {"model": str(tiny_qwen3_bf16), "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     runs = {}
     for name, options in [("plain", {}), ("graphs", {"speculative_config": spec}),

@@ -38,5 +38,8 @@ def build_speculator(
     elif spec.method == "mtp":
         proposer = MTPProposer(runner, pool, spec.num_speculative_tokens, config.max_num_seqs, str(target_path))
     else:
-        proposer = DraftModel(spec, config, str(target_path), target.vocab_size, pool, platform, dtype, stop_tokens)
+        # A self-draft adopts the target's KV: on one device, where rank 0's runner holds all of it.
+        whole = config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1
+        proposer = DraftModel(spec, config, str(target_path), target.vocab_size, pool, platform, dtype, stop_tokens,
+                              runner if whole else None)
     return Speculator(spec, proposer, pool.max_model_len)
