@@ -12,12 +12,11 @@ A self-draft (the target quantized, "model": "self") does not compute what the t
 has: its KV layers are the target's in shape and dtype, so before it proposes a shadow adopts
 the target's keys and values for every token the target has computed (the prompt, the
 proposals it kept, overwriting the shadow's own KV of those) and computes only the last token
-and its new proposals. The proposals come from a model whose
-context is the target's own (better guesses, not different outputs: the target verifies every
-one); SmolLM2-135M's int4 self-draft no longer spends ~210 ms (more than the bf16 target's 150
-ms prefill) on a 247-token prompt, nor a forward per kept proposal. Hybrid targets (their
-linear-attention state is no KV) and caches of other dtypes (fp8 KV for the target) compute
-as any draft does.
+and its new proposals. Its context is then the target's own (better guesses, not different
+outputs: the target verifies every one), and SmolLM2-135M's int4 self-draft no longer spends
+~210 ms (more than the bf16 target's 150 ms prefill) on a 247-token prompt, nor a forward per
+kept proposal. Hybrid targets (their linear-attention state is no KV) and caches of other
+dtypes (fp8 KV for the target) compute as any draft does.
 
 A proposal is drawn with the target request's own sampling rules (penalties, suppression before
 min_tokens, temperature, top-k/p, min-p) from the draft's logits: greedy requests take the
@@ -116,7 +115,6 @@ class DraftModel:
         self._saved: dict[int, dict[int, int]] = {}
         self._restore: dict[int, int] = {}
         self._forward_times: list[tuple[int, float]] = []  # (shadows, seconds) of one-token forwards
-        self._target = target
         self._adopted = self._shared_caches(target) if spec.model == SELF_DRAFT and target is not None else []
         self._own_from: dict[int, int] = {}  # by seq_id: where the shadow's KV stops being the target's
 
