@@ -364,3 +364,27 @@ def test_a_draft_forward_measured_for_one_sequence_does_not_make_a_batch_look_fr
     assert adaptive.choose(list(range(32)), [3] * 32) == [0] * 32  # 32 x 2 ms per depth does not
     adaptive.record_draft_forward(0.003, 32)  # measured: a forward for 32 costs 3 ms
     assert all(k >= 2 for k in adaptive.choose(list(range(32)), [3] * 32))  # now every one drafts
+
+
+def test_a_look_at_a_large_batch_is_charged_its_measured_cost_under_a_noisy_fit():
+    """Batch 32 as measured on machine A with an int4 self-draft: plain steps of 38 ms (40 ms at
+    30 rows: noise makes the slope negative), a look's eager 35-row step 72 ms and its proposals
+    33 ms, so a look costs 72 - 38 + 33 = 67 ms and the next waits 67 / 0.02 = 3.35 s of plain
+    steps, 88 of them. A least-squares fit clipped after the fact (a negative c_plain set to 0,
+    the slope it came with kept) put the plain step at 64 ms and the look at 41 ms: looks came
+    a third sooner than their budget allows."""
+    adaptive = AdaptiveK(max_k=3)
+    for rows, verified, seconds in [(30, False, 0.040), (32, False, 0.038), (35, True, 0.072), (34, True, 0.070)] * 3:
+        adaptive.record_step(rows, verified, seconds)
+    adaptive.record_draft_forward(0.009, 1)
+    gaps, plain = [], 0
+    while len(gaps) < 3:
+        if any(adaptive.choose(list(range(32)), [3] * 32, [1] * 32)):
+            gaps.append(plain)
+            plain = 0
+            adaptive.record_proposals(0.033)
+            adaptive.record_step(35, True, 0.072)
+        else:
+            plain += 1
+            adaptive.record_step(32, False, 0.038)
+    assert gaps[0] == 16 and all(abs(gap - 88) <= 1 for gap in gaps[1:]), gaps

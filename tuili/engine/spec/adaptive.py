@@ -12,7 +12,11 @@ row costs. Two things are measured as the engine runs:
   median time of each kind of recent step that only decoded or verified (the last `_HISTORY`
   plain steps and the last `_HISTORY` verifying ones), with a separate constant for steps that verify
   (they run eagerly and attend through gathered blocks, where plain decodes may replay a CPU
-  graph): t = c_plain + c_row * rows, plus c_spec when verifying. A draft model's forwards are
+  graph): t = c_plain + c_row * rows, plus c_spec when verifying. No coefficient is negative (a
+  noisy slope over two nearby batch sizes is dropped, not clipped: the others are fitted again
+  without it). The fit is taken again when a new kind of step appears and every
+  `_REFIT_EVERY` steps otherwise: the medians of 64 steps hardly move in a few, and refitting at
+  every step cost ~1 ms of a ~40 ms batch-32 step. A draft model's forwards are
   paid once per proposal depth of the step, at a cost fitted the same way to the sequences they
   draft for: d_fixed + d_seq * sequences (with one size seen so far, taken as proportional to
   the sequences: a draft forward measured on one explored sequence must not make 32 look free):
@@ -50,6 +54,7 @@ _HISTORY = 64  # steps the cost fit remembers
 _DECAY_AT = 32.0  # acceptance counts are halved when their trials reach this
 _REEXPLORE_AFTER = 16  # steps without a verification before one sequence verifies again
 _LOOK_SHARE = 0.02  # ... and no sooner than the plain steps since then took a look's cost / this
+_REFIT_EVERY = 8  # steps recorded between two fits of the step cost (a new kind of step refits at once)
 
 
 @dataclass
@@ -85,6 +90,9 @@ class AdaptiveK:
         self._look_cost: float | None = None  # seconds the last look added (None: none measured)
         self._look_rows: int | None = None  # the plain rows of the step now looking (None: none is)
         self._proposal_seconds = 0.0  # the proposer's time in the step now being taken
+        self._fitted: tuple[float, float, float] | None = None  # the last fit, while still fresh
+        self._unfitted_steps: int | None = None  # steps recorded since it (None: refit now)
+        self._draft_fit: tuple[float, float] | None = None  # _draft_cost's, until a draft forward is recorded
 
     def choose(self, seq_ids: list[int], limits: list[int], backlogs: list[int] | None = None) -> list[int]:
         """Proposals per decoding sequence this step, each at most its limit; `backlogs`: the
@@ -110,7 +118,11 @@ class AdaptiveK:
         # number of sequences): each depth K is a plan of its own, the best one wins.
         d_fixed, d_seq = self._draft_cost()
         best_rate, best = plain_rate, [0] * batch
-        for depth in range(1, max(full) + 1):
+        # A plan adds its proposals' gains (each at most the best rate) for at least their costs
+        # (each c_row + d_seq): where even the best proposal adds tokens more slowly than a plain
+        # step makes them, no plan beats plain steps, and the search below is skipped.
+        depths = range(1, max(full) + 1) if max(rates) > plain_rate * (c_row + d_seq) else range(0)
+        for depth in depths:
             candidates = sorted(
                 ((rates[i] ** j, i, j) for i in range(batch) for j in range(1, min(full[i], depth) + 1)), reverse=True,
             )
@@ -148,10 +160,15 @@ class AdaptiveK:
 
     def record_step(self, rows: int, verified: bool, seconds: float) -> None:
         """A step that only decoded or verified: `rows` positions computed in `seconds`."""
-        if verified and self._look_rows is not None and (fit := self._fit()) is not None:  # a look's step
+        looked = verified and self._look_rows is not None
+        if looked and (fit := self._fit()) is not None:  # a look's step
             plain = fit[0] + fit[1] * self._look_rows
             self._look_cost = max(seconds - plain, 0.0) + self._proposal_seconds
         self._look_rows, self._proposal_seconds = None, 0.0
+        if looked or all(r != rows for r, _ in self._steps[verified]):
+            self._unfitted_steps = None  # a look's news, or a new kind of step: fit again at once
+        elif self._unfitted_steps is not None:
+            self._unfitted_steps += 1
         self._steps[verified].append((rows, seconds))
         self._steps_since_verified = 0 if verified else self._steps_since_verified + 1
         self._plain_seconds = 0.0 if verified else self._plain_seconds + seconds
@@ -163,10 +180,16 @@ class AdaptiveK:
     def record_draft_forward(self, seconds: float, sequences: int) -> None:
         """A draft model's forward (one proposal depth) for `sequences` sequences took `seconds`."""
         self._draft.append((sequences, seconds))
+        self._draft_fit = None
 
     def _draft_cost(self) -> tuple[float, float]:
         """(d_fixed, d_seq): a draft forward's seconds as d_fixed + d_seq * sequences, from the
         median of each size seen; proportional with one size; (0, 0) without a draft model."""
+        if self._draft_fit is None:
+            self._draft_fit = self._fit_draft()
+        return self._draft_fit
+
+    def _fit_draft(self) -> tuple[float, float]:
         groups: dict[int, list[float]] = {}
         for sequences, seconds in self._draft:
             groups.setdefault(sequences, []).append(seconds)
@@ -183,11 +206,19 @@ class AdaptiveK:
         self._acceptance.pop(seq_id, None)
 
     def _fit(self) -> tuple[float, float, float] | None:
-        """(c_plain, c_row, c_spec) from the recent steps, or None until they determine it. Each
-        kind of step (rows, verified) enters once, as the median of its times weighted by its
-        count: a step that met another process on the core is an outlier that must not move the
-        fit. (Steps that captured a CPU graph are never recorded: a verification shape explored
-        once would have that capture as its only sample, and the fit would hold it for good.)"""
+        """(c_plain, c_row, c_spec) from the recent steps, or None until they determine it."""
+        if self._unfitted_steps is None or self._unfitted_steps >= _REFIT_EVERY:
+            self._fitted, self._unfitted_steps = self._fit_steps(), 0
+        return self._fitted
+
+    def _fit_steps(self) -> tuple[float, float, float] | None:
+        """The fit of the recent steps. Each kind of step (rows, verified) enters once, as the
+        median of its times weighted by its count: a step that met another process on the core
+        is an outlier that must not move the fit. (Steps that captured a CPU graph are never
+        recorded: a verification shape explored once would have that capture as its only
+        sample, and the fit would hold it for good.) Least squares with no negative coefficient:
+        of the fits on each subset of the three terms whose coefficients are all >= 0, the one
+        with the smallest residual (the full fit where it is feasible)."""
         groups: dict[tuple[int, bool], list[float]] = {}
         for verified, steps in self._steps.items():
             for rows, seconds in steps:
@@ -198,5 +229,17 @@ class AdaptiveK:
         weights = np.sqrt([len(groups[k]) for k in keys])
         x = np.array([[1.0, rows, 1.0 if verified else 0.0] for rows, verified in keys]) * weights[:, None]
         y = np.array([float(np.median(groups[k])) for k in keys]) * weights
-        (c_plain, c_row, c_spec), *_ = np.linalg.lstsq(x, y, rcond=None)
-        return max(float(c_plain), 0.0), max(float(c_row), 0.0), max(float(c_spec), 0.0)
+        best, best_residual = (0.0, 0.0, 0.0), float(np.sum(y * y))
+        for terms in ([0, 1, 2], [0, 2], [1, 2], [0, 1], [0], [1], [2]):
+            solution, *_ = np.linalg.lstsq(x[:, terms], y, rcond=None)
+            if (solution < 0).any():
+                continue
+            residual = float(np.sum((x[:, terms] @ solution - y) ** 2))
+            if residual < best_residual - 1e-18:
+                coefficients = [0.0, 0.0, 0.0]
+                for term, value in zip(terms, solution, strict=True):
+                    coefficients[term] = float(value)
+                best, best_residual = (coefficients[0], coefficients[1], coefficients[2]), residual
+            if len(terms) == 3:
+                break  # the unconstrained fit is feasible: nothing smaller fits better
+        return best
