@@ -313,7 +313,7 @@ def test_adaptive_k_looks_again_after_switching_off_and_new_sequences_start_from
 def test_looks_that_leave_speculation_off_take_a_bounded_share_and_the_sequence_least_behind():
     """Where verifying never pays, the first look comes after 16 plain steps and measures what it
     cost (its proposals' time and its step beyond a plain one); each next look waits until the
-    plain steps took 1 / 0.02 of that, so looks take at most 2% of the time. A look drafts for the
+    plain steps took 1 / 0.01 of that, so looks take at most 1% of the time. A look drafts for the
     sequence whose proposer has the fewest tokens to catch up (a draft model's shadow)."""
     adaptive = AdaptiveK(max_k=4)
     for rows, verified, seconds in [(3, False, 0.010), (7, True, 0.060), (5, True, 0.055)]:
@@ -330,8 +330,9 @@ def test_looks_that_leave_speculation_off_take_a_bounded_share_and_the_sequence_
         else:
             plain += 1
             adaptive.record_step(3, False, 0.010)
-    # a look costs 20.5 ms of proposals + 50 ms over a 10 ms plain step: 70.5 ms / 0.02 = 352.5 plain steps
-    assert gaps[0] == 16 and gaps[1:] == [353, 353], gaps
+    # a look costs 20.5 ms of proposals + 50 ms over a 10 ms plain step: 70.5 ms / 0.01 = 705 plain steps
+    # (the 705th lands on the bound exactly: float rounding may take one more)
+    assert gaps[0] == 16 and all(gap in (705, 706) for gap in gaps[1:]), gaps
     assert looked == [[0, 4, 0]] * 3
 
 
@@ -369,10 +370,10 @@ def test_a_draft_forward_measured_for_one_sequence_does_not_make_a_batch_look_fr
 def test_a_look_at_a_large_batch_is_charged_its_measured_cost_under_a_noisy_fit():
     """Batch 32 as measured on machine A with an int4 self-draft: plain steps of 38 ms (40 ms at
     30 rows: noise makes the slope negative), a look's eager 35-row step 72 ms and its proposals
-    33 ms, so a look costs 72 - 38 + 33 = 67 ms and the next waits 67 / 0.02 = 3.35 s of plain
-    steps, 88 of them. A least-squares fit clipped after the fact (a negative c_plain set to 0,
+    33 ms, so a look costs 72 - 38 + 33 = 67 ms and the next waits 67 / 0.01 = 6.7 s of plain
+    steps, 176 of them. A least-squares fit clipped after the fact (a negative c_plain set to 0,
     the slope it came with kept) put the plain step at 64 ms and the look at 41 ms: looks came
-    a third sooner than their budget allows."""
+    40% sooner than their budget allows."""
     adaptive = AdaptiveK(max_k=3)
     for rows, verified, seconds in [(30, False, 0.040), (32, False, 0.038), (35, True, 0.072), (34, True, 0.070)] * 3:
         adaptive.record_step(rows, verified, seconds)
@@ -387,4 +388,4 @@ def test_a_look_at_a_large_batch_is_charged_its_measured_cost_under_a_noisy_fit(
         else:
             plain += 1
             adaptive.record_step(32, False, 0.038)
-    assert gaps[0] == 16 and all(abs(gap - 88) <= 1 for gap in gaps[1:]), gaps
+    assert gaps[0] == 16 and all(abs(gap - 176) <= 1 for gap in gaps[1:]), gaps

@@ -53,7 +53,7 @@ import numpy as np
 _HISTORY = 64  # steps the cost fit remembers
 _DECAY_AT = 32.0  # acceptance counts are halved when their trials reach this
 _REEXPLORE_AFTER = 16  # steps without a verification before one sequence verifies again
-_LOOK_SHARE = 0.02  # ... and no sooner than the plain steps since then took a look's cost / this
+_LOOK_SHARE = 0.01  # ... and no sooner than the plain steps since then took a look's cost / this
 _REFIT_EVERY = 8  # steps recorded between two fits of the step cost (a new kind of step refits at once)
 
 
