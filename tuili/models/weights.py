@@ -52,9 +52,9 @@ from tuili.layers.moe import Experts, QuantizedExperts, RoutedExperts
 from tuili.layers.quant import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
-    INT8_GROUP_SIZES,
     QuantizedLinear,
     QuantizedWeight,
+    int8_group_size,
     make_linear,
     quantize_int4,
     quantize_int8_for_kernels,
@@ -405,8 +405,8 @@ class WeightPlan:
     def _gguf_decode_copy(self) -> QuantizedLinear | None:
         """A quantized copy of the output matrix (the embedding when tied) for few-row logits, as
         llama.cpp reads its output matrix quantized: the file's own blocks when they are Q8_0,
-        else int8 per group of 128 of the dequantized matrix (a Q6_K matrix, say: 8 bits keep the
-        logits closer than Q6_K itself). None when the input size takes no group of 128 or 32."""
+        else int8 per group (`int8_group_size`) of the dequantized matrix (a Q6_K matrix, say: 8
+        bits keep the logits closer than Q6_K itself). None when the input size takes no group."""
         ckpt = self.gguf_packed
         assert ckpt is not None
         name = "lm_head.weight" if "lm_head.weight" in ckpt.tensor_names() else "model.embed_tokens.weight"
@@ -414,7 +414,7 @@ class WeightPlan:
         if ckpt.runs_packed(name) and ckpt.tensor_info(name).ggml_type.name == "Q8_0":
             weight = ckpt.quantized_tensor(name)
         else:
-            group = next((g for g in INT8_GROUP_SIZES if len(shape) == 2 and shape[1] % g == 0), None)
+            group = int8_group_size(shape[1]) if len(shape) == 2 else None
             if group is None:
                 return None
             matrix = ckpt.load_tensor(name, torch.float32)

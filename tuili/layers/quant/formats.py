@@ -119,8 +119,14 @@ def quantize_int8_group(
     return Int8GroupWeight(q.view(n, k), scale, group_size)
 
 
-# Group sizes `quantize_int8_for_kernels` tries, largest first: the native kernel's groups.
+# Group sizes int8 per group takes, largest first: the native kernel's groups.
 INT8_GROUP_SIZES = (128, 64, 32)
+
+
+def int8_group_size(in_features: int) -> int | None:
+    """The group of int8 per group for rows of `in_features` inputs: the largest of
+    INT8_GROUP_SIZES that divides it, or None (no group fits: int8 per row)."""
+    return next((g for g in INT8_GROUP_SIZES if in_features % g == 0), None)
 
 
 def quantize_int8_for_kernels(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
@@ -129,7 +135,7 @@ def quantize_int8_for_kernels(weight: torch.Tensor, scale_dtype: torch.dtype = t
     (Int8GroupLinear, as GGUF Q8_0), which reads them at 2-3x the speed of PyTorch's per-row
     op and can be replayed in a CPU graph; a group's scale also keeps each weight at least as
     close as a row's would (docs/quantization.md)."""
-    group = next((g for g in INT8_GROUP_SIZES if weight.shape[-1] % g == 0), None)
+    group = int8_group_size(weight.shape[-1])
     if group is None:
         return quantize_int8(weight, scale_dtype)
     return quantize_int8_group(weight, group, scale_dtype)
