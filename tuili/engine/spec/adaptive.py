@@ -135,7 +135,9 @@ class AdaptiveK:
                 # draft's batch once it has its proposals), and one more row of the step.
                 cost = c_row + d_seq
                 if gain * seconds < cost * tokens:  # adds fewer tokens per second than the step makes
-                    continue
+                    # and so does every later candidate: gains only fall, while the plan's rate
+                    # only rises (each proposal taken adds tokens at least at that rate)
+                    break
                 ks[i] += 1
                 tokens += gain
                 seconds += cost
