@@ -220,11 +220,14 @@ def run_items(layer: GatedDeltaNet, x: torch.Tensor, sizes: list[int], slot: int
     return torch.cat(outs)
 
 
+# Heads of 96 values: the kernel takes a prompt's state in blocks of 64 columns (vector code on
+# AVX-512) and a 32-column rest (the plain loop); 32 values are one plain block.
+@pytest.mark.parametrize("dv", [32, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunks_match_the_torch_chunked_rule_with_checkpoints_inside(dtype):
+def test_chunks_match_the_torch_chunked_rule_with_checkpoints_inside(dtype, dv):
     """A 150-token chunk (more than two of the chunked rule's 64-token blocks) continuing slot 2,
     with checkpoints after 64 (on the rule's grid), 100 (off it) and 150 tokens (its end)."""
-    layer = make_layer(dtype, grouped=True)
+    layer = make_layer(dtype, grouped=True, dv=dv)
     torch_layer = on_portable(layer)
     x = torch.randn(150, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
     saves = [(64, 5), (100, 6), (150, 7)]
@@ -250,11 +253,14 @@ def test_chunks_match_the_torch_chunked_rule_with_checkpoints_inside(dtype):
     assert torch.equal(layer.state.recurrent[7], layer.state.recurrent[2])  # the end's checkpoint is the final state
 
 
+@pytest.mark.parametrize("dv", [32, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prompt_gets_the_same_bits_however_it_is_split(dtype):
+def test_a_prompt_gets_the_same_bits_however_it_is_split(dtype, dv):
     """40 tokens as one chunk, as 13 + 27, as 1 + 38 + 1 and as 40 decode steps: the same outputs,
-    states and checkpoint (after 20 tokens) bit for bit. The torch chunked rule cannot promise this."""
-    layer = make_layer(dtype, grouped=False)
+    states and checkpoint (after 20 tokens) bit for bit. The torch chunked rule cannot promise this.
+    (A decode step takes its state in two passes; a chunk shares one pass between a token's update
+    and the next token's decay, but for the token before a checkpoint.)"""
+    layer = make_layer(dtype, grouped=False, dv=dv)
     # torch's matmul is not batch invariant: the projections go row by row here
     layer.in_proj_qkvz, layer.in_proj_ba = RowByRow(layer.in_proj_qkvz), RowByRow(layer.in_proj_ba)
     start = DeltaNetState(layer.state.conv.clone(), layer.state.recurrent.clone())

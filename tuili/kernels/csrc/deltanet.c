@@ -18,8 +18,10 @@
  * token's bits depend only on its sequence's tokens up to it — not on the batch, the thread count,
  * or where the prompt was split into chunks (a chunk of n tokens is exactly n decode steps), so a
  * prompt computed in one chunk, in pieces, after a prefix-cache hit or as decode steps after a
- * preemption gives the same state and outputs. The batch-invariant mode runs prompts this way on
- * CPUs (docs/engine.md); the chunked rule's matmuls round differently at every split.
+ * preemption gives the same state and outputs (a chunk runs the rule by blocks of the state's
+ * columns across its tokens, each element's operations unchanged: rule_columns). The
+ * batch-invariant mode runs prompts this way on CPUs (docs/engine.md); the chunked rule's matmuls
+ * round differently at every split.
  *
  * A chunk can also hand out its state after given numbers of tokens (cuts: prefix-cache
  * checkpoints inside it), copied to other rows of the state tensors. Inputs may be views with a
@@ -33,7 +35,7 @@
 #include "exp16.h"
 #include "kernels.h"
 
-#define MAX_HEAD_DIM 1024 /* per-head buffers live on the stack; Python checks it */
+#define MAX_HEAD_DIM 1024 /* the heads' sizes the kernel takes; Python checks it */
 #define L2NORM_EPS 1e-6f
 
 static inline float load(const void *p, int dtype, int64_t i) {
@@ -62,33 +64,118 @@ static void l2_normalise(float *x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * scale;
 }
 
-/* One value head of one token: the rule on its state s [dk, dv], then the norm gated by
- * gate = silu(z) into y. */
-static void head_step(float *restrict s, const float *restrict q, const float *restrict k, const float *restrict v,
-                      float decay, float beta, const float *restrict gate, const float *restrict norm_w, float eps,
-                      int64_t dk, int64_t dv, int dtype, void *y, int64_t y_at) {
-    float remembered[MAX_HEAD_DIM], delta[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
-    for (int64_t j = 0; j < dv; j++) remembered[j] = 0.0f;
-    for (int64_t i = 0; i < dk; i++) {
-        float *restrict row = s + i * dv;
-        const float ki = k[i];
-        for (int64_t j = 0; j < dv; j++) {
-            row[j] *= decay;
-            remembered[j] = MADD(row[j], ki, remembered[j]);
+/* The rule over an item's tokens on a block of n <= RULE_COLS columns of one head's state s
+ * [dk, dv] (row stride dv, first column c0): every column of S^T k, delta, S and S^T q is computed
+ * from that column alone, so a block of columns goes through all the item's tokens while it stays
+ * in the L1 cache (and its sums in registers), instead of the whole 64 KB state passing through
+ * the cache twice per token. Each element sees the same operations in the same order as token
+ * by token: S = decay * S and S^T k summed over i = 0 .. dk-1; delta = (v - S^T k) * beta;
+ * S = S + k delta and S^T q summed over i. Token t's update and S^T q share one pass over the
+ * block with token t+1's decay and S^T k, unless a cut falls between them (its state is the one
+ * after the update, before the next decay). S^T q of token t goes to o[t * dv + c0 ..]. */
+#define RULE_COLS 64 /* a block of [128, 64] floats (32 KB) stays in L1 */
+#define RULE_VECS (RULE_COLS / 16)
+static inline __attribute__((always_inline)) void rule_columns(
+    float *restrict s, int64_t dv, int64_t c0, int64_t n, int64_t count, int64_t dk, const float *restrict qn,
+    const float *restrict kn, const float *restrict decays, const float *restrict betas, const float *v,
+    int64_t v_stride, float *restrict o, float *recurrent, int64_t state_size, const int64_t *cut_offsets,
+    const int64_t *cut_rows, int64_t num_cuts, int64_t head_offset) {
+    float remembered[RULE_COLS], delta[RULE_COLS], out[RULE_COLS];
+    int64_t cut = 0;
+    for (int64_t c = 0; c < n; c++) remembered[c] = 0.0f;
+    for (; cut < num_cuts && cut_offsets[cut] == 0; cut++)
+        for (int64_t i = 0; i < dk; i++)
+            memcpy(recurrent + cut_rows[cut] * state_size + head_offset + i * dv + c0, s + i * dv + c0,
+                   (size_t)n * sizeof(float));
+    for (int64_t i = 0; i < dk; i++) { /* token 0's decay and S^T k */
+        float *restrict row = s + i * dv + c0;
+        const float ki = kn[i], decay = decays[0];
+        for (int64_t c = 0; c < n; c++) {
+            row[c] *= decay;
+            remembered[c] = MADD(row[c], ki, remembered[c]);
         }
     }
-    for (int64_t j = 0; j < dv; j++) {
-        delta[j] = (v[j] - remembered[j]) * beta;
-        o[j] = 0.0f;
-    }
-    for (int64_t i = 0; i < dk; i++) {
-        float *restrict row = s + i * dv;
-        const float ki = k[i], qi = q[i];
-        for (int64_t j = 0; j < dv; j++) {
-            row[j] = MADD(ki, delta[j], row[j]);
-            o[j] = MADD(row[j], qi, o[j]);
+    for (int64_t t = 0; t < count; t++) {
+        const float *vt = v + t * v_stride, beta = betas[t];
+        const float *qt = qn + t * dk, *kt = kn + t * dk;
+        for (int64_t c = 0; c < n; c++) {
+            delta[c] = (vt[c] - remembered[c]) * beta;
+            out[c] = 0.0f;
+            remembered[c] = 0.0f;
         }
+        const int fused = t + 1 < count && !(cut < num_cuts && cut_offsets[cut] == t + 1);
+        if (fused) {
+            const float *kn1 = kn + (t + 1) * dk, decay = decays[t + 1];
+#ifdef __AVX512F__
+            if (n == RULE_COLS) { /* the same operations, the sums held in registers */
+                __m512 d[RULE_VECS], o_sum[RULE_VECS], r_sum[RULE_VECS];
+                for (int v = 0; v < RULE_VECS; v++) {
+                    d[v] = _mm512_loadu_ps(delta + 16 * v);
+                    o_sum[v] = r_sum[v] = _mm512_setzero_ps();
+                }
+                const __m512 dec = _mm512_set1_ps(decay);
+                for (int64_t i = 0; i < dk; i++) {
+                    float *row = s + i * dv + c0;
+                    const __m512 ki = _mm512_set1_ps(kt[i]), qi = _mm512_set1_ps(qt[i]), k1 = _mm512_set1_ps(kn1[i]);
+                    for (int v = 0; v < RULE_VECS; v++) {
+                        const __m512 updated = _mm512_fmadd_ps(ki, d[v], _mm512_loadu_ps(row + 16 * v));
+                        o_sum[v] = _mm512_fmadd_ps(updated, qi, o_sum[v]);
+                        const __m512 decayed = _mm512_mul_ps(updated, dec);
+                        r_sum[v] = _mm512_fmadd_ps(decayed, k1, r_sum[v]);
+                        _mm512_storeu_ps(row + 16 * v, decayed);
+                    }
+                }
+                for (int v = 0; v < RULE_VECS; v++) {
+                    _mm512_storeu_ps(out + 16 * v, o_sum[v]);
+                    _mm512_storeu_ps(remembered + 16 * v, r_sum[v]);
+                }
+                for (int64_t c = 0; c < n; c++) o[t * dv + c0 + c] = out[c];
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < dk; i++) {
+                float *restrict row = s + i * dv + c0;
+                const float ki = kt[i], qi = qt[i], k1 = kn1[i];
+                for (int64_t c = 0; c < n; c++) {
+                    const float updated = MADD(ki, delta[c], row[c]);
+                    out[c] = MADD(updated, qi, out[c]);
+                    const float decayed = updated * decay;
+                    remembered[c] = MADD(decayed, k1, remembered[c]);
+                    row[c] = decayed;
+                }
+            }
+        } else {
+            for (int64_t i = 0; i < dk; i++) {
+                float *restrict row = s + i * dv + c0;
+                const float ki = kt[i], qi = qt[i];
+                for (int64_t c = 0; c < n; c++) {
+                    row[c] = MADD(ki, delta[c], row[c]);
+                    out[c] = MADD(row[c], qi, out[c]);
+                }
+            }
+            for (; cut < num_cuts && cut_offsets[cut] == t + 1; cut++)
+                for (int64_t i = 0; i < dk; i++)
+                    memcpy(recurrent + cut_rows[cut] * state_size + head_offset + i * dv + c0, s + i * dv + c0,
+                           (size_t)n * sizeof(float));
+            if (t + 1 < count) {
+                const float *kn1 = kn + (t + 1) * dk, decay = decays[t + 1];
+                for (int64_t i = 0; i < dk; i++) {
+                    float *restrict row = s + i * dv + c0;
+                    const float k1 = kn1[i];
+                    for (int64_t c = 0; c < n; c++) {
+                        row[c] *= decay;
+                        remembered[c] = MADD(row[c], k1, remembered[c]);
+                    }
+                }
+            }
+        }
+        for (int64_t c = 0; c < n; c++) o[t * dv + c0 + c] = out[c];
     }
+}
+
+/* The gated RMSNorm of one head's output o [dv] for one token, gated by gate = silu(z), into y. */
+static void head_norm(float *restrict o, const float *restrict gate, const float *restrict norm_w, float eps,
+                      int64_t dv, int dtype, void *y, int64_t y_at) {
     float squares = 0.0f;
     for (int64_t j = 0; j < dv; j++) {
         o[j] = round_to(o[j], dtype);
@@ -141,7 +228,11 @@ static void conv_block(const void *mixed, int64_t mixed_stride, int64_t first, i
                     store(conv_state, dtype, (cut_rows[cut] * channels + c0 + c) * width + j, window[j][c]);
         if (t == count) break;
         float x[CONV_BLOCK];
-        for (int64_t c = 0; c < n; c++) x[c] = load(mixed, dtype, (first + t) * mixed_stride + c0 + c);
+        const int64_t at = (first + t) * mixed_stride + c0;
+        if (dtype == TUILI_BF16) /* the type's test out of the loops, so that they vectorise */
+            for (int64_t c = 0; c < n; c++) x[c] = bf16_to_f32(((const uint16_t *)mixed)[at + c]);
+        else
+            for (int64_t c = 0; c < n; c++) x[c] = ((const float *)mixed)[at + c];
         for (int64_t c = 0; c < n; c++) sum[c] = 0.0f;
         for (int64_t j = 0; j < width; j++)
             for (int64_t c = 0; c < n; c++) sum[c] = sum[c] + window[j][c] * w[j][c];
@@ -151,7 +242,10 @@ static void conv_block(const void *mixed, int64_t mixed_stride, int64_t first, i
         for (int64_t c = 0; c < n; c++) window[width - 1][c] = x[c];
         float *row = out + t * channels + c0;
         silu_block(sum, n);
-        for (int64_t c = 0; c < n; c++) row[c] = round_to(sum[c], dtype);
+        if (dtype == TUILI_BF16)
+            for (int64_t c = 0; c < n; c++) row[c] = bf16_to_f32(f32_to_bf16(sum[c]));
+        else
+            for (int64_t c = 0; c < n; c++) row[c] = sum[c];
     }
     for (int64_t c = 0; c < n; c++)
         for (int64_t j = 0; j < width; j++) store(conv_state, dtype, (slot * channels + c0 + c) * width + j, window[j][c]);
@@ -200,7 +294,15 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
     }
     const int64_t key_dim = k_heads * dk, channels = 2 * key_dim + v_heads * dv, width = kernel - 1;
     float *conv = malloc((size_t)(starts[num_items] * channels) * sizeof(float)); /* the conv's outputs, rounded */
-    if (!conv) {
+    /* Each thread's buffers for one (item, head): its tokens' q and k normalised, its outputs
+     * before the norm, decays and betas; then one token's gate and the norm's weight. */
+    int64_t max_count = 1;
+    for (int64_t i = 0; i < num_items; i++)
+        if (starts[i + 1] - starts[i] > max_count) max_count = starts[i + 1] - starts[i];
+    const size_t per_thread = (size_t)(max_count * (2 * dk + dv + 2) + 2 * dv);
+    float *buffers = conv ? malloc((size_t)num_threads * per_thread * sizeof(float)) : NULL;
+    if (!buffers) {
+        free(conv);
         free(starts);
         return TUILI_NO_MEMORY;
     }
@@ -218,41 +320,54 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
                        n, channels, width, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, dtype,
                        conv + starts[i] * channels);
         }
-        /* The rule and the norm, one (item, value head) at a time, token after token: the state
-         * [Dk, Dv] stays in cache across the item's tokens. */
-        float q[MAX_HEAD_DIM], k[MAX_HEAD_DIM], zf[MAX_HEAD_DIM], w[MAX_HEAD_DIM];
+        /* The rule and the norm, one (item, value head) at a time: the tokens' normalised q and k
+         * and gates first, then the rule by blocks of columns over all the tokens (rule_columns),
+         * then each token's norm. */
+        float *buffer = buffers + (size_t)omp_get_thread_num() * per_thread;
+        float *qn = buffer, *kn = qn + max_count * dk, *o = kn + max_count * dk, *decays = o + max_count * dv;
+        float *betas = decays + max_count, *zf = betas + max_count, *w = zf + dv;
         for (int64_t j = 0; j < dv; j++) w[j] = load(norm_weight, dtype, j);
         const int64_t per_key = v_heads / k_heads;
         const float q_scale = 1.0f / sqrtf((float)dk);
-        const size_t state_bytes = (size_t)(dk * dv) * sizeof(float);
+        const int64_t state_size = v_heads * dk * dv;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t ih = 0; ih < num_items * v_heads; ih++) {
             const int64_t i = ih / v_heads, h = ih % v_heads, kh = h / per_key, count = starts[i + 1] - starts[i];
-            float *s = recurrent + (slots[i] * v_heads + h) * dk * dv;
-            const int64_t first_cut = cut_starts ? cut_starts[i] : 0, end_cut = cut_starts ? cut_starts[i + 1] : 0;
-            int64_t cut = first_cut;
-            for (int64_t t = 0; t <= count; t++) {
-                for (; cut < end_cut && cut_offsets[cut] == t; cut++)
-                    memcpy(recurrent + (cut_rows[cut] * v_heads + h) * dk * dv, s, state_bytes);
-                if (t == count) break;
+            const int64_t first_cut = cut_starts ? cut_starts[i] : 0, num_cuts = cut_starts ? cut_starts[i + 1] - first_cut : 0;
+            for (int64_t t = 0; t < count; t++) {
                 const int64_t row = firsts[i] + t;
                 const float *c = conv + (starts[i] + t) * channels;
+                float *qt = qn + t * dk, *kt = kn + t * dk;
                 for (int64_t j = 0; j < dk; j++) {
-                    q[j] = c[kh * dk + j];
-                    k[j] = c[key_dim + kh * dk + j];
+                    qt[j] = c[kh * dk + j];
+                    kt[j] = c[key_dim + kh * dk + j];
                 }
-                l2_normalise(q, dk, q_scale);
-                l2_normalise(k, dk, 1.0f);
-                for (int64_t j = 0; j < dv; j++) zf[j] = load(z, dtype, row * z_stride + h * dv + j);
-                silu_block(zf, dv);
-                const float beta = round_to(1.0f / (1.0f + expf(-load(b, dtype, row * ba_stride + h))), dtype);
+                l2_normalise(qt, dk, q_scale);
+                l2_normalise(kt, dk, 1.0f);
+                betas[t] = round_to(1.0f / (1.0f + expf(-load(b, dtype, row * ba_stride + h))), dtype);
                 const float g = -expf(load(a_log, dtype, h)) * softplus(load(a, dtype, row * ba_stride + h) +
                                                                          load(dt_bias, dtype, h));
-                head_step(s, q, k, c + 2 * key_dim + h * dv, expf(g), beta, zf, w, eps, dk, dv, dtype, out,
-                          row * out_stride + h * dv);
+                decays[t] = expf(g);
+            }
+            float *s = recurrent + slots[i] * state_size + h * dk * dv;
+            const float *v = conv + starts[i] * channels + 2 * key_dim + h * dv;
+            for (int64_t c0 = 0; c0 < dv; c0 += RULE_COLS) {
+                if (dv - c0 >= RULE_COLS) /* the constant width lets the compiler keep the sums in registers */
+                    rule_columns(s, dv, c0, RULE_COLS, count, dk, qn, kn, decays, betas, v + c0, channels, o, recurrent,
+                                 state_size, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, h * dk * dv);
+                else
+                    rule_columns(s, dv, c0, dv - c0, count, dk, qn, kn, decays, betas, v + c0, channels, o, recurrent,
+                                 state_size, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, h * dk * dv);
+            }
+            for (int64_t t = 0; t < count; t++) {
+                const int64_t row = firsts[i] + t;
+                for (int64_t j = 0; j < dv; j++) zf[j] = load(z, dtype, row * z_stride + h * dv + j);
+                silu_block(zf, dv);
+                head_norm(o + t * dv, zf, w, eps, dv, dtype, out, row * out_stride + h * dv);
             }
         }
     }
+    free(buffers);
     free(conv);
     free(starts);
     return TUILI_OK;
