@@ -188,12 +188,14 @@ static void head_norm(float *restrict o, const float *restrict gate, const float
     }
 }
 
-/* The conv of channels c0 .. c0 + n - 1 (n <= CONV_BLOCK) over an item's tokens: each token's
- * outputs (rounded) into out[t * channels + c], the windows moving on by one input per token; after
- * `offset` tokens for each of the item's cuts, the windows are also copied to that cut's row of
- * conv_state. Token-major over a block of channels, so the inputs of a token are read as one run
- * and the sums vectorise across channels; each channel's sum is still window[0] w[0] + ... +
- * x w[K-1], left to right, separate multiplies and adds (the build's -ffp-contract=off). */
+/* The conv of a range of channels over an item's tokens, in blocks of CONV_BLOCK channels: each
+ * token's outputs (rounded) into out[t * channels + c], the windows moving on by one input per
+ * token; after `offset` tokens for each of the item's cuts, the windows are also copied to that
+ * cut's row of conv_state. Token-major over the whole range (each token's inputs and outputs one
+ * run each, the blocks' windows and weights held in `blocks`: 4.3 KB a block), so that memory is
+ * walked row after row, not 512 rows apart per block; the sums vectorise across channels; each
+ * channel's sum is still window[0] w[0] + ... + x w[K-1], left to right, separate multiplies and
+ * adds (the build's -ffp-contract=off). */
 #define CONV_BLOCK 64
 
 /* x[0..n) = silu(x) = x / (1 + exp(-x)): sixteen lanes at a time with exp16 where the build has
@@ -211,44 +213,68 @@ static inline void silu_block(float *x, int64_t n) {
 #endif
 }
 #define MAX_CONV_WIDTH 8 /* K - 1; Python checks it */
-static void conv_block(const void *mixed, int64_t mixed_stride, int64_t first, int64_t count, const void *weight,
-                       void *conv_state, int64_t slot, int64_t c0, int64_t n, int64_t channels, int64_t width,
-                       const int64_t *cut_offsets, const int64_t *cut_rows, int64_t num_cuts, int dtype,
-                       float *out) {
-    float window[MAX_CONV_WIDTH][CONV_BLOCK], w[MAX_CONV_WIDTH + 1][CONV_BLOCK], sum[CONV_BLOCK];
-    for (int64_t c = 0; c < n; c++) {
-        for (int64_t j = 0; j <= width; j++) w[j][c] = load(weight, dtype, (c0 + c) * (width + 1) + j);
-        for (int64_t j = 0; j < width; j++) window[j][c] = load(conv_state, dtype, ((slot * channels + c0 + c) * width) + j);
+typedef struct {
+    float window[MAX_CONV_WIDTH][CONV_BLOCK], w[MAX_CONV_WIDTH + 1][CONV_BLOCK];
+} ConvBlock;
+
+/* One token through one block of n channels starting at c0: inputs x, outputs into row. */
+static inline __attribute__((always_inline)) void conv_token(ConvBlock *restrict blk, const void *mixed, int64_t at,
+                                                             int64_t n, int64_t width, int dtype, float *restrict row) {
+    float x[CONV_BLOCK], sum[CONV_BLOCK];
+    if (dtype == TUILI_BF16) /* the type's test out of the loops, so that they vectorise */
+        for (int64_t c = 0; c < n; c++) x[c] = bf16_to_f32(((const uint16_t *)mixed)[at + c]);
+    else
+        for (int64_t c = 0; c < n; c++) x[c] = ((const float *)mixed)[at + c];
+    for (int64_t c = 0; c < n; c++) sum[c] = 0.0f;
+    for (int64_t j = 0; j < width; j++)
+        for (int64_t c = 0; c < n; c++) sum[c] = sum[c] + blk->window[j][c] * blk->w[j][c];
+    for (int64_t c = 0; c < n; c++) sum[c] = sum[c] + x[c] * blk->w[width][c];
+    for (int64_t j = 0; j + 1 < width; j++)
+        for (int64_t c = 0; c < n; c++) blk->window[j][c] = blk->window[j + 1][c];
+    for (int64_t c = 0; c < n; c++) blk->window[width - 1][c] = x[c];
+    silu_block(sum, n);
+    if (dtype == TUILI_BF16)
+        for (int64_t c = 0; c < n; c++) row[c] = bf16_to_f32(f32_to_bf16(sum[c]));
+    else
+        for (int64_t c = 0; c < n; c++) row[c] = sum[c];
+}
+
+/* Channels c_begin .. c_end - 1 (c_begin a multiple of CONV_BLOCK) of one item; `blocks` holds
+ * one ConvBlock per CONV_BLOCK channels of the range. */
+static void conv_range(const void *mixed, int64_t mixed_stride, int64_t first, int64_t count, const void *weight,
+                       void *conv_state, int64_t slot, int64_t c_begin, int64_t c_end, int64_t channels, int64_t width,
+                       const int64_t *cut_offsets, const int64_t *cut_rows, int64_t num_cuts, int dtype, float *out,
+                       ConvBlock *blocks) {
+    const int64_t num_blocks = (c_end - c_begin + CONV_BLOCK - 1) / CONV_BLOCK;
+    for (int64_t k = 0; k < num_blocks; k++) {
+        const int64_t c0 = c_begin + k * CONV_BLOCK, n = c_end - c0 < CONV_BLOCK ? c_end - c0 : CONV_BLOCK;
+        for (int64_t c = 0; c < n; c++) {
+            for (int64_t j = 0; j <= width; j++) blocks[k].w[j][c] = load(weight, dtype, (c0 + c) * (width + 1) + j);
+            for (int64_t j = 0; j < width; j++)
+                blocks[k].window[j][c] = load(conv_state, dtype, ((slot * channels + c0 + c) * width) + j);
+        }
     }
     int64_t cut = 0;
     for (int64_t t = 0; t <= count; t++) {
         for (; cut < num_cuts && cut_offsets[cut] == t; cut++)
-            for (int64_t c = 0; c < n; c++)
+            for (int64_t c = c_begin; c < c_end; c++)
                 for (int64_t j = 0; j < width; j++)
-                    store(conv_state, dtype, (cut_rows[cut] * channels + c0 + c) * width + j, window[j][c]);
+                    store(conv_state, dtype, (cut_rows[cut] * channels + c) * width + j,
+                          blocks[(c - c_begin) / CONV_BLOCK].window[j][(c - c_begin) % CONV_BLOCK]);
         if (t == count) break;
-        float x[CONV_BLOCK];
-        const int64_t at = (first + t) * mixed_stride + c0;
-        if (dtype == TUILI_BF16) /* the type's test out of the loops, so that they vectorise */
-            for (int64_t c = 0; c < n; c++) x[c] = bf16_to_f32(((const uint16_t *)mixed)[at + c]);
-        else
-            for (int64_t c = 0; c < n; c++) x[c] = ((const float *)mixed)[at + c];
-        for (int64_t c = 0; c < n; c++) sum[c] = 0.0f;
-        for (int64_t j = 0; j < width; j++)
-            for (int64_t c = 0; c < n; c++) sum[c] = sum[c] + window[j][c] * w[j][c];
-        for (int64_t c = 0; c < n; c++) sum[c] = sum[c] + x[c] * w[width][c];
-        for (int64_t j = 0; j + 1 < width; j++)
-            for (int64_t c = 0; c < n; c++) window[j][c] = window[j + 1][c];
-        for (int64_t c = 0; c < n; c++) window[width - 1][c] = x[c];
-        float *row = out + t * channels + c0;
-        silu_block(sum, n);
-        if (dtype == TUILI_BF16)
-            for (int64_t c = 0; c < n; c++) row[c] = bf16_to_f32(f32_to_bf16(sum[c]));
-        else
-            for (int64_t c = 0; c < n; c++) row[c] = sum[c];
+        for (int64_t k = 0; k < num_blocks; k++) {
+            const int64_t c0 = c_begin + k * CONV_BLOCK, at = (first + t) * mixed_stride + c0;
+            float *row = out + t * channels + c0;
+            if (c_end - c0 >= CONV_BLOCK) /* a constant width: the loops vectorise without a rest */
+                conv_token(&blocks[k], mixed, at, CONV_BLOCK, width, dtype, row);
+            else
+                conv_token(&blocks[k], mixed, at, c_end - c0, width, dtype, row);
+        }
     }
-    for (int64_t c = 0; c < n; c++)
-        for (int64_t j = 0; j < width; j++) store(conv_state, dtype, (slot * channels + c0 + c) * width + j, window[j][c]);
+    for (int64_t c = c_begin; c < c_end; c++)
+        for (int64_t j = 0; j < width; j++)
+            store(conv_state, dtype, (slot * channels + c) * width + j,
+                  blocks[(c - c_begin) / CONV_BLOCK].window[j][(c - c_begin) % CONV_BLOCK]);
 }
 
 /* Items: item i is rows firsts[i] .. firsts[i] + counts[i] - 1 of one sequence, consecutive tokens,
@@ -301,7 +327,10 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
         if (starts[i + 1] - starts[i] > max_count) max_count = starts[i + 1] - starts[i];
     const size_t per_thread = (size_t)(max_count * (2 * dk + dv + 2) + 2 * dv);
     float *buffers = conv ? malloc((size_t)num_threads * per_thread * sizeof(float)) : NULL;
-    if (!buffers) {
+    /* one per block of channels, whichever thread takes it */
+    ConvBlock *conv_blocks = buffers ? malloc((size_t)((channels + CONV_BLOCK - 1) / CONV_BLOCK) * sizeof(ConvBlock)) : NULL;
+    if (!conv_blocks) {
+        free(buffers);
         free(conv);
         free(starts);
         return TUILI_NO_MEMORY;
@@ -309,17 +338,21 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
 
 #pragma omp parallel num_threads(num_threads)
     {
-        /* The conv, by blocks of channels; each item's windows move on by one input per token. */
-        const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
-#pragma omp for schedule(static)
-        for (int64_t ib = 0; ib < num_items * blocks; ib++) {
-            const int64_t i = ib / blocks, c0 = ib % blocks * CONV_BLOCK;
-            const int64_t n = channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK;
-            const int64_t first_cut = cut_starts ? cut_starts[i] : 0, num_cuts = cut_starts ? cut_starts[i + 1] - first_cut : 0;
-            conv_block(mixed, mixed_stride, firsts[i], starts[i + 1] - starts[i], conv_weight, conv_state, slots[i], c0,
-                       n, channels, width, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, dtype,
-                       conv + starts[i] * channels);
+        /* The conv: each thread a range of whole blocks of channels, item after item. */
+        {
+            const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
+            const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+            const int64_t b0 = blocks * thread / threads, b1 = blocks * (thread + 1) / threads;
+            const int64_t c_begin = b0 * CONV_BLOCK, c_end = b1 * CONV_BLOCK < channels ? b1 * CONV_BLOCK : channels;
+            for (int64_t i = 0; i < num_items && b1 > b0; i++) {
+                const int64_t first_cut = cut_starts ? cut_starts[i] : 0,
+                              num_cuts = cut_starts ? cut_starts[i + 1] - first_cut : 0;
+                conv_range(mixed, mixed_stride, firsts[i], starts[i + 1] - starts[i], conv_weight, conv_state,
+                           slots[i], c_begin, c_end, channels, width, cut_offsets + first_cut, cut_rows + first_cut,
+                           num_cuts, dtype, conv + starts[i] * channels, conv_blocks + b0);
+            }
         }
+#pragma omp barrier
         /* The rule and the norm, one (item, value head) at a time: the tokens' normalised q and k
          * and gates first, then the rule by blocks of columns over all the tokens (rule_columns),
          * then each token's norm. */
@@ -367,6 +400,7 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
             }
         }
     }
+    free(conv_blocks);
     free(buffers);
     free(conv);
     free(starts);
