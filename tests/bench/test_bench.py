@@ -233,7 +233,7 @@ def test_cli_output_plots_and_compare(server, tmp_path, capsys):
     assert [run["load"]["concurrency"] for run in result["runs"]] == [1, 3]
     for run in result["runs"]:
         assert set(run) == {"load", "summary", "server_metrics", "utilization", "server_utilization",
-                            "stopped_early", "requests"}
+                            "server_speculation", "stopped_early", "requests"}
         assert set(run["summary"]["ttft_ms"]) == {"count", "mean", "std", "min", "max", "p50", "p90", "p95",
                                                   "p99", "p99.9"}
         assert len(run["requests"]) == 6

@@ -70,6 +70,12 @@ def render_run(run: dict, percentiles: Sequence[float]) -> str:
         lines.append(f"{label:<12}" + "".join(f"{fmt(s[field][k]):>11}" for k in keys))
     if run.get("utilization") or run.get("server_utilization"):
         lines += ["", *render_utilization(run.get("utilization"), run.get("server_utilization"))]
+    if run.get("server_speculation"):
+        spec = run["server_speculation"]
+        lines += ["", *_rows([("Speculative decoding (server, over the run)",
+                               f"{spec['acceptance_rate']:.1%} of {spec['proposed_tokens']:.0f} proposed tokens accepted, "
+                               f"{spec['tokens_per_verification']:.2f} tokens per verifying step "
+                               f"({spec['verifications']:.0f} verifications)")])]
     if run.get("server_metrics"):
         lines += ["", "server's own counters (over the run; gauges at its end)"]
         lines += _rows([(key, f"{entry['run']:.6g}") for key, entry in run["server_metrics"].items()])

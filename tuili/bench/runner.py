@@ -2,7 +2,8 @@
 load point (one, or a sweep up to saturation), and gather summaries, server counters and utilization.
 
 The result is a JSON-ready dict: {"format", "config", "runs": [{"load", "summary", "server_metrics",
-"utilization", "server_utilization", "stopped_early", "requests"}], "stopped_early"};
+"utilization", "server_utilization", "server_speculation", "stopped_early", "requests"}],
+"stopped_early"};
 docs/bench.md describes every field.
 """
 
@@ -344,6 +345,7 @@ class Benchmark:
             "server_metrics": counters,
             "utilization": self._utilization(outcome.records),
             "server_utilization": server_metrics.server_utilization(counters, c.metrics_prefix),
+            "server_speculation": server_metrics.server_speculation(counters, c.metrics_prefix),
             "stopped_early": outcome.stopped_early,
             "requests": [r.to_dict() for r in outcome.records],
         }

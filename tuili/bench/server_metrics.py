@@ -56,6 +56,16 @@ def compare(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, fl
     return report
 
 
+def over_run(server_metrics: dict[str, dict], name: str) -> float | None:
+    """A metric's value over the run, whatever its labels (tuili serve adds model_name): counters
+    summed over label sets, gauges their largest; None when the server does not export it."""
+    entries = [e for key, e in server_metrics.items() if key.split("{")[0] == name]
+    if not entries:
+        return None
+    values = [e["run"] for e in entries]
+    return sum(values) if entries[0]["kind"] == "counter" else max(values)
+
+
 def server_utilization(server_metrics: dict[str, dict] | None, prefix: str = "tuili:") -> dict | None:
     """The server's own MFU and MBU over the run, from its FLOP, byte and time counters' increases;
     failing those, its cumulative gauges (since it started). None when it exports neither."""
@@ -63,13 +73,7 @@ def server_utilization(server_metrics: dict[str, dict] | None, prefix: str = "tu
         return None
 
     def run(name: str) -> float | None:
-        """A metric's value over the run, whatever its labels (tuili serve adds model_name):
-        counters summed over label sets, gauges their largest."""
-        entries = [e for key, e in server_metrics.items() if key.split("{")[0] == prefix + name]
-        if not entries:
-            return None
-        values = [e["run"] for e in entries]
-        return sum(values) if entries[0]["kind"] == "counter" else max(values)
+        return over_run(server_metrics, prefix + name)
 
     result = {}
     flops, seconds, peak = run("prefill_flops_total"), run("prefill_seconds_total"), run("peak_flops")
@@ -86,4 +90,23 @@ def server_utilization(server_metrics: dict[str, dict] | None, prefix: str = "tu
     if not result:
         return None
     result["source"] = source
+    return result
+
+
+def server_speculation(server_metrics: dict[str, dict] | None, prefix: str = "tuili:") -> dict | None:
+    """Speculative decoding over the run, from the server's spec_decode counters (vLLM's names)
+    and their increases: verifications (sequence-steps that verified proposals), proposed and
+    accepted tokens, the acceptance rate (accepted / proposed) and the tokens a verifying step
+    emitted on average (accepted + the target's own). None when the server does not speculate."""
+    if not server_metrics:
+        return None
+    names = {"verifications": "num_drafts_total", "proposed_tokens": "num_draft_tokens_total",
+             "accepted_tokens": "num_accepted_tokens_total", "emitted_tokens": "num_emitted_tokens_total"}
+    found = {key: over_run(server_metrics, f"{prefix}spec_decode_{name}") for key, name in names.items()}
+    if any(value is None for value in found.values()):
+        return None
+    result: dict[str, float] = {key: float(value) for key, value in found.items() if value is not None}
+    result["acceptance_rate"] = result["accepted_tokens"] / result["proposed_tokens"] if result["proposed_tokens"] else 0.0
+    result["tokens_per_verification"] = (result["emitted_tokens"] / result["verifications"]
+                                         if result["verifications"] else 0.0)
     return result
