@@ -75,6 +75,76 @@ static void l2_normalise(float *x, int64_t n, float scale) {
  * after the update, before the next decay). S^T q of token t goes to o[t * dv + c0 ..]. */
 #define RULE_COLS 64 /* a block of [128, 64] floats (32 KB) stays in L1 */
 #define RULE_VECS (RULE_COLS / 16)
+
+/* A token's first pass over a block of n columns: S = decay * S, remembered = S^T k (sums over
+ * i in order, from 0). */
+static inline __attribute__((always_inline)) void decay_pass(float *restrict s, int64_t dv, int64_t c0, int64_t n,
+                                                             int64_t dk, const float *restrict k, float decay,
+                                                             float *restrict remembered) {
+#ifdef __AVX512F__
+    if (n == RULE_COLS) { /* the same operations, the sums in registers */
+        const __m512 dec = _mm512_set1_ps(decay);
+        __m512 r_sum[RULE_VECS];
+        for (int v = 0; v < RULE_VECS; v++) r_sum[v] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = s + i * dv + c0;
+            const __m512 ki = _mm512_set1_ps(k[i]);
+            for (int v = 0; v < RULE_VECS; v++) {
+                const __m512 decayed = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * v), dec);
+                r_sum[v] = _mm512_fmadd_ps(decayed, ki, r_sum[v]);
+                _mm512_storeu_ps(row + 16 * v, decayed);
+            }
+        }
+        for (int v = 0; v < RULE_VECS; v++) _mm512_storeu_ps(remembered + 16 * v, r_sum[v]);
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < n; c++) remembered[c] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        float *restrict row = s + i * dv + c0;
+        const float ki = k[i];
+        for (int64_t c = 0; c < n; c++) {
+            row[c] *= decay;
+            remembered[c] = MADD(row[c], ki, remembered[c]);
+        }
+    }
+}
+
+/* A token's second pass: S = S + k delta, out = S^T q (sums over i in order, from 0). */
+static inline __attribute__((always_inline)) void update_pass(float *restrict s, int64_t dv, int64_t c0, int64_t n,
+                                                              int64_t dk, const float *restrict k,
+                                                              const float *restrict q, const float *restrict delta,
+                                                              float *restrict out) {
+#ifdef __AVX512F__
+    if (n == RULE_COLS) {
+        __m512 d[RULE_VECS], o_sum[RULE_VECS];
+        for (int v = 0; v < RULE_VECS; v++) {
+            d[v] = _mm512_loadu_ps(delta + 16 * v);
+            o_sum[v] = _mm512_setzero_ps();
+        }
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = s + i * dv + c0;
+            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+            for (int v = 0; v < RULE_VECS; v++) {
+                const __m512 updated = _mm512_fmadd_ps(ki, d[v], _mm512_loadu_ps(row + 16 * v));
+                o_sum[v] = _mm512_fmadd_ps(updated, qi, o_sum[v]);
+                _mm512_storeu_ps(row + 16 * v, updated);
+            }
+        }
+        for (int v = 0; v < RULE_VECS; v++) _mm512_storeu_ps(out + 16 * v, o_sum[v]);
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < n; c++) out[c] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        float *restrict row = s + i * dv + c0;
+        const float ki = k[i], qi = q[i];
+        for (int64_t c = 0; c < n; c++) {
+            row[c] = MADD(ki, delta[c], row[c]);
+            out[c] = MADD(row[c], qi, out[c]);
+        }
+    }
+}
 static inline __attribute__((always_inline)) void rule_columns(
     float *restrict s, int64_t dv, int64_t c0, int64_t n, int64_t count, int64_t dk, const float *restrict qn,
     const float *restrict kn, const float *restrict decays, const float *restrict betas, const float *v,
@@ -87,14 +157,7 @@ static inline __attribute__((always_inline)) void rule_columns(
         for (int64_t i = 0; i < dk; i++)
             memcpy(recurrent + cut_rows[cut] * state_size + head_offset + i * dv + c0, s + i * dv + c0,
                    (size_t)n * sizeof(float));
-    for (int64_t i = 0; i < dk; i++) { /* token 0's decay and S^T k */
-        float *restrict row = s + i * dv + c0;
-        const float ki = kn[i], decay = decays[0];
-        for (int64_t c = 0; c < n; c++) {
-            row[c] *= decay;
-            remembered[c] = MADD(row[c], ki, remembered[c]);
-        }
-    }
+    decay_pass(s, dv, c0, n, dk, kn, decays[0], remembered); /* token 0's decay and S^T k */
     for (int64_t t = 0; t < count; t++) {
         const float *vt = v + t * v_stride, beta = betas[t];
         const float *qt = qn + t * dk, *kt = kn + t * dk;
@@ -145,29 +208,12 @@ static inline __attribute__((always_inline)) void rule_columns(
                 }
             }
         } else {
-            for (int64_t i = 0; i < dk; i++) {
-                float *restrict row = s + i * dv + c0;
-                const float ki = kt[i], qi = qt[i];
-                for (int64_t c = 0; c < n; c++) {
-                    row[c] = MADD(ki, delta[c], row[c]);
-                    out[c] = MADD(row[c], qi, out[c]);
-                }
-            }
+            update_pass(s, dv, c0, n, dk, kt, qt, delta, out);
             for (; cut < num_cuts && cut_offsets[cut] == t + 1; cut++)
                 for (int64_t i = 0; i < dk; i++)
                     memcpy(recurrent + cut_rows[cut] * state_size + head_offset + i * dv + c0, s + i * dv + c0,
                            (size_t)n * sizeof(float));
-            if (t + 1 < count) {
-                const float *kn1 = kn + (t + 1) * dk, decay = decays[t + 1];
-                for (int64_t i = 0; i < dk; i++) {
-                    float *restrict row = s + i * dv + c0;
-                    const float k1 = kn1[i];
-                    for (int64_t c = 0; c < n; c++) {
-                        row[c] *= decay;
-                        remembered[c] = MADD(row[c], k1, remembered[c]);
-                    }
-                }
-            }
+            if (t + 1 < count) decay_pass(s, dv, c0, n, dk, kn + (t + 1) * dk, decays[t + 1], remembered);
         }
         for (int64_t c = 0; c < n; c++) o[t * dv + c0 + c] = out[c];
     }
