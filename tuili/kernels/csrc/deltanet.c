@@ -56,12 +56,20 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 /* torch's softplus (beta 1, threshold 20): x above the threshold is returned as is. */
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-/* x[0..n) *= scale / sqrt(sum x^2 + eps), in float32. */
-static void l2_normalise(float *x, int64_t n, float scale) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum = MADD(x[i], x[i], sum);
-    const float r = 1.0f / sqrtf(sum + L2NORM_EPS);
-    for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * scale;
+/* Each of `rows` rows of n floats, x[t * n ..], *= scale / sqrt(sum x^2 + eps), in float32, the
+ * sum over i = 0 .. n-1 in order as for the row alone. NORM_LANES rows at a time, their sums side
+ * by side: one row's sum is a chain of n dependent multiply-adds, several rows' chains overlap. */
+#define NORM_LANES 16
+static void l2_normalise(float *x, int64_t rows, int64_t n, float scale) {
+    for (int64_t t0 = 0; t0 < rows; t0 += NORM_LANES) {
+        const int64_t m = rows - t0 < NORM_LANES ? rows - t0 : NORM_LANES;
+        float *xs = x + t0 * n, sum[NORM_LANES] = {0.0f}, r[NORM_LANES];
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t l = 0; l < m; l++) sum[l] = MADD(xs[l * n + i], xs[l * n + i], sum[l]);
+        for (int64_t l = 0; l < m; l++) r[l] = 1.0f / sqrtf(sum[l] + L2NORM_EPS);
+        for (int64_t l = 0; l < m; l++)
+            for (int64_t i = 0; i < n; i++) xs[l * n + i] = xs[l * n + i] * r[l] * scale;
+    }
 }
 
 /* The rule over an item's tokens on a block of n <= RULE_COLS columns of one head's state s
@@ -72,13 +80,13 @@ static void l2_normalise(float *x, int64_t n, float scale) {
  * by token: S = decay * S and S^T k summed over i = 0 .. dk-1; delta = (v - S^T k) * beta;
  * S = S + k delta and S^T q summed over i. Token t's update and S^T q share one pass over the
  * block with token t+1's decay and S^T k, unless a cut falls between them (its state is the one
- * after the update, before the next decay). S^T q of token t goes to o[t * dv + c0 ..]. */
+ * after the update, before the next decay). S^T q of token t goes to row t of o. */
 #define RULE_COLS 64 /* a block of [128, 64] floats (32 KB) stays in L1 */
 #define RULE_VECS (RULE_COLS / 16)
 
 /* A token's first pass over a block of n columns: S = decay * S, remembered = S^T k (sums over
  * i in order, from 0). */
-static inline __attribute__((always_inline)) void decay_pass(float *restrict s, int64_t dv, int64_t c0, int64_t n,
+static inline __attribute__((always_inline)) void decay_pass(float *restrict s, int64_t stride, int64_t n,
                                                              int64_t dk, const float *restrict k, float decay,
                                                              float *restrict remembered) {
 #ifdef __AVX512F__
@@ -87,7 +95,7 @@ static inline __attribute__((always_inline)) void decay_pass(float *restrict s, 
         __m512 r_sum[RULE_VECS];
         for (int v = 0; v < RULE_VECS; v++) r_sum[v] = _mm512_setzero_ps();
         for (int64_t i = 0; i < dk; i++) {
-            float *row = s + i * dv + c0;
+            float *row = s + i * stride;
             const __m512 ki = _mm512_set1_ps(k[i]);
             for (int v = 0; v < RULE_VECS; v++) {
                 const __m512 decayed = _mm512_mul_ps(_mm512_loadu_ps(row + 16 * v), dec);
@@ -101,7 +109,7 @@ static inline __attribute__((always_inline)) void decay_pass(float *restrict s, 
 #endif
     for (int64_t c = 0; c < n; c++) remembered[c] = 0.0f;
     for (int64_t i = 0; i < dk; i++) {
-        float *restrict row = s + i * dv + c0;
+        float *restrict row = s + i * stride;
         const float ki = k[i];
         for (int64_t c = 0; c < n; c++) {
             row[c] *= decay;
@@ -111,7 +119,7 @@ static inline __attribute__((always_inline)) void decay_pass(float *restrict s, 
 }
 
 /* A token's second pass: S = S + k delta, out = S^T q (sums over i in order, from 0). */
-static inline __attribute__((always_inline)) void update_pass(float *restrict s, int64_t dv, int64_t c0, int64_t n,
+static inline __attribute__((always_inline)) void update_pass(float *restrict s, int64_t stride, int64_t n,
                                                               int64_t dk, const float *restrict k,
                                                               const float *restrict q, const float *restrict delta,
                                                               float *restrict out) {
@@ -123,7 +131,7 @@ static inline __attribute__((always_inline)) void update_pass(float *restrict s,
             o_sum[v] = _mm512_setzero_ps();
         }
         for (int64_t i = 0; i < dk; i++) {
-            float *row = s + i * dv + c0;
+            float *row = s + i * stride;
             const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
             for (int v = 0; v < RULE_VECS; v++) {
                 const __m512 updated = _mm512_fmadd_ps(ki, d[v], _mm512_loadu_ps(row + 16 * v));
@@ -137,7 +145,7 @@ static inline __attribute__((always_inline)) void update_pass(float *restrict s,
 #endif
     for (int64_t c = 0; c < n; c++) out[c] = 0.0f;
     for (int64_t i = 0; i < dk; i++) {
-        float *restrict row = s + i * dv + c0;
+        float *restrict row = s + i * stride;
         const float ki = k[i], qi = q[i];
         for (int64_t c = 0; c < n; c++) {
             row[c] = MADD(ki, delta[c], row[c]);
@@ -145,27 +153,30 @@ static inline __attribute__((always_inline)) void update_pass(float *restrict s,
         }
     }
 }
+/* A copy of the state's columns after a cut's token into its row: the block's dk rows of n floats,
+ * row stride `stride`, to `to` (row stride to_stride). */
+static inline void copy_columns(float *restrict to, int64_t to_stride, const float *restrict s, int64_t stride,
+                                int64_t n, int64_t dk) {
+    for (int64_t i = 0; i < dk; i++) memcpy(to + i * to_stride, s + i * stride, (size_t)n * sizeof(float));
+}
+
+/* The rule over one block: s is its first element (row stride `stride`), v and o the block's first
+ * column of the tokens' values and outputs (row strides v_stride, o_stride); a cut copies the
+ * block to cut_base + its row * row_size (row stride cut_stride). */
 static inline __attribute__((always_inline)) void rule_columns(
-    float *restrict s, int64_t dv, int64_t c0, int64_t n, int64_t count, int64_t dk, const float *restrict qn,
+    float *restrict s, int64_t stride, int64_t n, int64_t count, int64_t dk, const float *restrict qn,
     const float *restrict kn, const float *restrict decays, const float *restrict betas, const float *v,
-    int64_t v_stride, float *restrict o, float *recurrent, int64_t state_size, const int64_t *cut_offsets,
-    const int64_t *cut_rows, int64_t num_cuts, int64_t head_offset) {
+    int64_t v_stride, float *restrict o, int64_t o_stride, float *cut_base, int64_t cut_stride, int64_t row_size,
+    const int64_t *cut_offsets, const int64_t *cut_rows, int64_t num_cuts) {
     float remembered[RULE_COLS], delta[RULE_COLS], out[RULE_COLS];
     int64_t cut = 0;
-    for (int64_t c = 0; c < n; c++) remembered[c] = 0.0f;
     for (; cut < num_cuts && cut_offsets[cut] == 0; cut++)
-        for (int64_t i = 0; i < dk; i++)
-            memcpy(recurrent + cut_rows[cut] * state_size + head_offset + i * dv + c0, s + i * dv + c0,
-                   (size_t)n * sizeof(float));
-    decay_pass(s, dv, c0, n, dk, kn, decays[0], remembered); /* token 0's decay and S^T k */
+        copy_columns(cut_base + cut_rows[cut] * row_size, cut_stride, s, stride, n, dk);
+    decay_pass(s, stride, n, dk, kn, decays[0], remembered); /* token 0's decay and S^T k */
     for (int64_t t = 0; t < count; t++) {
         const float *vt = v + t * v_stride, beta = betas[t];
         const float *qt = qn + t * dk, *kt = kn + t * dk;
-        for (int64_t c = 0; c < n; c++) {
-            delta[c] = (vt[c] - remembered[c]) * beta;
-            out[c] = 0.0f;
-            remembered[c] = 0.0f;
-        }
+        for (int64_t c = 0; c < n; c++) delta[c] = (vt[c] - remembered[c]) * beta;
         const int fused = t + 1 < count && !(cut < num_cuts && cut_offsets[cut] == t + 1);
         if (fused) {
             const float *kn1 = kn + (t + 1) * dk, decay = decays[t + 1];
@@ -178,7 +189,7 @@ static inline __attribute__((always_inline)) void rule_columns(
                 }
                 const __m512 dec = _mm512_set1_ps(decay);
                 for (int64_t i = 0; i < dk; i++) {
-                    float *row = s + i * dv + c0;
+                    float *row = s + i * stride;
                     const __m512 ki = _mm512_set1_ps(kt[i]), qi = _mm512_set1_ps(qt[i]), k1 = _mm512_set1_ps(kn1[i]);
                     for (int v = 0; v < RULE_VECS; v++) {
                         const __m512 updated = _mm512_fmadd_ps(ki, d[v], _mm512_loadu_ps(row + 16 * v));
@@ -189,15 +200,15 @@ static inline __attribute__((always_inline)) void rule_columns(
                     }
                 }
                 for (int v = 0; v < RULE_VECS; v++) {
-                    _mm512_storeu_ps(out + 16 * v, o_sum[v]);
+                    _mm512_storeu_ps(o + t * o_stride + 16 * v, o_sum[v]);
                     _mm512_storeu_ps(remembered + 16 * v, r_sum[v]);
                 }
-                for (int64_t c = 0; c < n; c++) o[t * dv + c0 + c] = out[c];
                 continue;
             }
 #endif
+            for (int64_t c = 0; c < n; c++) out[c] = remembered[c] = 0.0f;
             for (int64_t i = 0; i < dk; i++) {
-                float *restrict row = s + i * dv + c0;
+                float *restrict row = s + i * stride;
                 const float ki = kt[i], qi = qt[i], k1 = kn1[i];
                 for (int64_t c = 0; c < n; c++) {
                     const float updated = MADD(ki, delta[c], row[c]);
@@ -208,41 +219,25 @@ static inline __attribute__((always_inline)) void rule_columns(
                 }
             }
         } else {
-            update_pass(s, dv, c0, n, dk, kt, qt, delta, out);
+            update_pass(s, stride, n, dk, kt, qt, delta, out);
             for (; cut < num_cuts && cut_offsets[cut] == t + 1; cut++)
-                for (int64_t i = 0; i < dk; i++)
-                    memcpy(recurrent + cut_rows[cut] * state_size + head_offset + i * dv + c0, s + i * dv + c0,
-                           (size_t)n * sizeof(float));
-            if (t + 1 < count) decay_pass(s, dv, c0, n, dk, kn + (t + 1) * dk, decays[t + 1], remembered);
+                copy_columns(cut_base + cut_rows[cut] * row_size, cut_stride, s, stride, n, dk);
+            if (t + 1 < count) decay_pass(s, stride, n, dk, kn + (t + 1) * dk, decays[t + 1], remembered);
         }
-        for (int64_t c = 0; c < n; c++) o[t * dv + c0 + c] = out[c];
+        for (int64_t c = 0; c < n; c++) o[t * o_stride + c] = out[c];
     }
 }
 
-/* The gated RMSNorm of one head's output o [dv] for one token, gated by gate = silu(z), into y. */
-static void head_norm(float *restrict o, const float *restrict gate, const float *restrict norm_w, float eps,
-                      int64_t dv, int dtype, void *y, int64_t y_at) {
-    float squares = 0.0f;
-    for (int64_t j = 0; j < dv; j++) {
-        o[j] = round_to(o[j], dtype);
-        squares = MADD(o[j], o[j], squares);
+/* A token's q, k and v channels of one head in a conv row (at q, k, v; dk, dk and dv floats),
+ * fetched into the cache GATHER_AHEAD tokens before they are copied out. */
+#define GATHER_AHEAD 4
+static inline void prefetch_head(const float *row, int64_t q, int64_t k, int64_t v, int64_t dk, int64_t dv) {
+    for (int64_t j = 0; j < dk; j += 16) {
+        __builtin_prefetch(row + q + j);
+        __builtin_prefetch(row + k + j);
     }
-    const float r = 1.0f / sqrtf(squares / (float)dv + eps);
-    for (int64_t j = 0; j < dv; j++) {
-        const float normed = round_to(norm_w[j] * round_to(o[j] * r, dtype), dtype);
-        store(y, dtype, y_at + j, normed * gate[j]);
-    }
+    for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(row + v + j);
 }
-
-/* The conv of a range of channels over an item's tokens, in blocks of CONV_BLOCK channels: each
- * token's outputs (rounded) into out[t * channels + c], the windows moving on by one input per
- * token; after `offset` tokens for each of the item's cuts, the windows are also copied to that
- * cut's row of conv_state. Token-major over the whole range (each token's inputs and outputs one
- * run each, the blocks' windows and weights held in `blocks`: 4.3 KB a block), so that memory is
- * walked row after row, not 512 rows apart per block; the sums vectorise across channels; each
- * channel's sum is still window[0] w[0] + ... + x w[K-1], left to right, separate multiplies and
- * adds (the build's -ffp-contract=off). */
-#define CONV_BLOCK 64
 
 /* x[0..n) = silu(x) = x / (1 + exp(-x)): sixteen lanes at a time with exp16 where the build has
  * AVX-512 (every channel alike, a short last group masked), else expf. */
@@ -258,6 +253,51 @@ static inline void silu_block(float *x, int64_t n) {
     for (int64_t c = 0; c < n; c++) x[c] = silu(x[c]);
 #endif
 }
+/* The gated RMSNorm of one head's outputs o [count, dv] (rounded in place), gated by silu(z) (z's
+ * rows z_at + t * z_stride), into y's rows y_at + t * y_stride. Each token's sum of squares over
+ * j in order, NORM_LANES tokens' sums side by side (as l2_normalise); gate is [dv] of scratch. */
+static void head_norms(float *restrict o, int64_t count, const void *z, int64_t z_at, int64_t z_stride,
+                       const float *restrict norm_w, float eps, int64_t dv, int dtype, void *y, int64_t y_at,
+                       int64_t y_stride, float *restrict gate) {
+    for (int64_t t0 = 0; t0 < count; t0 += NORM_LANES) {
+        const int64_t m = count - t0 < NORM_LANES ? count - t0 : NORM_LANES;
+        float *os = o + t0 * dv, squares[NORM_LANES] = {0.0f};
+        if (dtype == TUILI_BF16) /* the type's test out of the loops, so that they vectorise */
+            for (int64_t j = 0; j < m * dv; j++) os[j] = bf16_to_f32(f32_to_bf16(os[j]));
+        for (int64_t j = 0; j < dv; j++)
+            for (int64_t l = 0; l < m; l++) squares[l] = MADD(os[l * dv + j], os[l * dv + j], squares[l]);
+        for (int64_t l = 0; l < m; l++) {
+            const float r = 1.0f / sqrtf(squares[l] / (float)dv + eps), *ot = os + l * dv;
+            const int64_t z_row = z_at + (t0 + l) * z_stride, y_row = y_at + (t0 + l) * y_stride;
+            if (t0 + l + GATHER_AHEAD < count) /* rows apart, as the conv's (prefetch_head) */
+                for (int64_t j = 0; j < dv; j += 16)
+                    __builtin_prefetch((const char *)z + (z_row + GATHER_AHEAD * z_stride + j) * (dtype == TUILI_BF16 ? 2 : 4));
+            if (dtype == TUILI_BF16) {
+                for (int64_t j = 0; j < dv; j++) gate[j] = bf16_to_f32(((const uint16_t *)z)[z_row + j]);
+                silu_block(gate, dv);
+                for (int64_t j = 0; j < dv; j++) {
+                    const float normed = bf16_to_f32(f32_to_bf16(norm_w[j] * bf16_to_f32(f32_to_bf16(ot[j] * r))));
+                    ((uint16_t *)y)[y_row + j] = f32_to_bf16(normed * gate[j]);
+                }
+            } else {
+                for (int64_t j = 0; j < dv; j++) gate[j] = ((const float *)z)[z_row + j];
+                silu_block(gate, dv);
+                for (int64_t j = 0; j < dv; j++) ((float *)y)[y_row + j] = norm_w[j] * (ot[j] * r) * gate[j];
+            }
+        }
+    }
+}
+
+/* The conv of a range of channels over an item's tokens, in blocks of CONV_BLOCK channels: each
+ * token's outputs (rounded) into out[t * channels + c], the windows moving on by one input per
+ * token; after `offset` tokens for each of the item's cuts, the windows are also copied to that
+ * cut's row of conv_state. Token-major over the whole range (each token's inputs and outputs one
+ * run each, the blocks' windows and weights held in `blocks`: 4.3 KB a block), so that memory is
+ * walked row after row, not 512 rows apart per block; the sums vectorise across channels; each
+ * channel's sum is still window[0] w[0] + ... + x w[K-1], left to right, separate multiplies and
+ * adds (the build's -ffp-contract=off). */
+#define CONV_BLOCK 64
+
 #define MAX_CONV_WIDTH 8 /* K - 1; Python checks it */
 typedef struct {
     float window[MAX_CONV_WIDTH][CONV_BLOCK], w[MAX_CONV_WIDTH + 1][CONV_BLOCK];
@@ -371,11 +411,14 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
     int64_t max_count = 1;
     for (int64_t i = 0; i < num_items; i++)
         if (starts[i + 1] - starts[i] > max_count) max_count = starts[i + 1] - starts[i];
-    const size_t per_thread = (size_t)(max_count * (2 * dk + dv + 2) + 2 * dv);
+    const size_t per_thread = (size_t)(max_count * (2 * dk + 2 * dv + 2) + 2 * dv);
     float *buffers = conv ? malloc((size_t)num_threads * per_thread * sizeof(float)) : NULL;
+    /* each thread's contiguous copy of a block of the state's columns (rule_columns) */
+    float *blocks = buffers ? aligned_alloc(64, (size_t)num_threads * dk * RULE_COLS * sizeof(float)) : NULL;
     /* one per block of channels, whichever thread takes it */
-    ConvBlock *conv_blocks = buffers ? malloc((size_t)((channels + CONV_BLOCK - 1) / CONV_BLOCK) * sizeof(ConvBlock)) : NULL;
+    ConvBlock *conv_blocks = blocks ? malloc((size_t)((channels + CONV_BLOCK - 1) / CONV_BLOCK) * sizeof(ConvBlock)) : NULL;
     if (!conv_blocks) {
+        free(blocks);
         free(buffers);
         free(conv);
         free(starts);
@@ -403,8 +446,10 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
          * and gates first, then the rule by blocks of columns over all the tokens (rule_columns),
          * then each token's norm. */
         float *buffer = buffers + (size_t)omp_get_thread_num() * per_thread;
-        float *qn = buffer, *kn = qn + max_count * dk, *o = kn + max_count * dk, *decays = o + max_count * dv;
+        float *qn = buffer, *kn = qn + max_count * dk, *vs = kn + max_count * dk, *o = vs + max_count * dv;
+        float *decays = o + max_count * dv;
         float *betas = decays + max_count, *zf = betas + max_count, *w = zf + dv;
+        float *block = blocks + (size_t)omp_get_thread_num() * dk * RULE_COLS;
         for (int64_t j = 0; j < dv; j++) w[j] = load(norm_weight, dtype, j);
         const int64_t per_key = v_heads / k_heads;
         const float q_scale = 1.0f / sqrtf((float)dk);
@@ -416,37 +461,47 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
             for (int64_t t = 0; t < count; t++) {
                 const int64_t row = firsts[i] + t;
                 const float *c = conv + (starts[i] + t) * channels;
-                float *qt = qn + t * dk, *kt = kn + t * dk;
-                for (int64_t j = 0; j < dk; j++) {
-                    qt[j] = c[kh * dk + j];
-                    kt[j] = c[key_dim + kh * dk + j];
-                }
-                l2_normalise(qt, dk, q_scale);
-                l2_normalise(kt, dk, 1.0f);
+                if (t + GATHER_AHEAD < count) /* rows a conv row apart: the hardware does not fetch them ahead */
+                    prefetch_head(c + GATHER_AHEAD * channels, kh * dk, key_dim, 2 * key_dim + h * dv, dk, dv);
+                memcpy(qn + t * dk, c + kh * dk, (size_t)dk * sizeof(float));
+                memcpy(kn + t * dk, c + key_dim + kh * dk, (size_t)dk * sizeof(float));
+                memcpy(vs + t * dv, c + 2 * key_dim + h * dv, (size_t)dv * sizeof(float));
                 betas[t] = round_to(1.0f / (1.0f + expf(-load(b, dtype, row * ba_stride + h))), dtype);
                 const float g = -expf(load(a_log, dtype, h)) * softplus(load(a, dtype, row * ba_stride + h) +
                                                                          load(dt_bias, dtype, h));
                 decays[t] = expf(g);
             }
+            l2_normalise(qn, count, dk, q_scale);
+            l2_normalise(kn, count, dk, 1.0f);
             float *s = recurrent + slots[i] * state_size + h * dk * dv;
-            const float *v = conv + starts[i] * channels + 2 * key_dim + h * dv;
+            float *cut_base = recurrent + h * dk * dv;
+            const int64_t *offsets = cut_offsets + first_cut, *rows = cut_rows + first_cut;
             for (int64_t c0 = 0; c0 < dv; c0 += RULE_COLS) {
-                if (dv - c0 >= RULE_COLS) /* the constant width lets the compiler keep the sums in registers */
-                    rule_columns(s, dv, c0, RULE_COLS, count, dk, qn, kn, decays, betas, v + c0, channels, o, recurrent,
-                                 state_size, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, h * dk * dv);
+                const int64_t n = dv - c0 < RULE_COLS ? dv - c0 : RULE_COLS;
+                /* Over several tokens the block is worked on in a contiguous copy: its rows in the
+                 * state are dv floats apart, which maps a [128, 64] block of a 128-wide head onto
+                 * half of L1's sets, more lines than their ways hold. */
+                float *cols = s + c0;
+                int64_t stride = dv;
+                if (count > 1) {
+                    copy_columns(block, RULE_COLS, cols, stride, n, dk);
+                    cols = block;
+                    stride = RULE_COLS;
+                }
+                if (n == RULE_COLS) /* the constant width lets the compiler keep the sums in registers */
+                    rule_columns(cols, stride, RULE_COLS, count, dk, qn, kn, decays, betas, vs + c0, dv, o + c0,
+                                 dv, cut_base + c0, dv, state_size, offsets, rows, num_cuts);
                 else
-                    rule_columns(s, dv, c0, dv - c0, count, dk, qn, kn, decays, betas, v + c0, channels, o, recurrent,
-                                 state_size, cut_offsets + first_cut, cut_rows + first_cut, num_cuts, h * dk * dv);
+                    rule_columns(cols, stride, n, count, dk, qn, kn, decays, betas, vs + c0, dv, o + c0, dv,
+                                 cut_base + c0, dv, state_size, offsets, rows, num_cuts);
+                if (count > 1) copy_columns(s + c0, dv, block, RULE_COLS, n, dk);
             }
-            for (int64_t t = 0; t < count; t++) {
-                const int64_t row = firsts[i] + t;
-                for (int64_t j = 0; j < dv; j++) zf[j] = load(z, dtype, row * z_stride + h * dv + j);
-                silu_block(zf, dv);
-                head_norm(o + t * dv, zf, w, eps, dv, dtype, out, row * out_stride + h * dv);
-            }
+            head_norms(o, count, z, firsts[i] * z_stride + h * dv, z_stride, w, eps, dv, dtype, out,
+                       firsts[i] * out_stride + h * dv, out_stride, zf);
         }
     }
     free(conv_blocks);
+    free(blocks);
     free(buffers);
     free(conv);
     free(starts);

@@ -235,7 +235,12 @@ int tuili_sigmoid_gate(void *x, const void *gate, int64_t rows, int64_t heads, i
             char *xr = (char *)x + (row * heads + h) * head_dim * size;
             row_load(v, xr, dtype, head_dim);
             row_load(g, (const char *)gate + (row * gate_stride + h * gate_head_stride) * size, dtype, head_dim);
-            for (int64_t d = 0; d < head_dim; d++) g[d] = 1.0f / (1.0f + expf(-g[d]));
+            /* 1 / (1 + e^-x) from the exp of a non-positive number only (vectorises; see silu_mul):
+             * with e = e^-|x|, that is 1 / (1 + e) for x >= 0 and e / (1 + e) below. */
+            for (int64_t d = 0; d < head_dim; d++) {
+                const float e = exp_nonpositive(g[d] >= 0.0f ? -g[d] : g[d]);
+                g[d] = (g[d] >= 0.0f ? 1.0f : e) / (1.0f + e);
+            }
             row_round(g, dtype, head_dim);
             for (int64_t d = 0; d < head_dim; d++) v[d] *= g[d];
             row_store(xr, v, dtype, head_dim);
