@@ -1,4 +1,5 @@
-"""tuili.kernels.linear_small (x @ weight.T + bias for 1..8 rows) against the product in float64.
+"""tuili.kernels.linear_small (x @ weight.T + bias for 1..8 rows) against the product in float64, and
+linear_rows (any number of rows) against linear_small row by row.
 
 Tolerances: the kernel sums K products (exact for bf16 inputs) in 16 float32 lanes of about
 K / 16 terms each, then adds the lanes and the bias: each result carries at most about
@@ -83,6 +84,26 @@ def test_linear_small_splits_rows_across_threads(threads):
             for n in (5, 130):
                 for dtype in (torch.float32, torch.bfloat16):
                     assert_matches_float64(*make_inputs(m, n, 96, dtype, True, seed=threads))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_rows_gives_each_row_linear_smalls_bits(dtype, threads):
+    # Row counts past one 8-row block, not multiples of the tiled path's 3 rows; N past its tiles
+    # of weight rows (32 at K = 1000) and odd; float32 and bf16 outputs, with and without bias.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m, (n, k) in zip((9, 17, 40, 100, 10, 11, 12), SHAPES, strict=True):
+            for with_bias in (True, False):
+                x, weight, bias = make_inputs(m, n, k, dtype, with_bias, seed=m * n + k)
+                for out_dtype in {dtype, torch.float32}:
+                    got = kernels.linear_rows(x, weight, bias, torch.full((m, n), float("nan"), dtype=out_dtype))
+                    alone = [kernels.linear_small(x[i : i + 1], weight, bias, torch.empty(1, n, dtype=out_dtype))
+                             for i in range(m)]  # fmt: skip
+                    assert torch.equal(got, torch.cat(alone)), (m, n, k, with_bias, out_dtype)
     finally:
         torch.set_num_threads(previous)
 

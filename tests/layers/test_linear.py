@@ -41,19 +41,21 @@ def test_linear_module_keeps_nn_linear_parameters():
 def test_native_path_is_taken_where_the_kernels_build(monkeypatch):
     """Shows the dispatch: with the kernels available, a decode-sized bf16 product goes through
     linear_small (counted), a prefill-sized one does not, except in the batch-invariant mode,
-    where every row count does (blocks of at most 8 rows) unless AMX takes them all."""
+    where every row count takes linear_rows (linear_small's arithmetic per row, all rows in one
+    call) unless AMX takes them all."""
     if not kernels.available():
         pytest.skip(f"native kernels unavailable here: {kernels.unavailable_reason()}")
     calls = []
-    original = kernels.linear_small
-    monkeypatch.setattr(kernels, "linear_small", lambda *a: calls.append(a[0].shape) or original(*a))
+    for name in ("linear_small", "linear_rows"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, n=name, f=original: calls.append((n, a[0].shape)) or f(*a))
     weight = torch.randn(64, 32).bfloat16()
     linear(torch.randn(1, 32).bfloat16(), weight, platform=FASTEST)
     linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight, platform=FASTEST)
-    assert calls == [(1, 32)]
+    assert calls == [("linear_small", (1, 32))]
     calls.clear()
     linear(torch.randn(20, 100), torch.randn(64, 100), platform=HERE)
-    assert calls == [(8, 100), (8, 100), (4, 100)]
+    assert calls == [("linear_rows", (20, 100))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -78,6 +78,12 @@ linear_small(x, weight, bias, out)
     it, which treats subnormal bf16 inputs as zero), the bias added in float32, then one rounding
     to out's dtype. Each thread reads its own static chunk of weight rows.
 
+linear_rows(x, weight, bias, out)
+    linear_small for any number of rows, each row's bits exactly what linear_small gives it
+    alone (the batch-invariant mode's products on CPUs without AMX). Built without AVX-512, a
+    tiled product (the weight widened to float32 once per tile) instead of the weight streamed
+    from memory once per 8 rows.
+
 linear_amx(x, weight, bias, out)
     The same product in bfloat16 on Intel AMX tiles, for any number of rows: x [M, K] with K a
     multiple of 32, weight [N, K], bias [N] or None, out [M, N], all bfloat16. The weight is read
@@ -149,6 +155,7 @@ from tuili.kernels.cpu import (
     linear_int4,
     linear_packed,
     linear_packed_available,
+    linear_rows,
     linear_small,
     pack_weight,
     paged_attention,
@@ -176,6 +183,7 @@ __all__ = [
     "linear_int4",
     "linear_packed",
     "linear_packed_available",
+    "linear_rows",
     "linear_small",
     "pack_weight",
     "paged_attention",

@@ -93,11 +93,13 @@ def _declare(library: ctypes.CDLL) -> None:
         function = getattr(library, name)
         function.argtypes = [p, i64, p, i32, i64, i64, i64, i64, p, i32, i32]
         function.restype = i32
-    library.tuili_linear_small.argtypes = [
-        p, p, p, p, i32, i32,  # x, weight, bias, out, dtype, out dtype
-        i64, i64, i64, i32,  # M, N, K, threads
-    ]  # fmt: skip
-    library.tuili_linear_small.restype = i32
+    for name in ("tuili_linear_small", "tuili_linear_rows"):
+        function = getattr(library, name)
+        function.argtypes = [
+            p, p, p, p, i32, i32,  # x, weight, bias, out, dtype, out dtype
+            i64, i64, i64, i32,  # M, N, K, threads
+        ]  # fmt: skip
+        function.restype = i32
     library.tuili_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32, i32]  # x, residual, weight, out, rows, dim, eps, offset
     library.tuili_qk_norm_rope.argtypes = [
         p, p, p, p, p,  # qkv, q weight, k weight, cos, sin
@@ -517,6 +519,26 @@ def linear_small(
     )  # fmt: skip
     if status == _NO_MEMORY:  # only without AVX512-BF16: x widened to float32 first
         raise MemoryError("linear_small could not allocate a float32 copy of x")
+    return out
+
+
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """linear_small for x [M, K] with any M >= 1: row i of out is bit for bit what linear_small
+    gives row i alone. Same operands as linear_small; writes and returns `out`."""
+    x = _check("x", x, _FLOAT_DTYPES, 2)
+    rows, k = x.shape
+    if rows < 1:
+        raise ValueError("x has 0 rows; linear_rows takes 1 or more")
+    weight, bias, out = _linear_operands(x, weight, bias, out)
+    status = _call(
+        "tuili_linear_rows",
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        _DTYPE_CODES[x.dtype], _DTYPE_CODES[out.dtype], rows, weight.shape[0], k, torch.get_num_threads(),
+    )  # fmt: skip
+    if status == _NO_MEMORY:  # only without AVX-512: x and the weight's tiles widened to float32
+        raise MemoryError("linear_rows could not allocate float32 copies of x and the weight's tiles")
     return out
 
 

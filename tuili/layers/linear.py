@@ -25,8 +25,9 @@ They all accumulate in float32 and agree to one rounding of the output, but not 
 row's bits depend on which kernel its step's row count picked, and oneDNN's also on the row count
 itself. In the batch-invariant mode (`Platform.batch_invariant`, the default) every row count
 takes one kernel whose result for a row depends on that row alone: `linear_amx` for bf16 on AMX,
-else `linear_small` over blocks of at most `kernels.LINEAR_SMALL_MAX_ROWS` rows (its arithmetic
-per row does not depend on the block's size). Where no native kernel takes the product on a CPU
+else `linear_rows`: `linear_small`'s arithmetic per row at any row count (its result for a row
+does not depend on how many rows share the call; without AVX-512 a tiled product, so that a
+prompt does not stream the weight from memory once per 8 rows). Where no native kernel takes the product on a CPU
 (the portable path, shapes and dtypes the kernels refuse), F.linear runs on blocks of exactly
 `INVARIANT_BLOCK_ROWS` rows, the last one padded with zeros: PyTorch's CPU matmul chooses its
 algorithm and its reduction order by shape, so one shape for every call gives a row the same
@@ -114,7 +115,7 @@ def _invariant_kernel(
         return None, rows
     if x.dtype == torch.bfloat16 and weight.shape[1] % AMX_K_MULTIPLE == 0 and platform.amx:
         return kernels.linear_amx, rows
-    return kernels.linear_small, kernels.LINEAR_SMALL_MAX_ROWS
+    return kernels.linear_rows, rows
 
 
 def _native_kernel(

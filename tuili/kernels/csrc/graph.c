@@ -22,6 +22,7 @@ enum graph_op {
     OP_DELTANET_DECODE,
     OP_SIGMOID_GATE,
     OP_SHM_ALL_REDUCE,
+    OP_LINEAR_ROWS,
     OP_COUNT
 };
 
@@ -41,6 +42,7 @@ static const struct {
     [OP_DELTANET_DECODE] = {"tuili_deltanet_decode", 29},
     [OP_SIGMOID_GATE] = {"tuili_sigmoid_gate", 9},
     [OP_SHM_ALL_REDUCE] = {"tuili_shm_all_reduce", 11},
+    [OP_LINEAR_ROWS] = {"tuili_linear_rows", 10},
 };
 
 /* The name and argument count of graph op `op`, or NULL past the last one: how Python learns
@@ -85,6 +87,8 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
         return tuili_sigmoid_gate(P(0), P(1), a[2], a[3], a[4], a[5], a[6], I(7), I(8));
     case OP_SHM_ALL_REDUCE:
         return tuili_shm_all_reduce(P(0), a[1], a[2], a[3], a[4], a[5], P(6), P(7), P(8), a[9], I(10));
+    case OP_LINEAR_ROWS:
+        return tuili_linear_rows(P(0), P(1), P(2), P(3), I(4), I(5), a[6], a[7], a[8], I(9));
     default:
         return TUILI_BAD_PROGRAM;
     }

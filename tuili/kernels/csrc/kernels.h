@@ -18,6 +18,8 @@ int tuili_kv_store(const void *k, const void *v, int64_t src_stride, void *k_cac
                    int64_t *error);
 int tuili_linear_small(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                        int64_t m, int64_t n, int64_t k, int num_threads);
+int tuili_linear_rows(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
+                      int64_t m, int64_t n, int64_t k, int num_threads);
 int tuili_amx_init(void);
 int tuili_linear_amx(const void *x, const void *weight, const void *bias, void *out, int out_f32, int64_t m,
                      int64_t n, int64_t k, int num_threads);

@@ -201,6 +201,41 @@ static rows_fn kernel_for(const linear_args *a, int R) {
     (void)a; /* one kernel for both dtypes */
     return R == 1 ? dot_portable_1 : R == 2 ? dot_portable_2 : dot_portable_4;
 }
+
+/* Prompts (tuili_linear_rows): dot_portable's sums, element for element, for I rows of x (row
+ * stride k) and R rows of a float32 weight tile w (row stride k), into sums[i * R + r]. I x R
+ * pairs of LANES lanes are 12 AVX2 registers at I = 3, R = 2, the two weight vectors 4 more:
+ * the accumulators stay in registers, where dot_portable at 8 rows keeps them in memory. */
+#define TILE_X 3
+#define TILE_W 2
+static inline __attribute__((always_inline)) void dot_tile(const float *restrict x, const float *restrict w,
+                                                           int64_t k, int I, int R, float *restrict sums) {
+    float acc[TILE_X][TILE_W][LANES] = {{{0}}};
+    int64_t j = 0;
+    for (; j + LANES <= k; j += LANES)
+        for (int i = 0; i < I; i++)
+            for (int r = 0; r < R; r++)
+                for (int l = 0; l < LANES; l++) acc[i][r][l] = MADD(x[i * k + j + l], w[r * k + j + l], acc[i][r][l]);
+    for (; j < k; j++)
+        for (int i = 0; i < I; i++)
+            for (int r = 0; r < R; r++) acc[i][r][0] = MADD(x[i * k + j], w[r * k + j], acc[i][r][0]);
+    for (int i = 0; i < I; i++)
+        for (int r = 0; r < R; r++) {
+            float s = 0.0f;
+            for (int l = 0; l < LANES; l++) s += acc[i][r][l];
+            sums[i * R + r] = s;
+        }
+}
+
+/* One specialised copy per (I, R), so that the loops unroll into registers. */
+static void dot_tile_any(const float *x, const float *w, int64_t k, int I, int R, float *sums) {
+    if (I == TILE_X && R == TILE_W)
+        dot_tile(x, w, k, TILE_X, TILE_W, sums);
+    else if (R == TILE_W)
+        dot_tile(x, w, k, I == 2 ? 2 : 1, TILE_W, sums);
+    else
+        dot_tile(x, w, k, I, 1, sums);
+}
 #endif
 
 /* Adds the bias to sums[i * R + r] (row i of x, weight row row + r) and stores it to out. */
@@ -266,4 +301,76 @@ int tuili_linear_small(const void *x, const void *weight, const void *bias, void
     }
     free(x_f32);
     return TUILI_OK;
+}
+
+/* x [M, K] for any M >= 1: row i of out is bit for bit what tuili_linear_small gives row i alone.
+ * With AVX-512, blocks of MAX_M rows through it. Elsewhere (dot_portable) a tiled product: each
+ * thread takes tiles of weight rows (widened to float32 once, in L2) and runs every row of x
+ * against them, TILE_X rows of x by TILE_W weight rows at a time (dot_tile): the arithmetic per
+ * output of dot_portable, without streaming the weight from memory once per 8 rows. */
+int tuili_linear_rows(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
+                      int64_t m, int64_t n, int64_t k, int num_threads) {
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4, out_size = out_dtype == TUILI_BF16 ? 2 : 4;
+#ifdef AVX512
+    for (int64_t i0 = 0; i0 < m; i0 += MAX_M) {
+        const int status = tuili_linear_small((const char *)x + i0 * k * size, weight, bias,
+                                              (char *)out + i0 * n * out_size, dtype, out_dtype,
+                                              m - i0 < MAX_M ? m - i0 : MAX_M, n, k, num_threads);
+        if (status != TUILI_OK) return status;
+    }
+    return TUILI_OK;
+#else
+    (void)size;
+    (void)out_size;
+    if (num_threads < 1) num_threads = 1;
+    /* a tile of weight rows: about 128 KB of float32, an even count */
+    int64_t tile = (32768 / (k > 0 ? k : 1)) & ~(int64_t)1;
+    if (tile < TILE_W) tile = TILE_W;
+    float *x_f32 = (float *)x, *tiles = NULL;
+    if (dtype == TUILI_BF16) {
+        x_f32 = malloc((size_t)(m * k) * sizeof(float));
+        tiles = malloc((size_t)(num_threads * tile * k) * sizeof(float));
+        if (x_f32 == NULL || tiles == NULL) {
+            free(x_f32);
+            free(tiles);
+            return TUILI_NO_MEMORY;
+        }
+        for (int64_t i = 0; i < m * k; i++) x_f32[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    const int64_t num_tiles = (n + tile - 1) / tile;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tiles; t++) {
+        const int64_t row0 = t * tile, rows = n - row0 < tile ? n - row0 : tile;
+        const float *w = (const float *)weight + row0 * k;
+        if (dtype == TUILI_BF16) {
+            float *own = tiles + (size_t)omp_get_thread_num() * tile * k;
+            for (int64_t e = 0; e < rows * k; e++) own[e] = bf16_to_f32(((const uint16_t *)weight)[row0 * k + e]);
+            w = own;
+        }
+        float sums[TILE_X * TILE_W];
+        for (int64_t i0 = 0; i0 < m; i0 += TILE_X) {
+            const int I = m - i0 < TILE_X ? (int)(m - i0) : TILE_X;
+            for (int64_t r0 = 0; r0 < rows; r0 += TILE_W) {
+                const int R = rows - r0 < TILE_W ? (int)(rows - r0) : TILE_W;
+                dot_tile_any(x_f32 + i0 * k, w + r0 * k, k, I, R, sums);
+                for (int r = 0; r < R; r++) {
+                    const int64_t col = row0 + r0 + r;
+                    float b = 0.0f;
+                    if (bias != NULL)
+                        b = dtype == TUILI_F32 ? ((const float *)bias)[col] : bf16_to_f32(((const uint16_t *)bias)[col]);
+                    for (int i = 0; i < I; i++) {
+                        const float y = sums[i * R + r] + b;
+                        if (out_dtype == TUILI_F32)
+                            ((float *)out)[(i0 + i) * n + col] = y;
+                        else
+                            ((uint16_t *)out)[(i0 + i) * n + col] = f32_to_bf16(y);
+                    }
+                }
+            }
+        }
+    }
+    if (x_f32 != x) free(x_f32);
+    free(tiles);
+    return TUILI_OK;
+#endif
 }
