@@ -188,7 +188,8 @@ static inline void absorb_scores(rows_t *st, int64_t r, __m512 raw, int64_t keys
     float p[16];
     _mm512_storeu_ps(p, weights);
     float *acc = st->acc + r * D;
-    int64_t d = 0;
+    int64_t d = 0; /* eight chains where the head has room: two FMA ports of 4-cycle latency */
+    ACCUMULATE(8)
     ACCUMULATE(4)
     ACCUMULATE(1)
 }
