@@ -153,8 +153,9 @@ static inline __attribute__((always_inline)) void update_pass(float *restrict s,
         }
     }
 }
-/* A copy of the state's columns after a cut's token into its row: the block's dk rows of n floats,
- * row stride `stride`, to `to` (row stride to_stride). */
+
+/* A block's dk rows of n floats from s (row stride `stride`) to `to` (row stride to_stride): a
+ * checkpoint of the state after a cut's token, or the block into and out of its contiguous copy. */
 static inline void copy_columns(float *restrict to, int64_t to_stride, const float *restrict s, int64_t stride,
                                 int64_t n, int64_t dk) {
     for (int64_t i = 0; i < dk; i++) memcpy(to + i * to_stride, s + i * stride, (size_t)n * sizeof(float));
@@ -253,6 +254,7 @@ static inline void silu_block(float *x, int64_t n) {
     for (int64_t c = 0; c < n; c++) x[c] = silu(x[c]);
 #endif
 }
+
 /* The gated RMSNorm of one head's outputs o [count, dv] (rounded in place), gated by silu(z) (z's
  * rows z_at + t * z_stride), into y's rows y_at + t * y_stride. Each token's sum of squares over
  * j in order, NORM_LANES tokens' sums side by side (as l2_normalise); gate is [dv] of scratch. */
@@ -269,9 +271,11 @@ static void head_norms(float *restrict o, int64_t count, const void *z, int64_t 
         for (int64_t l = 0; l < m; l++) {
             const float r = 1.0f / sqrtf(squares[l] / (float)dv + eps), *ot = os + l * dv;
             const int64_t z_row = z_at + (t0 + l) * z_stride, y_row = y_at + (t0 + l) * y_stride;
-            if (t0 + l + GATHER_AHEAD < count) /* rows apart, as the conv's (prefetch_head) */
+            if (t0 + l + GATHER_AHEAD < count) { /* rows apart, as the conv's (prefetch_head) */
+                const size_t size = dtype == TUILI_BF16 ? 2 : 4;
                 for (int64_t j = 0; j < dv; j += 16)
-                    __builtin_prefetch((const char *)z + (z_row + GATHER_AHEAD * z_stride + j) * (dtype == TUILI_BF16 ? 2 : 4));
+                    __builtin_prefetch((const char *)z + (size_t)(z_row + GATHER_AHEAD * z_stride + j) * size);
+            }
             if (dtype == TUILI_BF16) {
                 for (int64_t j = 0; j < dv; j++) gate[j] = bf16_to_f32(((const uint16_t *)z)[z_row + j]);
                 silu_block(gate, dv);
@@ -414,11 +418,12 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
     const size_t per_thread = (size_t)(max_count * (2 * dk + 2 * dv + 2) + 2 * dv);
     float *buffers = conv ? malloc((size_t)num_threads * per_thread * sizeof(float)) : NULL;
     /* each thread's contiguous copy of a block of the state's columns (rule_columns) */
-    float *blocks = buffers ? aligned_alloc(64, (size_t)num_threads * dk * RULE_COLS * sizeof(float)) : NULL;
+    float *state_blocks = buffers ? aligned_alloc(64, (size_t)num_threads * dk * RULE_COLS * sizeof(float)) : NULL;
     /* one per block of channels, whichever thread takes it */
-    ConvBlock *conv_blocks = blocks ? malloc((size_t)((channels + CONV_BLOCK - 1) / CONV_BLOCK) * sizeof(ConvBlock)) : NULL;
+    const int64_t num_conv_blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
+    ConvBlock *conv_blocks = state_blocks ? malloc((size_t)num_conv_blocks * sizeof(ConvBlock)) : NULL;
     if (!conv_blocks) {
-        free(blocks);
+        free(state_blocks);
         free(buffers);
         free(conv);
         free(starts);
@@ -429,9 +434,8 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
     {
         /* The conv: each thread a range of whole blocks of channels, item after item. */
         {
-            const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
             const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-            const int64_t b0 = blocks * thread / threads, b1 = blocks * (thread + 1) / threads;
+            const int64_t b0 = num_conv_blocks * thread / threads, b1 = num_conv_blocks * (thread + 1) / threads;
             const int64_t c_begin = b0 * CONV_BLOCK, c_end = b1 * CONV_BLOCK < channels ? b1 * CONV_BLOCK : channels;
             for (int64_t i = 0; i < num_items && b1 > b0; i++) {
                 const int64_t first_cut = cut_starts ? cut_starts[i] : 0,
@@ -449,7 +453,7 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
         float *qn = buffer, *kn = qn + max_count * dk, *vs = kn + max_count * dk, *o = vs + max_count * dv;
         float *decays = o + max_count * dv;
         float *betas = decays + max_count, *zf = betas + max_count, *w = zf + dv;
-        float *block = blocks + (size_t)omp_get_thread_num() * dk * RULE_COLS;
+        float *block = state_blocks + (size_t)omp_get_thread_num() * dk * RULE_COLS;
         for (int64_t j = 0; j < dv; j++) w[j] = load(norm_weight, dtype, j);
         const int64_t per_key = v_heads / k_heads;
         const float q_scale = 1.0f / sqrtf((float)dk);
@@ -501,7 +505,7 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
         }
     }
     free(conv_blocks);
-    free(blocks);
+    free(state_blocks);
     free(buffers);
     free(conv);
     free(starts);

@@ -357,7 +357,8 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
                     const int64_t col = row0 + r0 + r;
                     float b = 0.0f;
                     if (bias != NULL)
-                        b = dtype == TUILI_F32 ? ((const float *)bias)[col] : bf16_to_f32(((const uint16_t *)bias)[col]);
+                        b = dtype == TUILI_F32 ? ((const float *)bias)[col]
+                                               : bf16_to_f32(((const uint16_t *)bias)[col]);
                     for (int i = 0; i < I; i++) {
                         const float y = sums[i * R + r] + b;
                         if (out_dtype == TUILI_F32)
