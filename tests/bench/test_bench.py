@@ -157,8 +157,15 @@ def test_poisson_and_regular_arrivals(server):
     poisson, regular = gaps(1.0), gaps(50.0)
     assert statistics.fmean(poisson) == pytest.approx(1 / 40, rel=0.35)
     assert statistics.fmean(regular) == pytest.approx(1 / 40, rel=0.1)
-    cv = [statistics.pstdev(g) / statistics.fmean(g) for g in (poisson, regular)]
-    assert cv[0] > 0.6 and cv[1] < 0.35  # exponential gaps have CV 1; Gamma(50) has CV 0.14
+    # Spread as interquartile range over median, not the coefficient of variation: a host stall
+    # sends the late requests together on the schedule, a few gaps near zero and one long one,
+    # which moves the CV past any bound but the quartiles hardly at all. Exponential gaps give
+    # ln(3) / ln(2) = 1.58 (above 0.76 for 39 gaps of any seed); Gamma(50) gaps about 0.19.
+    spread = []
+    for g in (poisson, regular):
+        q1, median, q3 = statistics.quantiles(g, n=4)
+        spread.append((q3 - q1) / median)
+    assert spread[0] > 0.7 and spread[1] < 0.5
 
 
 def test_duration_bounds_the_run(server):
