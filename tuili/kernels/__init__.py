@@ -80,9 +80,9 @@ linear_small(x, weight, bias, out)
 
 linear_rows(x, weight, bias, out)
     linear_small for any number of rows, each row's bits exactly what linear_small gives it
-    alone (the batch-invariant mode's products on CPUs without AMX). Built without AVX-512, a
-    tiled product (the weight widened to float32 once per tile) instead of the weight streamed
-    from memory once per 8 rows.
+    alone (the batch-invariant mode's products on CPUs without AMX). Above 8 rows, tiles of
+    weight rows that stay in L2, each against every row of x, so the weight streams from memory
+    once per call (built without AVX-512, each tile widened to float32 once).
 
 linear_amx(x, weight, bias, out)
     The same product in bfloat16 on Intel AMX tiles, for any number of rows: x [M, K] with K a

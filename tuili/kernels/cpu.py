@@ -537,8 +537,8 @@ def linear_rows(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         _DTYPE_CODES[x.dtype], _DTYPE_CODES[out.dtype], rows, weight.shape[0], k, torch.get_num_threads(),
     )  # fmt: skip
-    if status == _NO_MEMORY:  # only without AVX-512: x and the weight's tiles widened to float32
-        raise MemoryError("linear_rows could not allocate float32 copies of x and the weight's tiles")
+    if status == _NO_MEMORY:  # x widened to float32 (without AVX512-BF16); the tiles' copies and sums
+        raise MemoryError("linear_rows could not allocate its float32 copies of x and the weight's tiles")
     return out
 
 

@@ -203,20 +203,62 @@ static rows_fn kernel_for(const linear_args *a, int R) {
 }
 
 /* Prompts (tuili_linear_rows): dot_portable's sums, element for element, for I rows of x (row
- * stride k) and R rows of a float32 weight tile w (row stride k), into sums[i * R + r]. I x R
- * pairs of LANES lanes are 12 AVX2 registers at I = 3, R = 2, the two weight vectors 4 more:
- * the accumulators stay in registers, where dot_portable at 8 rows keeps them in memory. */
-#define TILE_X 3
-#define TILE_W 2
-static inline __attribute__((always_inline)) void dot_tile(const float *restrict x, const float *restrict w,
-                                                           int64_t k, int I, int R, float *restrict sums) {
-    float acc[TILE_X][TILE_W][LANES] = {{{0}}};
-    int64_t j = 0;
-    for (; j + LANES <= k; j += LANES)
-        for (int i = 0; i < I; i++)
-            for (int r = 0; r < R; r++)
-                for (int l = 0; l < LANES; l++) acc[i][r][l] = MADD(x[i * k + j + l], w[r * k + j + l], acc[i][r][l]);
-    for (; j < k; j++)
+ * stride k) against R rows of a float32 weight tile w (row stride k). A sum's LANES lanes are
+ * independent chains (lane l takes the j = l mod LANES), so they run as two passes of HALF lanes
+ * (one AVX2 register each): in a pass, I x R = 12 accumulators, R weight vectors and one x vector
+ * fill the 16 AVX2 registers, and each load serves R or I products (7 loads per 12
+ * multiply-adds, where whole 16-lane sums leave no register for x: 16 per 12). K goes in chunks
+ * of K_CHUNK floats, the lanes carried in memory from one to the next, so that a block of x's
+ * rows stays in L1 while the tile's rows pass it. Each lane's chain and the final sum over lanes
+ * 0 .. LANES-1 are dot_portable's. */
+#define TILE_X 4
+#define TILE_W 3
+#define HALF (LANES / 2)
+#define K_CHUNK 1024 /* TILE_X rows of it: 16 KB */
+typedef float tile_lanes[TILE_X][TILE_W][LANES]; /* the partial sums of one (x block, weight rows) pair */
+
+/* Lanes half .. half + HALF - 1 over the whole steps at j0 .. j1 - 1, carried in acc. */
+static inline __attribute__((always_inline)) void dot_half(const float *restrict x, const float *restrict w,
+                                                           int64_t k, int64_t j0, int64_t j1, int I, int R,
+                                                           int half, tile_lanes acc) {
+    float part[TILE_X][TILE_W][HALF];
+    for (int i = 0; i < I; i++)
+        for (int r = 0; r < R; r++)
+            for (int l = 0; l < HALF; l++) part[i][r][l] = acc[i][r][half + l];
+    for (int64_t j = j0 + half; j < j1; j += LANES)
+        _Pragma("GCC unroll 4") for (int i = 0; i < I; i++)
+            _Pragma("GCC unroll 3") for (int r = 0; r < R; r++)
+                for (int l = 0; l < HALF; l++) part[i][r][l] = MADD(x[i * k + j + l], w[r * k + j + l], part[i][r][l]);
+    for (int i = 0; i < I; i++)
+        for (int r = 0; r < R; r++)
+            for (int l = 0; l < HALF; l++) acc[i][r][half + l] = part[i][r][l];
+}
+
+/* Both halves over one chunk; one specialised copy per (I, R), so that the loops unroll into
+ * registers. */
+static void dot_chunk(const float *x, const float *w, int64_t k, int64_t j0, int64_t j1, int I, int R,
+                      tile_lanes acc) {
+#define DOT_CHUNK(I_, R_)                                    \
+    do {                                                     \
+        dot_half(x, w, k, j0, j1, I_, R_, 0, acc);    \
+        dot_half(x, w, k, j0, j1, I_, R_, HALF, acc); \
+    } while (0)
+    if (I == TILE_X && R == TILE_W)
+        DOT_CHUNK(TILE_X, TILE_W);
+    else if (I == TILE_X)
+        DOT_CHUNK(TILE_X, 1);
+    else if (R == TILE_W)
+        DOT_CHUNK(I, TILE_W);
+    else
+        DOT_CHUNK(I, 1);
+#undef DOT_CHUNK
+}
+
+/* After the last chunk: the tail of K (from `whole`) to lane 0, then the sum over the lanes into
+ * sums[i * R + r]. */
+static void finish_tile(const float *x, const float *w, int64_t k, int64_t whole, int I, int R, tile_lanes acc,
+                        float *sums) {
+    for (int64_t j = whole; j < k; j++)
         for (int i = 0; i < I; i++)
             for (int r = 0; r < R; r++) acc[i][r][0] = MADD(x[i * k + j], w[r * k + j], acc[i][r][0]);
     for (int i = 0; i < I; i++)
@@ -225,16 +267,6 @@ static inline __attribute__((always_inline)) void dot_tile(const float *restrict
             for (int l = 0; l < LANES; l++) s += acc[i][r][l];
             sums[i * R + r] = s;
         }
-}
-
-/* One specialised copy per (I, R), so that the loops unroll into registers. */
-static void dot_tile_any(const float *x, const float *w, int64_t k, int I, int R, float *sums) {
-    if (I == TILE_X && R == TILE_W)
-        dot_tile(x, w, k, TILE_X, TILE_W, sums);
-    else if (R == TILE_W)
-        dot_tile(x, w, k, I == 2 ? 2 : 1, TILE_W, sums);
-    else
-        dot_tile(x, w, k, I, 1, sums);
 }
 #endif
 
@@ -303,39 +335,75 @@ int tuili_linear_small(const void *x, const void *weight, const void *bias, void
     return TUILI_OK;
 }
 
-/* x [M, K] for any M >= 1: row i of out is bit for bit what tuili_linear_small gives row i alone.
- * With AVX-512, blocks of MAX_M rows through it. Elsewhere (dot_portable) a tiled product: each
- * thread takes tiles of weight rows (widened to float32 once, in L2) and runs every row of x
- * against them, TILE_X rows of x by TILE_W weight rows at a time (dot_tile): the arithmetic per
- * output of dot_portable, without streaming the weight from memory once per 8 rows. */
+/* Weight rows per tile of tuili_linear_rows: about `bytes` of them (as the kernels read them), a
+ * multiple of `multiple`, and no more than an equal share of the n rows for each thread. */
+static int64_t tile_rows(int64_t n, int64_t k, size_t row_size, int64_t bytes, int64_t multiple, int threads) {
+    int64_t tile = bytes / (k > 0 ? k * (int64_t)row_size : 1);
+    const int64_t share = (n + threads - 1) / threads;
+    if (tile > share) tile = share;
+    tile -= tile % multiple;
+    return tile < multiple ? multiple : tile;
+}
+
+/* x [M, K] for any M >= 1: row i of out is bit for bit what tuili_linear_small gives row i alone
+ * (every kernel's sum for one (x row, weight row) pair is the same operations whatever the other
+ * rows in its call). The weight goes in tiles of rows that stay in L2, each thread a tile at a
+ * time against every row of x, so the weight streams from memory once (blocks of 8 rows through
+ * tuili_linear_small would stream it once per block). With AVX-512 the tile runs through
+ * linear_small's own register kernels, MAX_M rows of x at a time; elsewhere each thread widens
+ * its tile to float32 once and runs TILE_X rows of x by TILE_W weight rows (dot_tile). */
 int tuili_linear_rows(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                       int64_t m, int64_t n, int64_t k, int num_threads) {
-    const size_t size = dtype == TUILI_BF16 ? 2 : 4, out_size = out_dtype == TUILI_BF16 ? 2 : 4;
-#ifdef AVX512
-    for (int64_t i0 = 0; i0 < m; i0 += MAX_M) {
-        const int status = tuili_linear_small((const char *)x + i0 * k * size, weight, bias,
-                                              (char *)out + i0 * n * out_size, dtype, out_dtype,
-                                              m - i0 < MAX_M ? m - i0 : MAX_M, n, k, num_threads);
-        if (status != TUILI_OK) return status;
-    }
-    return TUILI_OK;
-#else
-    (void)size;
-    (void)out_size;
+    if (m <= MAX_M) /* a tile's worth of reuse would not pay for widening it */
+        return tuili_linear_small(x, weight, bias, out, dtype, out_dtype, m, n, k, num_threads);
+    const size_t out_size = out_dtype == TUILI_BF16 ? 2 : 4;
     if (num_threads < 1) num_threads = 1;
-    /* a tile of weight rows: about 128 KB of float32, an even count */
-    int64_t tile = (32768 / (k > 0 ? k : 1)) & ~(int64_t)1;
-    if (tile < TILE_W) tile = TILE_W;
-    float *x_f32 = (float *)x, *tiles = NULL;
-    if (dtype == TUILI_BF16) {
-        x_f32 = malloc((size_t)(m * k) * sizeof(float));
-        tiles = malloc((size_t)(num_threads * tile * k) * sizeof(float));
-        if (x_f32 == NULL || tiles == NULL) {
-            free(x_f32);
-            free(tiles);
-            return TUILI_NO_MEMORY;
-        }
+    float *x_f32 = (float *)x;
+    if (dtype == TUILI_BF16 && reads_x_as_f32(dtype)) {
+        x_f32 = malloc((size_t)(m * k) * sizeof(float) + 1); /* + 1: never malloc(0) */
+        if (x_f32 == NULL) return TUILI_NO_MEMORY;
         for (int64_t i = 0; i < m * k; i++) x_f32[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+#ifdef AVX512
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+    const int64_t tile = tile_rows(n, k, size, 256 * 1024, MAX_UNROLL, num_threads);
+    const int64_t num_tiles = (n + tile - 1) / tile;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tiles; t++) {
+        const int64_t begin = t * tile, end = begin + tile < n ? begin + tile : n;
+        float sums[MAX_M * MAX_UNROLL];
+        for (int64_t i0 = 0; i0 < m; i0 += MAX_M) {
+            const float *rows_f32 = dtype == TUILI_F32 || x_f32 != x ? x_f32 + i0 * k : NULL; /* unread: NULL */
+            const linear_args a = {(const char *)x + i0 * k * size, weight, bias, rows_f32,
+                                   (char *)out + i0 * n * out_size, dtype, out_dtype,
+                                   m - i0 < MAX_M ? m - i0 : MAX_M, n, k};
+            const int step = unroll(a.m);
+            const rows_fn whole = kernel_for(&a, step), single = kernel_for(&a, 1);
+            int64_t row = begin;
+            for (; row + step <= end; row += step) {
+                whole(&a, row, sums);
+                store_rows(&a, row, step, sums);
+            }
+            for (; row < end; row++) {
+                single(&a, row, sums);
+                store_rows(&a, row, 1, sums);
+            }
+        }
+    }
+#else
+    /* a tile: about 128 KB of float32 */
+    const int64_t tile = tile_rows(n, k, sizeof(float), 128 * 1024, TILE_W, num_threads);
+    /* each thread's partial sums for a block of x against its tile: a group per TILE_W rows,
+     * and per row left over */
+    const int64_t groups = tile / TILE_W + TILE_W;
+    tile_lanes *lanes = malloc((size_t)(num_threads * groups) * sizeof *lanes);
+    float *tiles = NULL;
+    if (dtype == TUILI_BF16) tiles = malloc((size_t)(num_threads * tile * k) * sizeof(float) + 1);
+    if (lanes == NULL || (dtype == TUILI_BF16 && tiles == NULL)) {
+        free(lanes);
+        free(tiles);
+        if (x_f32 != x) free(x_f32);
+        return TUILI_NO_MEMORY;
     }
     const int64_t num_tiles = (n + tile - 1) / tile;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
@@ -347,31 +415,33 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
             for (int64_t e = 0; e < rows * k; e++) own[e] = bf16_to_f32(((const uint16_t *)weight)[row0 * k + e]);
             w = own;
         }
+        tile_lanes *acc = lanes + (size_t)omp_get_thread_num() * groups;
+        const int64_t whole = k - k % LANES;
         float sums[TILE_X * TILE_W];
         for (int64_t i0 = 0; i0 < m; i0 += TILE_X) {
             const int I = m - i0 < TILE_X ? (int)(m - i0) : TILE_X;
-            for (int64_t r0 = 0; r0 < rows; r0 += TILE_W) {
-                const int R = rows - r0 < TILE_W ? (int)(rows - r0) : TILE_W;
-                dot_tile_any(x_f32 + i0 * k, w + r0 * k, k, I, R, sums);
-                for (int r = 0; r < R; r++) {
-                    const int64_t col = row0 + r0 + r;
-                    float b = 0.0f;
-                    if (bias != NULL)
-                        b = dtype == TUILI_F32 ? ((const float *)bias)[col]
-                                               : bf16_to_f32(((const uint16_t *)bias)[col]);
-                    for (int i = 0; i < I; i++) {
-                        const float y = sums[i * R + r] + b;
-                        if (out_dtype == TUILI_F32)
-                            ((float *)out)[(i0 + i) * n + col] = y;
-                        else
-                            ((uint16_t *)out)[(i0 + i) * n + col] = f32_to_bf16(y);
-                    }
+            const float *xs = x_f32 + i0 * k;
+            memset(acc, 0, (size_t)groups * sizeof *acc);
+            for (int64_t j0 = 0; j0 < whole; j0 += K_CHUNK) {
+                const int64_t j1 = whole - j0 < K_CHUNK ? whole : j0 + K_CHUNK;
+                for (int64_t r0 = 0, g = 0; r0 < rows; g++) {
+                    const int R = rows - r0 < TILE_W ? 1 : TILE_W; /* the rows left over one at a time */
+                    dot_chunk(xs, w + r0 * k, k, j0, j1, I, R, acc[g]);
+                    r0 += R;
                 }
+            }
+            const linear_args a = {NULL, weight, bias, NULL, (char *)out + i0 * n * out_size, dtype, out_dtype, I, n, k};
+            for (int64_t r0 = 0, g = 0; r0 < rows; g++) {
+                const int R = rows - r0 < TILE_W ? 1 : TILE_W;
+                finish_tile(xs, w + r0 * k, k, whole, I, R, acc[g], sums);
+                store_rows(&a, row0 + r0, R, sums);
+                r0 += R;
             }
         }
     }
-    if (x_f32 != x) free(x_f32);
     free(tiles);
-    return TUILI_OK;
+    free(lanes);
 #endif
+    if (x_f32 != x) free(x_f32);
+    return TUILI_OK;
 }
