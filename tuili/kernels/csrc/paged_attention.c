@@ -239,23 +239,88 @@ static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t en
 #endif
 #endif
 
-/* attend_chunk_avx512 in plain C, for any head size. */
-static void attend_chunk_portable(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
+/* The plain C chunk (any head size) in dot_lanes16's and axpy's orders, element for element,
+ * arranged for registers: scores SCORE_ROWS rows by SCORE_KEYS keys at a time, a sum's 16 lanes
+ * as two passes of 8 (one AVX2 register each: 12 accumulators, a query and 4 key vectors per
+ * step, 7 loads per 12 multiply-adds where one dot product at a time loads 2 per 1), and the
+ * values PV_BLOCK floats of a row's accumulator at a time, held in registers across the keys
+ * (axpy loads and stores the accumulator once per key). */
+#define SCORE_ROWS 3
+#define SCORE_KEYS 4
+#define PV_BLOCK 64 /* eight AVX2 registers: two FMA ports of 4-cycle latency */
+
+/* Lanes half .. half + 7 of dot_lanes16 for I rows of q (row stride D) by SCORE_KEYS keys. */
+static inline __attribute__((always_inline)) void score_half(const float *restrict q, int64_t D, int64_t whole,
+                                                             const float *const *restrict k, int I, int half,
+                                                             float lanes[SCORE_ROWS][SCORE_KEYS][16]) {
+    float part[SCORE_ROWS][SCORE_KEYS][8] = {{{0}}};
+    for (int64_t d = half; d < whole; d += 16)
+        _Pragma("GCC unroll 3") for (int i = 0; i < I; i++)
+            _Pragma("GCC unroll 4") for (int t = 0; t < SCORE_KEYS; t++)
+                for (int l = 0; l < 8; l++) part[i][t][l] = MADD(q[i * D + d + l], k[t][d + l], part[i][t][l]);
+    for (int i = 0; i < I; i++)
+        for (int t = 0; t < SCORE_KEYS; t++)
+            for (int l = 0; l < 8; l++) lanes[i][t][half + l] = part[i][t][l];
+}
+
+/* scores[i * KEY_CHUNK + t] = dot_lanes16(q row i, k[t], D), I <= SCORE_ROWS rows, SCORE_KEYS keys. */
+static inline __attribute__((always_inline)) void score_tile(const float *q, int64_t D, const float *const *k,
+                                                             int I, float *scores) {
+    float lanes[SCORE_ROWS][SCORE_KEYS][16];
+    const int64_t whole = D - D % 16;
+    score_half(q, D, whole, k, I, 0, lanes);
+    score_half(q, D, whole, k, I, 8, lanes);
+    for (int i = 0; i < I; i++)
+        for (int t = 0; t < SCORE_KEYS; t++) {
+            float total = 0.0f;
+            for (int64_t d = whole; d < D; d++) total = MADD(q[i * D + d], k[t][d], total);
+            for (int l = 0; l < 16; l++) total += lanes[i][t][l];
+            scores[i * KEY_CHUNK + t] = total;
+        }
+}
+
+/* acc[0 .. PV_BLOCK) += sum over t < keys of p[t] * vrow[t][d ..], the block held in registers. */
+static inline __attribute__((always_inline)) void accumulate_block(float *restrict acc, const float *restrict p,
+                                                                   const float *const *restrict vrow,
+                                                                   int64_t keys, int64_t d) {
+    float sum[PV_BLOCK];
+    for (int l = 0; l < PV_BLOCK; l++) sum[l] = acc[l];
+    for (int64_t t = 0; t < keys; t++) {
+        const float weight = p[t], *restrict v = vrow[t] + d;
+        for (int l = 0; l < PV_BLOCK; l++) sum[l] = MADD(weight, v[l], sum[l]);
+    }
+    for (int l = 0; l < PV_BLOCK; l++) acc[l] = sum[l];
+}
+
+/* Without unroll-and-jam: GCC 12 at -O3 jams two keys of accumulate_block into one scalar loop
+ * over a block kept in memory (seen in the assembly), four times slower than the vector loop. */
+__attribute__((optimize("no-loop-unroll-and-jam"))) static void attend_chunk_portable(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
                                   const float *const *krow, const float *const *vrow) {
     const int64_t D = st->head_dim;
-    float s[KEY_CHUNK];
-    for (int64_t r = first; r < end; r++) {
-        const int64_t keys = visible_keys(st, r, c, n);
-        if (keys == 0) continue;
-        float top = -INFINITY;
-        for (int64_t t = 0; t < keys; t++) {
-            s[t] = dot_lanes16(st->q + r * D, krow[t], D);
-            top = s[t] > top ? s[t] : top;
+    float scores[SCORE_ROWS * KEY_CHUNK];
+    for (int64_t r0 = first; r0 < end; r0 += SCORE_ROWS) {
+        const int I = end - r0 < SCORE_ROWS ? (int)(end - r0) : SCORE_ROWS;
+        for (int t0 = 0; t0 < KEY_CHUNK; t0 += SCORE_KEYS) { /* every key: rows past n score zeros */
+            if (I == SCORE_ROWS)
+                score_tile(st->q + r0 * D, D, krow + t0, SCORE_ROWS, scores + t0);
+            else if (I == 2)
+                score_tile(st->q + r0 * D, D, krow + t0, 2, scores + t0);
+            else
+                score_tile(st->q + r0 * D, D, krow + t0, 1, scores + t0);
         }
-        raise_max(st, r, top);
-        for (int64_t t = 0; t < keys; t++) s[t] = exp_nonpositive(s[t] - st->m[r]);
-        for (int64_t t = 0; t < keys; t++) st->l[r] += s[t];
-        for (int64_t t = 0; t < keys; t++) axpy(st->acc + r * D, s[t], vrow[t], D);
+        for (int i = 0; i < I; i++) {
+            const int64_t r = r0 + i, keys = visible_keys(st, r, c, n);
+            if (keys == 0) continue;
+            float *s = scores + i * KEY_CHUNK, top = -INFINITY;
+            for (int64_t t = 0; t < keys; t++) top = s[t] > top ? s[t] : top;
+            raise_max(st, r, top);
+            for (int64_t t = 0; t < keys; t++) s[t] = exp_nonpositive(s[t] - st->m[r]);
+            for (int64_t t = 0; t < keys; t++) st->l[r] += s[t];
+            float *acc = st->acc + r * D;
+            int64_t d = 0;
+            for (; d + PV_BLOCK <= D; d += PV_BLOCK) accumulate_block(acc + d, s, vrow, keys, d);
+            for (int64_t t = 0; t < keys; t++) axpy(acc + d, s[t], vrow[t] + d, D - d);
+        }
     }
 }
 
