@@ -40,6 +40,11 @@ FLAGS = (
     "-std=c11",
     "-ffp-contract=off",  # a*b + c rounds like torch's separate ops; the C code asks for fusion explicitly
     "-fno-math-errno",
+    # Values are the same; only the floating-point exception flags, which nothing reads, may differ.
+    # Without it GCC 12 keeps on AVX2 every loop with a select next to arithmetic scalar (it
+    # if-converts possibly trapping operations only with AVX-512's masks): silu, sigmoid, the
+    # exp of softmax (docs/kernels.md, Code paths).
+    "-fno-trapping-math",
     "-fopenmp",
     "-fPIC",
     "-shared",

@@ -30,6 +30,11 @@
 
 #define ROWS_PER_GRAB 4
 
+/* e^-|x|: sigmoid_gate's and silu_mul's functions come from the exp of a non-positive number
+ * only (exp_nonpositive, which vectorises; expf of any sign does not), with e = e^-|x|:
+ * sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below. */
+static inline float exp_neg_abs(float x) { return exp_nonpositive(-fabsf(x)); }
+
 /* Rows go through float32 buffers, with the dtype test outside the loops so that they vectorize. */
 static void row_load(float *dst, const void *src, int dtype, int64_t n) {
     if (dtype == TUILI_BF16) {
@@ -235,10 +240,8 @@ int tuili_sigmoid_gate(void *x, const void *gate, int64_t rows, int64_t heads, i
             char *xr = (char *)x + (row * heads + h) * head_dim * size;
             row_load(v, xr, dtype, head_dim);
             row_load(g, (const char *)gate + (row * gate_stride + h * gate_head_stride) * size, dtype, head_dim);
-            /* 1 / (1 + e^-x) from the exp of a non-positive number only (vectorises; see silu_mul):
-             * with e = e^-|x|, that is 1 / (1 + e) for x >= 0 and e / (1 + e) below. */
-            for (int64_t d = 0; d < head_dim; d++) {
-                const float e = exp_nonpositive(g[d] >= 0.0f ? -g[d] : g[d]);
+            for (int64_t d = 0; d < head_dim; d++) { /* sigmoid, by exp_neg_abs */
+                const float e = exp_neg_abs(g[d]);
                 g[d] = (g[d] >= 0.0f ? 1.0f : e) / (1.0f + e);
             }
             row_round(g, dtype, head_dim);
@@ -263,10 +266,8 @@ int tuili_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, 
             float gate[SILU_CHUNK], up[SILU_CHUNK];
             row_load(gate, g, dtype, n);
             row_load(up, u, dtype, n);
-            /* x / (1 + e^-x) from the exp of a non-positive number only: with e = e^-|x|, that is
-             * x / (1 + e) for x >= 0 and x e / (1 + e) below. */
-            for (int64_t d = 0; d < n; d++) {
-                const float x = gate[d], e = exp_nonpositive(x >= 0.0f ? -x : x);
+            for (int64_t d = 0; d < n; d++) { /* silu = x sigmoid(x), by exp_neg_abs */
+                const float x = gate[d], e = exp_neg_abs(x);
                 gate[d] = (x >= 0.0f ? x : x * e) / (1.0f + e);
             }
             row_round(gate, dtype, n);
