@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,9 +42,9 @@ def test_linear_module_keeps_nn_linear_parameters():
 
 def test_native_path_is_taken_where_the_kernels_build(monkeypatch):
     """Shows the dispatch: with the kernels available, a decode-sized bf16 product goes through
-    linear_small (counted), a prefill-sized one does not, except in the batch-invariant mode,
-    where every row count takes linear_rows (linear_small's arithmetic per row, all rows in one
-    call) unless AMX takes them all."""
+    linear_small (counted), a prefill-sized one does not (AMX or F.linear) where the CPU has bf16
+    arithmetic, else linear_rows; in the batch-invariant mode every row count takes linear_rows
+    (linear_small's arithmetic per row, all rows in one call) unless AMX takes them all."""
     if not kernels.available():
         pytest.skip(f"native kernels unavailable here: {kernels.unavailable_reason()}")
     calls = []
@@ -52,7 +54,13 @@ def test_native_path_is_taken_where_the_kernels_build(monkeypatch):
     weight = torch.randn(64, 32).bfloat16()
     linear(torch.randn(1, 32).bfloat16(), weight, platform=FASTEST)
     linear(torch.randn(NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32).bfloat16(), weight, platform=FASTEST)
-    assert calls == [("linear_small", (1, 32))]
+    prefill = [] if FASTEST.bf16_arithmetic else [("linear_rows", (NATIVE_MAX_ROWS[torch.bfloat16] + 1, 32))]
+    assert calls == [("linear_small", (1, 32)), *prefill]
+    calls.clear()
+    without_bf16 = dataclasses.replace(FASTEST, amx=False, panel_linear=False, bf16_arithmetic=False)  # AVX2's
+    linear(torch.randn(200, 32).bfloat16(), weight, platform=without_bf16)
+    linear(torch.randn(200, 32), weight.float(), platform=without_bf16)  # float32: F.linear (MKL)
+    assert calls == [("linear_rows", (200, 32))]
     calls.clear()
     linear(torch.randn(20, 100), torch.randn(64, 100), platform=HERE)
     assert calls == [("linear_rows", (20, 100))]

@@ -19,6 +19,8 @@ bandwidth at these shapes; tuili's kernels stream them near it. Where the native
 - bf16, up to `AMX_MAX_ROWS` rows, K a multiple of 32, on a CPU with AMX-BF16: `linear_amx`,
   which reads the weight as stored (oneDNN reorders it on every call) and once per step at any
   batch in that range;
+- bf16 on a CPU without bf16 arithmetic (AVX2, AVX-512 without BF16): `linear_rows` at any row
+  count, 2-4x PyTorch's bf16 matmul there (docs/kernels.md, "Measured crossovers");
 - everything else: F.linear (oneDNN), fastest for prefill-sized products.
 
 They all accumulate in float32 and agree to one rounding of the output, but not bit for bit: a
@@ -122,10 +124,10 @@ def _native_kernel(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, widen: bool, platform: Platform
 ) -> Callable[..., torch.Tensor] | None:
     """The native kernel for this product, or None for F.linear. A widened (float32) output takes
-    AMX at any row count: F.linear could only widen an already rounded result."""
+    AMX at any row count: F.linear could only widen an already rounded result. Without bf16
+    arithmetic every bf16 product is native: PyTorch's bf16 matmul there is 2-4x slower."""
     if not (
         0 < rows
-        and (rows <= AMX_MAX_ROWS or widen)
         and platform.native(x)
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
@@ -134,7 +136,14 @@ def _native_kernel(
         return None
     if rows <= NATIVE_MAX_ROWS.get(x.dtype, 0):
         return kernels.linear_small
-    if x.dtype == torch.bfloat16 and weight.shape[1] % AMX_K_MULTIPLE == 0 and platform.amx:
+    if x.dtype == torch.bfloat16 and not platform.bf16_arithmetic:
+        return kernels.linear_rows
+    if (
+        (rows <= AMX_MAX_ROWS or widen)
+        and x.dtype == torch.bfloat16
+        and weight.shape[1] % AMX_K_MULTIPLE == 0
+        and platform.amx
+    ):
         return kernels.linear_amx
     return None
 
