@@ -38,9 +38,15 @@ typedef struct {
     int64_t m, n, k;
 } linear_args;
 
+#ifdef AVX512
 /* Weight rows per step: M x unroll accumulators, unroll weight vectors and one x vector must fit
  * in the 32 AVX-512 registers (M = 8: 16 + 2 + 1). */
 static inline int unroll(int64_t m) { return m <= 4 ? 4 : 2; }
+#else
+/* Weight rows per step: M x unroll 16-lane sums are 2 M unroll AVX2 registers, at most 8 of the
+ * 16 (from 5 rows they spill whatever the unroll). */
+static inline int unroll(int64_t m) { return m == 1 ? 4 : m == 2 ? 2 : 1; }
+#endif
 
 /* Computes sums[i * R + r] = x[i] . weight[row + r] for all M rows of x and R weight rows. */
 typedef void (*rows_fn)(const linear_args *a, int64_t row, float *sums);
@@ -156,35 +162,37 @@ static rows_fn kernel_for(const linear_args *a, int R) {
 #else /* no AVX-512 */
 
 /* LANES independent partial sums per (x row, weight row), which the compiler vectorizes without
- * reassociating anything; the tail of K goes to lane 0. */
-static void dot_portable(const linear_args *a, int64_t row, float *sums, int R) {
+ * reassociating anything; the tail of K goes to lane 0. Inlined into one function per constant
+ * (M, R, dtype) (PORTABLE), so that the loops unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void dot_portable(const linear_args *a, int64_t row, float *sums,
+                                                               const int M, const int R, const int bf16) {
     const float *x = a->x_f32;
-    const int64_t k = a->k, m = a->m;
+    const int64_t k = a->k;
     float acc[MAX_M][MAX_UNROLL][LANES] = {{{0}}};
-    float w[MAX_UNROLL][LANES];
     int64_t j = 0;
     for (; j + LANES <= k; j += LANES) {
+        float w[MAX_UNROLL][LANES];
         for (int r = 0; r < R; r++) {
-            if (a->dtype == TUILI_F32) {
-                memcpy(w[r], (const float *)a->weight + (row + r) * k + j, sizeof w[r]);
-            } else {
+            if (bf16) {
                 const uint16_t *src = (const uint16_t *)a->weight + (row + r) * k + j;
                 for (int l = 0; l < LANES; l++) w[r][l] = bf16_to_f32(src[l]);
+            } else {
+                const float *src = (const float *)a->weight + (row + r) * k + j;
+                for (int l = 0; l < LANES; l++) w[r][l] = src[l];
             }
         }
-        for (int64_t i = 0; i < m; i++)
+        for (int i = 0; i < M; i++)
             for (int r = 0; r < R; r++)
                 for (int l = 0; l < LANES; l++) acc[i][r][l] = MADD(x[i * k + j + l], w[r][l], acc[i][r][l]);
     }
     for (; j < k; j++) {
         for (int r = 0; r < R; r++) {
             const int64_t at = (row + r) * k + j;
-            const float wv = a->dtype == TUILI_F32 ? ((const float *)a->weight)[at]
-                                                   : bf16_to_f32(((const uint16_t *)a->weight)[at]);
-            for (int64_t i = 0; i < m; i++) acc[i][r][0] = MADD(x[i * k + j], wv, acc[i][r][0]);
+            const float wv = bf16 ? bf16_to_f32(((const uint16_t *)a->weight)[at]) : ((const float *)a->weight)[at];
+            for (int i = 0; i < M; i++) acc[i][r][0] = MADD(x[i * k + j], wv, acc[i][r][0]);
         }
     }
-    for (int64_t i = 0; i < m; i++) {
+    for (int i = 0; i < M; i++) {
         for (int r = 0; r < R; r++) {
             float s = 0.0f;
             for (int l = 0; l < LANES; l++) s += acc[i][r][l];
@@ -193,13 +201,26 @@ static void dot_portable(const linear_args *a, int64_t row, float *sums, int R) 
     }
 }
 
-static void dot_portable_1(const linear_args *a, int64_t row, float *sums) { dot_portable(a, row, sums, 1); }
-static void dot_portable_2(const linear_args *a, int64_t row, float *sums) { dot_portable(a, row, sums, 2); }
-static void dot_portable_4(const linear_args *a, int64_t row, float *sums) { dot_portable(a, row, sums, 4); }
+/* One function per (M, R, dtype): R is 1 (the rows left over) or unroll(M). */
+#define PORTABLE(M, R)                                                                       \
+    static void dot_f32_##M##_##R(const linear_args *a, int64_t row, float *sums) {          \
+        dot_portable(a, row, sums, M, R, 0);                                                 \
+    }                                                                                        \
+    static void dot_bf16_##M##_##R(const linear_args *a, int64_t row, float *sums) {         \
+        dot_portable(a, row, sums, M, R, 1);                                                 \
+    }
+PORTABLE(1, 1) PORTABLE(1, 4) PORTABLE(2, 1) PORTABLE(2, 2) PORTABLE(3, 1) PORTABLE(4, 1)
+PORTABLE(5, 1) PORTABLE(6, 1) PORTABLE(7, 1) PORTABLE(8, 1)
+#define PORTABLE_TABLE(dot)                                                                  \
+    static const rows_fn dot##_table[MAX_M][2] = {                                           \
+        {dot##_1_1, dot##_1_4}, {dot##_2_1, dot##_2_2}, {dot##_3_1, dot##_3_1}, {dot##_4_1, dot##_4_1}, \
+        {dot##_5_1, dot##_5_1}, {dot##_6_1, dot##_6_1}, {dot##_7_1, dot##_7_1}, {dot##_8_1, dot##_8_1}, \
+    };
+PORTABLE_TABLE(dot_f32)
+PORTABLE_TABLE(dot_bf16)
 
 static rows_fn kernel_for(const linear_args *a, int R) {
-    (void)a; /* one kernel for both dtypes */
-    return R == 1 ? dot_portable_1 : R == 2 ? dot_portable_2 : dot_portable_4;
+    return (a->dtype == TUILI_F32 ? dot_f32_table : dot_bf16_table)[a->m - 1][R == 1 ? 0 : 1];
 }
 
 /* Prompts (tuili_linear_rows): dot_portable's sums, element for element, for I rows of x (row
