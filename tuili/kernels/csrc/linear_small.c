@@ -318,6 +318,23 @@ static int reads_x_as_f32(int dtype) {
 #endif
 }
 
+/* Outputs of weight rows begin .. end - 1 for a's rows of x: steps of unroll(M) rows, then the
+ * rows left over (fewer than a step) one at a time. */
+static void weight_rows(const linear_args *a, int64_t begin, int64_t end) {
+    const int step = unroll(a->m);
+    const rows_fn whole = kernel_for(a, step), single = kernel_for(a, 1);
+    float sums[MAX_M * MAX_UNROLL];
+    int64_t row = begin;
+    for (; row + step <= end; row += step) {
+        whole(a, row, sums);
+        store_rows(a, row, step, sums);
+    }
+    for (; row < end; row++) {
+        single(a, row, sums);
+        store_rows(a, row, 1, sums);
+    }
+}
+
 /* 1 <= m <= MAX_M and the shapes are checked by the caller (tuili/kernels/cpu.py). */
 int tuili_linear_small(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                        int64_t m, int64_t n, int64_t k, int num_threads) {
@@ -330,7 +347,6 @@ int tuili_linear_small(const void *x, const void *weight, const void *bias, void
         a.x_f32 = x_f32;
     }
     const int step = unroll(m);
-    const rows_fn whole = kernel_for(&a, step), single = kernel_for(&a, 1);
     if (num_threads < 1) num_threads = 1;
     /* Static chunks of whole steps; a thread's leftover rows (at most step - 1, only in the last
      * chunk) one at a time. */
@@ -341,16 +357,7 @@ int tuili_linear_small(const void *x, const void *weight, const void *bias, void
         const int64_t per_thread = (steps + threads - 1) / threads;
         const int64_t begin = t * per_thread * step;
         const int64_t end = begin + per_thread * step < n ? begin + per_thread * step : n;
-        float sums[MAX_M * MAX_UNROLL];
-        int64_t row = begin;
-        for (; row + step <= end; row += step) {
-            whole(&a, row, sums);
-            store_rows(&a, row, step, sums);
-        }
-        for (; row < end; row++) {
-            single(&a, row, sums);
-            store_rows(&a, row, 1, sums);
-        }
+        weight_rows(&a, begin, end);
     }
     free(x_f32);
     return TUILI_OK;
@@ -392,23 +399,12 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tiles; t++) {
         const int64_t begin = t * tile, end = begin + tile < n ? begin + tile : n;
-        float sums[MAX_M * MAX_UNROLL];
         for (int64_t i0 = 0; i0 < m; i0 += MAX_M) {
             const float *rows_f32 = dtype == TUILI_F32 || x_f32 != x ? x_f32 + i0 * k : NULL; /* unread: NULL */
             const linear_args a = {(const char *)x + i0 * k * size, weight, bias, rows_f32,
                                    (char *)out + i0 * n * out_size, dtype, out_dtype,
                                    m - i0 < MAX_M ? m - i0 : MAX_M, n, k};
-            const int step = unroll(a.m);
-            const rows_fn whole = kernel_for(&a, step), single = kernel_for(&a, 1);
-            int64_t row = begin;
-            for (; row + step <= end; row += step) {
-                whole(&a, row, sums);
-                store_rows(&a, row, step, sums);
-            }
-            for (; row < end; row++) {
-                single(&a, row, sums);
-                store_rows(&a, row, 1, sums);
-            }
+            weight_rows(&a, begin, end);
         }
     }
 #else
