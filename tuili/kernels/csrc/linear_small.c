@@ -379,7 +379,7 @@ static int64_t tile_rows(int64_t n, int64_t k, size_t row_size, int64_t bytes, i
  * time against every row of x, so the weight streams from memory once (blocks of 8 rows through
  * tuili_linear_small would stream it once per block). With AVX-512 the tile runs through
  * linear_small's own register kernels, MAX_M rows of x at a time; elsewhere each thread widens
- * its tile to float32 once and runs TILE_X rows of x by TILE_W weight rows (dot_tile). */
+ * its tile to float32 once and runs TILE_X rows of x by TILE_W weight rows (dot_chunk). */
 int tuili_linear_rows(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                       int64_t m, int64_t n, int64_t k, int num_threads) {
     if (m <= MAX_M) /* a tile's worth of reuse would not pay for widening it */
