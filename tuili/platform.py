@@ -2,7 +2,8 @@
 
 Which kernels run is a property of the machine and the process, not of a call: the device,
 whether tuili's native CPU kernels built (and are not switched off by `TUILI_NATIVE_KERNELS=0`),
-whether the CPU grants AMX tiles. `Platform.detect` reads them once; layers, the attention
+whether the CPU grants AMX tiles, whether flash-linear-attention's Triton kernels import on a
+CUDA device. `Platform.detect` reads them once; layers, the attention
 backend, the sampler and the loader's weight plan take the resulting `Platform` and never ask
 again. This module is the only place outside tuili/kernels that asks `tuili.kernels` what it
 can do (tests/test_layering.py holds that rule).
@@ -13,6 +14,9 @@ new attention backend file (tuili/layers/attention/) and one weight format (tuil
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +42,16 @@ class Platform:
     # bits never depend on the batch, the prefix cache or the chunking (docs/engine.md, "Batch
     # invariance"). False: each call takes its fastest kernel for its row count.
     batch_invariant: bool = True
+    # The gated delta rule runs flash-linear-attention's Triton kernels (a CUDA device with the
+    # optional `fla-core` package installed: `pip install tuili[cuda]`); else the torch forms.
+    fla: bool = False
 
     @classmethod
     def detect(cls, device: torch.device | str = "cpu", batch_invariant: bool = True) -> Platform:
         """This process on `device`: builds the native kernels on first use (a CPU only)."""
         device = torch.device(device)
+        if device.type == "cuda" and _fla_importable():
+            return dataclasses.replace(cls.portable(device, batch_invariant), fla=True)
         if device.type != "cpu" or not kernels.available():
             return cls.portable(device, batch_invariant)
         return cls(
@@ -69,6 +78,18 @@ class Platform:
 
 
 _NATIVE_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _fla_importable() -> bool:
+    """Whether flash-linear-attention's gated-delta-rule ops import (fla-core and Triton) and are
+    not switched off by `TUILI_FLA=0` (which leaves the torch forms of the rule: a comparison)."""
+    if os.environ.get("TUILI_FLA", "1").strip() == "0":
+        return False
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule")
+    except ImportError:
+        return False
+    return True
 
 
 def _cpu_has_bf16() -> bool:

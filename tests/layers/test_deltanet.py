@@ -113,7 +113,33 @@ def test_norms_match_reference(dtype, platform):
     torch.testing.assert_close(normed, want_offset(x + gate), **exact)
 
 
-def _mixer_pair(hk: int, hv: int) -> tuple[GatedDeltaNet, ref.Qwen3NextGatedDeltaNet]:
+# The mixer runs on the CPU (native kernels where they build), on a CUDA GPU in torch, and on a
+# CUDA GPU through flash-linear-attention's Triton kernels (fla-core installed); the reference
+# always runs on the CPU in float32. fla's triangular solve multiplies in TF32: a looser bound.
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_FLA = pytest.mark.skipif(
+    not (torch.cuda.is_available() and Platform.detect("cuda").fla), reason="needs a CUDA GPU and fla-core"
+)
+MIXER_PLATFORMS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda-torch", id="cuda-torch", marks=_CUDA),
+    pytest.param("cuda-fla", id="cuda-fla", marks=_FLA),
+]
+MIXER_TOL = {
+    "cpu": dict(atol=5e-5, rtol=1e-4),
+    "cuda-torch": dict(atol=1e-4, rtol=1e-4),
+    "cuda-fla": dict(atol=5e-3, rtol=5e-3),
+}
+
+
+def _mixer_platform(name: str) -> Platform:
+    platform = {"cpu": Platform.detect, "cuda-torch": Platform.portable, "cuda-fla": Platform.detect}[name]
+    made = platform(torch.device(name.split("-")[0]))
+    assert made.fla == (name == "cuda-fla")
+    return made
+
+
+def _mixer_pair(hk: int, hv: int, where: str = "cpu") -> tuple[GatedDeltaNet, ref.Qwen3NextGatedDeltaNet]:
     torch.manual_seed(3)
     config = transformers.Qwen3NextConfig(
         hidden_size=32, linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=8,
@@ -123,26 +149,28 @@ def _mixer_pair(hk: int, hv: int) -> tuple[GatedDeltaNet, ref.Qwen3NextGatedDelt
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    platform = Platform.detect(torch.device("cpu"))
+    platform = _mixer_platform(where)
 
     def lin(m: torch.nn.Linear) -> Linear:
-        return Linear.holding(m.weight.detach().clone(), None, platform)
+        return Linear.holding(m.weight.detach().clone().to(platform.device), None, platform)
 
     ours = GatedDeltaNet(
         lin(theirs.in_proj_qkvz), lin(theirs.in_proj_ba), lin(theirs.out_proj), hk, hv, 8, 8, 4, 1e-6, platform
     )
     ours.load_state_dict({k: v for k, v in theirs.state_dict().items() if not k.startswith(("in_proj", "out_proj"))}, strict=False)
-    return ours, theirs
+    return ours.to(platform.device), theirs
 
 
+@pytest.mark.parametrize("where", MIXER_PLATFORMS)
 @pytest.mark.parametrize(("hk", "hv"), [(2, 2), (1, 4)])
-def test_mixer_over_split_prompts_and_decodes_matches_reference(hk, hv):
+def test_mixer_over_split_prompts_and_decodes_matches_reference(hk, hv, where):
     """Two sequences in slots 2 and 0: A's 13 tokens as chunks 5 + 3 + 5 then 3 decodes, B's 9
     tokens as 1 + 8 then 4 decodes, scheduled together (mixed steps); every output row equals
     the reference run over the whole sequence at once."""
-    ours, theirs = _mixer_pair(hk, hv)
+    ours, theirs = _mixer_pair(hk, hv, where)
+    device = ours.platform.device
     conv_dim, kernel, heads = ours.state_shapes()
-    ours.state = DeltaNetState.allocate(3, conv_dim, kernel, heads, torch.float32, torch.device("cpu"))
+    ours.state = DeltaNetState.allocate(3, conv_dim, kernel, heads, torch.float32, device)
     ours.state.recurrent.fill_(7.0)  # garbage from an earlier sequence: a fresh start must clear it
     ours.state.conv.fill_(7.0)
     gen = torch.Generator().manual_seed(4)
@@ -157,57 +185,60 @@ def test_mixer_over_split_prompts_and_decodes_matches_reference(hk, hv):
             for slot, (start, n) in step.items():
                 items.append((sum(r.shape[0] for r in rows), start, n, slot))
                 rows.append(seqs[slot][start : start + n])
-            batch = StateBatch.build(items, torch.device("cpu"))
-            out = ours(torch.cat(rows), batch)
+            batch = StateBatch.build(items, device)
+            out = ours(torch.cat(rows).to(device), batch).cpu()
             first = 0
             for slot, (_, n) in step.items():
                 got[slot].append(out[first : first + n])
                 first += n
         for slot, x in seqs.items():
-            torch.testing.assert_close(torch.cat(got[slot]), theirs(x[None])[0], atol=5e-5, rtol=1e-4)
+            torch.testing.assert_close(torch.cat(got[slot]), theirs(x[None])[0], **MIXER_TOL[where])
 
 
-def test_checkpoints_taken_inside_and_after_chunks_restore_to_the_same_rows():
+@pytest.mark.parametrize("where", MIXER_PLATFORMS)
+def test_checkpoints_taken_inside_and_after_chunks_restore_to_the_same_rows(where):
     """Prefix caching's state checkpoints (rows after the slots): A's 13-token chunk is cut at
     token 5 (checkpoint row 2) and its state after it copied to row 3; a decode of token 13
     saves row 4. Sequences restored from rows 2 and 4 into slot 1 continue exactly as the
     reference run over the whole sequence."""
-    ours, theirs = _mixer_pair(1, 4)
+    ours, theirs = _mixer_pair(1, 4, where)
+    dev, tol = ours.platform.device, MIXER_TOL[where]
     conv_dim, kernel, heads = ours.state_shapes()
-    ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, torch.device("cpu"))
+    ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, dev)
     x = torch.randn(20, 32, generator=torch.Generator().manual_seed(5))
-    cpu = torch.device("cpu")
     with torch.no_grad():
         want = theirs(x[None])[0]
-        got = ours(x[:13], StateBatch.build([(0, 0, 13, 0)], cpu, saves=[(0, 5, 2), (0, 13, 3)]))
-        torch.testing.assert_close(got, want[:13], atol=5e-5, rtol=1e-4)
+        got = ours(x[:13].to(dev), StateBatch.build([(0, 0, 13, 0)], dev, saves=[(0, 5, 2), (0, 13, 3)]))
+        torch.testing.assert_close(got.cpu(), want[:13], **tol)
         torch.testing.assert_close(ours.state.recurrent[3], ours.state.recurrent[0], atol=0, rtol=0)
-        got = ours(x[13:14], StateBatch.build([(0, 13, 1, 0)], cpu, saves=[(0, 1, 4)]))
-        torch.testing.assert_close(got, want[13:14], atol=5e-5, rtol=1e-4)
+        got = ours(x[13:14].to(dev), StateBatch.build([(0, 13, 1, 0)], dev, saves=[(0, 1, 4)]))
+        torch.testing.assert_close(got.cpu(), want[13:14], **tol)
         for row, depth in ((2, 5), (4, 14)):
             ours.state.recurrent[1].fill_(7.0)  # garbage in the slot: the restore must replace it
-            got = ours(x[depth:], StateBatch.build([(0, depth, 20 - depth, 1)], cpu, restores=[(1, row)]))
-            torch.testing.assert_close(got, want[depth:], atol=5e-5, rtol=1e-4)
+            got = ours(x[depth:].to(dev), StateBatch.build([(0, depth, 20 - depth, 1)], dev, restores=[(1, row)]))
+            torch.testing.assert_close(got.cpu(), want[depth:], **tol)
 
 
-def test_checkpoints_on_the_rule_block_grid_are_emitted_by_the_scan():
+@pytest.mark.parametrize("where", MIXER_PLATFORMS)
+def test_checkpoints_on_the_rule_block_grid_are_emitted_by_the_scan(where):
     """Cuts at 64 and 128 tokens (block ends of the chunked rule: emitted, no extra pieces) and
     at 100 (a piece of its own): each restored state continues as the reference run. Then a
     chunk that starts 2 tokens before a cut (its conv state still holds inputs of the step
     before) and a decode continue from it."""
-    ours, theirs = _mixer_pair(2, 2)
+    ours, theirs = _mixer_pair(2, 2, where)
+    dev, tol = ours.platform.device, MIXER_TOL[where]
     conv_dim, kernel, heads = ours.state_shapes()
-    ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, torch.device("cpu"))
+    ours.state = DeltaNetState.allocate(2 + 3, conv_dim, kernel, heads, torch.float32, dev)
     x = torch.randn(150, 32, generator=torch.Generator().manual_seed(6))
-    cpu = torch.device("cpu")
     with torch.no_grad():
         want = theirs(x[None])[0]
-        got = ours(x, StateBatch.build([(0, 0, 150, 0)], cpu, saves=[(0, 64, 2), (0, 100, 3), (0, 128, 4)]))
-        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+        x = x.to(dev)
+        got = ours(x, StateBatch.build([(0, 0, 150, 0)], dev, saves=[(0, 64, 2), (0, 100, 3), (0, 128, 4)]))
+        torch.testing.assert_close(got.cpu(), want, **tol)
         for row, depth in ((2, 64), (3, 100), (4, 128)):
-            got = ours(x[depth:], StateBatch.build([(0, depth, 150 - depth, 1)], cpu, restores=[(1, row)]))
-            torch.testing.assert_close(got, want[depth:], atol=5e-5, rtol=1e-4)
-        ours(x[:62], StateBatch.build([(0, 0, 62, 0)], cpu))
-        ours(x[62:70], StateBatch.build([(0, 62, 8, 0)], cpu, saves=[(0, 2, 2)]))
-        got = ours(x[64:], StateBatch.build([(0, 64, 86, 1)], cpu, restores=[(1, 2)]))
-        torch.testing.assert_close(got, want[64:], atol=5e-5, rtol=1e-4)
+            got = ours(x[depth:], StateBatch.build([(0, depth, 150 - depth, 1)], dev, restores=[(1, row)]))
+            torch.testing.assert_close(got.cpu(), want[depth:], **tol)
+        ours(x[:62], StateBatch.build([(0, 0, 62, 0)], dev))
+        ours(x[62:70], StateBatch.build([(0, 62, 8, 0)], dev, saves=[(0, 2, 2)]))
+        got = ours(x[64:], StateBatch.build([(0, 64, 86, 1)], dev, restores=[(1, 2)]))
+        torch.testing.assert_close(got.cpu(), want[64:], **tol)

@@ -73,15 +73,15 @@ def assert_all_state_free(llm: LLM) -> None:
     assert stats.num_free_blocks == stats.num_blocks
 
 
-def check_greedy_with_split_prompts(checkpoint: Checkpoint, native: bool, mixed_steps) -> None:
+def check_greedy_with_split_prompts(checkpoint: Checkpoint, native: bool, mixed_steps, device: str = "cpu") -> None:
     """A 7-token budget: the prompts are split at odd positions (7, 14, ...) and most steps mix
     one sequence's prefill chunk with the others' decodes; the last steps, pure decodes, replay
     CPU graphs on the native kernels (not for a mixture of experts, whose routing is torch ops).
     The caller sets TUILI_NATIVE_KERNELS."""
     from tuili import kernels
 
-    llm = tuili_llm(checkpoint.path, max_num_batched_tokens=7)
-    native = native and kernels.available()
+    llm = tuili_llm(checkpoint.path, max_num_batched_tokens=7, device=device)
+    native = native and kernels.available() and device == "cpu"
     assert llm.engine.platform.native_kernels == native
     graphs = llm.engine.runner.graphs
     assert (graphs is not None) == (native and checkpoint.model_config().moe is None)

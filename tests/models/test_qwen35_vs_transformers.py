@@ -17,6 +17,7 @@ bf16 close to transformers' bf16; bad configs refused by name.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -45,6 +46,7 @@ from tuili.layers.moe import SparseMoE
 from tuili.models.llama import MLP
 from tuili.perf.cost import ModelCost
 from tuili.perf.meter import UtilizationMeter
+from tuili.platform import Platform
 
 COMMON = dict(
     vocab_size=320,
@@ -118,6 +120,15 @@ def test_greedy_matches_transformers_generate_with_split_prompts(checkpoint, pat
     if path == "torch":
         monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
     check_greedy_with_split_prompts(checkpoint, path == "native", mixed_steps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_on_cuda_matches_transformers_with_split_prompts(checkpoint, mixed_steps):
+    """The same on a CUDA GPU: the rule in flash-linear-attention's kernels where fla-core is
+    installed (its chunked kernel for prefill chunks, its fused recurrent one for decodes), in
+    torch otherwise; the reference is transformers on the CPU."""
+    assert Platform.detect("cuda").fla == (importlib.util.find_spec("fla") is not None)
+    check_greedy_with_split_prompts(checkpoint, False, mixed_steps, device="cuda")
 
 
 def test_preemption_recomputes_state_from_zero(checkpoint):

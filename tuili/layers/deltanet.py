@@ -335,6 +335,8 @@ class GatedDeltaNet(nn.Module):
             # The portable path's batch-invariant mode: decode's torch step, token by token.
             for first, n, slot in batch.chunks:
                 self._token_by_token(mixed, z, b, a, first, n, slot, batch.cuts.get(first, ()), normed)
+        elif batch.chunks and self.platform.fla:
+            self._fla_chunks(mixed, z, b, a, batch, normed)
         else:
             for first, n, slot in batch.chunks:
                 rows = slice(first, first + n)
@@ -372,19 +374,30 @@ class GatedDeltaNet(nn.Module):
                 self.dt_bias, self.norm.weight, self.num_k_heads, self.norm.eps, normed,
             )  # fmt: skip
             return
-        self._step(mixed, z, b, a, rows, slots, normed)
+        self._step(mixed, z, b, a, rows, slots, normed, fla=self.platform.fla)
 
     def _step(
         self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, rows: torch.Tensor,
-        slots: torch.Tensor, normed: torch.Tensor,
+        slots: torch.Tensor, normed: torch.Tensor, fla: bool = False,
     ) -> None:  # fmt: skip
-        """`_decode` in torch: each of `rows` one token on from the state in its slot."""
+        """`_decode` in torch: each of `rows` one token on from the state in its slot; the rule
+        in flash-linear-attention's fused recurrent kernel when `fla`."""
         state = self.state
         assert state is not None
         conv, state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], self.conv1d.weight[:, 0])
         q, k, v = self._split_heads(conv)
         beta, g = self._gates(b[rows], a[rows])
-        o, state.recurrent[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent[slots])
+        if fla:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+            # each sequence a batch row of one token: [B, 1, H, D]
+            o, state.recurrent[slots] = fused_recurrent_gated_delta_rule(
+                q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None].to(v.dtype),
+                initial_state=state.recurrent[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            o = o[:, 0]
+        else:
+            o, state.recurrent[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent[slots])
         dv = self.head_v_dim
         normed[rows] = self.norm(o.to(mixed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(len(rows), -1)
 
@@ -415,13 +428,7 @@ class GatedDeltaNet(nn.Module):
         n = mixed.shape[0]
         state = self.state
         assert state is not None
-        before = state.conv[slot]  # a view: read before the slot is overwritten below
-        if cuts:  # the conv state after o tokens: the K-1 inputs before token o
-            window = torch.cat([before.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)
-            for offset, row in cuts:
-                state.conv[row] = window[:, offset : offset + before.shape[1]]
-        conv, state.conv[slot] = causal_conv1d(mixed, before, self.conv1d.weight[:, 0])
-        q, k, v = self._split_heads(conv)
+        q, k, v = self._split_heads(self._conv_chunk(mixed, slot, cuts))
         beta, g = self._gates(b, a)
         out = torch.empty(n, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
         carried = state.recurrent[slot]
@@ -436,6 +443,59 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent[row] = carried
         state.recurrent[slot] = carried
         return out
+
+    def _conv_chunk(self, mixed: torch.Tensor, slot: int, cuts: list[tuple[int, int]]) -> torch.Tensor:
+        """One sequence's chunk (the rows of mixed) through the conv from the conv state in `slot`,
+        left there after it, with the conv state at each cut (tokens into the chunk, checkpoint
+        row) copied to its row. Returns the conv's output [n, C]."""
+        state = self.state
+        assert state is not None
+        before = state.conv[slot]  # a view: read before the slot is overwritten below
+        if cuts:  # the conv state after o tokens: the K-1 inputs before token o
+            window = torch.cat([before.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)
+            for offset, row in cuts:
+                state.conv[row] = window[:, offset : offset + before.shape[1]]
+        conv, state.conv[slot] = causal_conv1d(mixed, before, self.conv1d.weight[:, 0])
+        return conv
+
+    def _fla_chunks(
+        self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, batch: StateBatch,
+        normed: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """The step's chunks through flash-linear-attention's chunked kernel, all sequences in one
+        variable-length call. Its kernel returns only final states, so a chunk with checkpoint
+        cuts is run as pieces ending at them: round j runs the j-th piece of every chunk (most
+        steps have no cuts: one round), each from the state the previous round left in the slot."""
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        state = self.state
+        assert state is not None
+        conv = torch.empty_like(mixed)
+        pieces: list[list[tuple[int, int, int, int | None]]] = []  # per chunk: (begin, end, slot, row)
+        for first, n, slot in batch.chunks:
+            cuts = batch.cuts.get(first, [])
+            conv[first : first + n] = self._conv_chunk(mixed[first : first + n], slot, cuts)
+            ends = [(first + offset, row) for offset, row in cuts] + [(first + n, None)]
+            begins = [first] + [end for end, _ in ends[:-1]]
+            pieces.append([(begin, end, slot, row) for begin, (end, row) in zip(begins, ends, strict=True)])
+        for round_ in range(max(len(p) for p in pieces)):
+            run = [p[round_] for p in pieces if len(p) > round_]
+            rows = torch.cat([torch.arange(begin, end) for begin, end, _, _ in run]).to(mixed.device)
+            lengths = torch.tensor([0] + [end - begin for begin, end, _, _ in run])
+            slots = torch.tensor([slot for _, _, slot, _ in run], device=mixed.device)
+            q, k, v = self._split_heads(conv[rows])
+            beta, g = self._gates(b[rows], a[rows])
+            out, final = fla_chunk(
+                q[None], k[None], v[None], g[None], beta[None].to(v.dtype), initial_state=state.recurrent[slots],
+                output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=lengths.cumsum(0).to(mixed.device), cu_seqlens_cpu=lengths.cumsum(0),
+            )  # fmt: skip
+            state.recurrent[slots] = final
+            for i, (_, _, _, row) in enumerate(run):
+                if row is not None:
+                    state.recurrent[row] = final[i]
+            dv = self.head_v_dim
+            normed[rows] = self.norm(out[0].to(mixed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(len(rows), -1)
 
 
 def _pieces(
