@@ -112,7 +112,10 @@ def test_logits_match_transformers(checkpoint, prompt_logits, assert_logits_matc
         assert all(layer.mlp.norm_topk_prob and layer.mlp.shared_expert is not None for layer in layers)
     assert model.mtp is None
     prompts = [*PROMPTS, LONG_PROMPT]
-    assert_logits_match(prompt_logits(llm, prompts), hf, prompts)
+    # float32 rounding, as for Llama, with a little more absolute room: the long prompt's DeltaNet
+    # state sums 71 tokens of writes, and the native rule's vector width orders those sums (an
+    # AVX2-only Zen 3 came 2.6e-5 off on one logit of 22720, where 16-lane AVX-512 stays in 2e-5)
+    assert_logits_match(prompt_logits(llm, prompts), hf, prompts, atol=4e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])

@@ -143,7 +143,10 @@ def _check_prompt_logprobs(tiny: Tiny, ids: list[int], field: list, k: int) -> N
         entry = {int(t): lp for t, lp in field[i].items()}
         row, token = reference[i - 1], ids[i]
         assert entry[token]["logprob"] == pytest.approx(row[token].item(), abs=TOLERANCE)
-        assert entry[token]["rank"] == int((row >= row[token]).sum())
+        # the rank within the reference's: values within TOLERANCE of the token's may order either way
+        # (a 128k vocabulary has neighbours 1e-5 apart)
+        rank, value = entry[token]["rank"], row[token]
+        assert int((row >= value + TOLERANCE).sum()) + 1 <= rank <= int((row >= value - TOLERANCE).sum())
         assert entry[token]["decoded_token"] == tiny.tokenizer.decode([token])
         best = row.topk(k).indices.tolist()
         assert [entry[t]["rank"] for t in best] == list(range(1, k + 1))

@@ -230,7 +230,8 @@ def test_dashboard_moves_under_load_and_agrees_with_metrics(base, browser_page, 
     page.goto(base + "/dashboard")  # the key typed on the chat page is kept for the tab
     page.wait_for_selector("body[data-updates]")
     assert page.is_hidden("#key-form")
-    total_before = _figure(page, "generation-total")
+    # the counter itself, not the page's last figure of it (which may be an update old)
+    total_before = scrape(base)["tuili:generation_tokens_total"]
     bench = subprocess.Popen(
         [sys.executable, "-m", "tuili.cli", "bench", "--base-url", base, "--api-key", API_KEY,
          "--num-requests", "6", "--concurrency", "3", "--input-len", "48", "--output-len", "24",

@@ -347,7 +347,9 @@ def _packed_int4(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> l
     one row, copies of the module are cycled through, together larger than the caches, as a
     model's layers follow each other (one weight alone stays in cache and ran twice as fast as a
     model's decode step reads its packed weights). The many-row product's time at the measured
-    bf16 peak is taken off the dequantization's (a few percent)."""
+    peak is taken off the dequantization's (a few percent): the better of the bf16 and float32
+    peaks, as without bf16 arithmetic the engine's kernels widen bf16 to float32 (torch's own
+    bf16 matmul ran at 1.2 GFLOP/s on an AVX2-only Zen 3, float32 at 67)."""
     if dev.type != "cpu" or "bf16" not in peaks:
         return []
     from tuili.layers.quant import make_linear, quantize_int4
@@ -367,7 +369,7 @@ def _packed_int4(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> l
                 m(x)
 
         seconds = _time(layers, dev, sizes.seconds_per_item) / len(modules)
-        product = 0.0 if rows == 1 else 2 * rows * k * n / peaks["bf16"]
+        product = 0.0 if rows == 1 else 2 * rows * k * n / max(peaks["bf16"], peaks.get("fp32", 0.0))
         out.append(Measurement(name, max(0.0, seconds - product) / (k * n), "s", seconds))
     return out
 
