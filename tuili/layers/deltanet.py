@@ -15,6 +15,9 @@ Two forms of the rule compute the same thing:
   `chunk_size` tokens with a few matmuls each, from an initial state to the final one, so a
   prompt may be split anywhere across steps;
 - `recurrent_gated_delta_rule`: one token for each of a batch of sequences (decodes).
+On a CUDA GPU with fla-core (`Platform.fla`) flash-linear-attention's Triton kernels run both
+forms instead: its chunked kernel for all of a step's chunks at once, its fused recurrent one for
+the decodes. Where tuili's native CPU kernels run, decodes and chunks take them (token by token).
 
 Per-sequence state lives in fixed slots (`DeltaNetState`: [rows, ...] tensors, one pair per
 layer, allocated by the runner; rows past the sequences' slots hold prefix-cache checkpoints);
