@@ -377,20 +377,20 @@ class GatedDeltaNet(nn.Module):
                 self.dt_bias, self.norm.weight, self.num_k_heads, self.norm.eps, normed,
             )  # fmt: skip
             return
-        self._step(mixed, z, b, a, rows, slots, normed, fla=self.platform.fla)
+        self._step(mixed, z, b, a, rows, slots, normed)
 
     def _step(
         self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, rows: torch.Tensor,
-        slots: torch.Tensor, normed: torch.Tensor, fla: bool = False,
+        slots: torch.Tensor, normed: torch.Tensor,
     ) -> None:  # fmt: skip
         """`_decode` in torch: each of `rows` one token on from the state in its slot; the rule
-        in flash-linear-attention's fused recurrent kernel when `fla`."""
+        in flash-linear-attention's fused recurrent kernel where the platform has it."""
         state = self.state
         assert state is not None
         conv, state.conv[slots] = causal_conv1d_step(mixed[rows], state.conv[slots], self.conv1d.weight[:, 0])
         q, k, v = self._split_heads(conv)
         beta, g = self._gates(b[rows], a[rows])
-        if fla:
+        if self.platform.fla:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
             # each sequence a batch row of one token: [B, 1, H, D]
@@ -478,9 +478,8 @@ class GatedDeltaNet(nn.Module):
         for first, n, slot in batch.chunks:
             cuts = batch.cuts.get(first, [])
             conv[first : first + n] = self._conv_chunk(mixed[first : first + n], slot, cuts)
-            ends = [(first + offset, row) for offset, row in cuts] + [(first + n, None)]
-            begins = [first] + [end for end, _ in ends[:-1]]
-            pieces.append([(begin, end, slot, row) for begin, (end, row) in zip(begins, ends, strict=True)])
+            # a block grid longer than the chunk: every cut ends a piece, none is emitted inside one
+            pieces.append([(begin, end, slot, row) for begin, end, _, row in _pieces(first, n, cuts, n + 1)])
         for round_ in range(max(len(p) for p in pieces)):
             run = [p[round_] for p in pieces if len(p) > round_]
             rows = torch.cat([torch.arange(begin, end) for begin, end, _, _ in run]).to(mixed.device)
