@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -20,3 +21,30 @@ def test_pytorch_held_to_avx2_means_no_bf16_arithmetic():
     held = subprocess.run([sys.executable, "-c", _REPORT], capture_output=True, text=True, check=True,
                           env=os.environ | {"ATEN_CPU_CAPABILITY": "avx2"})
     assert held.stdout.split() == ["False"], held.stdout + held.stderr
+
+
+def _fake_fla(monkeypatch: pytest.MonkeyPatch, importable: bool) -> None:
+    """flash-linear-attention's package as an import sees it: present (empty stand-in modules of
+    its three levels) or absent (None in sys.modules makes the import raise ImportError)."""
+    for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name) if importable else None)
+
+
+@pytest.mark.parametrize(
+    ("device", "installed", "switch", "expected"),
+    [
+        ("cuda", True, None, True),
+        ("cuda", True, "0", False),  # TUILI_FLA=0: the torch forms, for comparison
+        ("cuda", False, None, False),
+        ("cpu", True, None, False),  # fla's kernels are Triton on CUDA only
+    ],
+)
+def test_fla_is_chosen_on_cuda_when_installed_and_not_switched_off(monkeypatch, device, installed, switch, expected):
+    from tuili.platform import Platform
+
+    _fake_fla(monkeypatch, installed)
+    if switch is None:
+        monkeypatch.delenv("TUILI_FLA", raising=False)
+    else:
+        monkeypatch.setenv("TUILI_FLA", switch)
+    assert Platform.detect(device).fla is expected

@@ -158,6 +158,7 @@ def test_linear_int4_rejects_bad_input_naming_the_argument():
         (r"packed has dtype torch\.int8", (x, packed.view(torch.int8), scale_zero, out)),
         (r"out has shape \[2, 65\]; expected \[2, 1 \.\. 64\]", (x, packed, scale_zero, torch.empty(2, 65))),
         (r"out has dtype torch\.int32", (x, packed, scale_zero, out.int())),
+        (r"groups of 2 inputs; linear_int4 takes groups of a multiple of 4", (x, packed, scale_zero[:1].expand(32, 64, 2).contiguous(), out)),
     ]
     for message, args in bad:
         with pytest.raises(ValueError, match=message):

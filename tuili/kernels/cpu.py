@@ -464,8 +464,11 @@ def linear_int4(
     if copies not in (1, 2):
         raise ValueError(f"copies={copies!r}; expected 1 (int4) or 2 (the halves of a Q8_0 weight)")
     packed, scale_zero, group_size = _int4_layout(packed, scale_zero, (torch.bfloat16,), copies)
-    if group_size > LINEAR_INT4_MAX_GROUP:  # the integer sums of a group must fit in int32
-        raise ValueError(f"groups of {group_size} inputs; linear_int4 takes groups of up to {LINEAR_INT4_MAX_GROUP}")
+    # The integer sums of a group must fit in int32; the kernels take k four at a time.
+    if group_size > LINEAR_INT4_MAX_GROUP or group_size % 4:
+        raise ValueError(
+            f"groups of {group_size} inputs; linear_int4 takes groups of a multiple of 4 up to {LINEAR_INT4_MAX_GROUP}"
+        )
     tiles, packed_k, _ = packed.shape
     if packed_k != copies * k:
         raise ValueError(f"packed has {packed_k} inputs; expected {copies} x {k} (x has {k} columns)")

@@ -67,6 +67,7 @@ typedef struct {
     const int8_t *xq_low; /* the rest, (x / sx - xq) * LOW_STEPS rounded, as x */
     const float *sx;      /* [M, groups] the scales of x / (sx * LOW_STEPS) ~ LOW_STEPS xq + xq_low */
     const int32_t *xqsum; /* [M, groups] sum of LOW_STEPS xq + xq_low over each group */
+    const void *xb;       /* AVX2 decode: xq, xq_low broadcast per quad of k (broadcast_x_avx2), or NULL */
     const uint8_t *packed;
     const uint16_t *scale_zero;
     void *out;
@@ -415,7 +416,10 @@ static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int ro
  * flipped): |q| (<= 128, unsigned) times x with q's sign moved onto it, |pair| <= 2 x 128 x 127.
  * The sum of q x is the VNNI path's sum of u x less 128 x its sum of x, the same integer. The
  * plain C float32 sums are compute bound here (4.4 GB/s of int4 bytes on two 2.0 GHz cores,
- * against 20 GB/s for AVX-512), as were AVX2 intrinsics of them. */
+ * against 20 GB/s for AVX-512), as were AVX2 intrinsics of them. At decode the loops take x's
+ * parts from memory (broadcast_x_avx2) and ask for both lines of each quad, and each group's
+ * scales, ahead: on a Zen 3 (machine C) one Q4_0 row went 4.5 -> 8.6 GB/s on one core from
+ * memory (8.7 from L3 before: the prefetch was half of it), on two 7 -> 12-17 GB/s. */
 #define AVX2_DOTS 1
 /* k over which int4 pair sums (|.| <= 2 x 15 x 127 = 3810) add in int16 before VPMADDWD widens
  * them: 8 quads, |sum| <= 30480 < 2^15. Half the VPMADDWDs, which share two ports with VPMADDUBSW.
@@ -509,9 +513,74 @@ static inline __attribute__((always_inline)) void widen_avx2(__m256i *acc, __m25
     *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(rest16, ones));
 }
 
-/* Rows i0 .. i0 + rows - 1 of x against tile `tile` (int4, or Q8_0 when q8), one row of x at a
- * time (its eight accumulators per half fill the registers with the codes), into total. The
- * epilogue is vectors too: at groups of 32 (Q4_0, Q8_0) a scalar one took half the time. */
+/* x's int8 parts as VPMADDUBSW reads them at decode (fewer than CACHE_MIN_ROWS rows): four k of
+ * xq, then of xq_low, each broadcast to 32 bytes, xb[(i * kp + k) / 2 + part] for row i and the
+ * quad at k, made once per call for every tile. The loops below take them as memory operands,
+ * which leaves the 16 registers to codes and sums: with two broadcasts per quad in registers
+ * GCC spilled three of the eight sums in every quad (machine C, 2026-12-04). */
+static void broadcast_x_avx2(const int8_t *xq, const int8_t *xq_low, int64_t values, __m256i *xb) {
+    for (int64_t at = 0; at < values; at += 4) {
+        int32_t four_high, four_low;
+        memcpy(&four_high, xq + at, sizeof four_high);
+        memcpy(&four_low, xq_low + at, sizeof four_low);
+        xb[at / 2] = _mm256_set1_epi32(four_high);
+        xb[at / 2 + 1] = _mm256_set1_epi32(four_low);
+    }
+}
+
+/* int4 codes of nibble half `half` of a tile (rows 0-31 or 32-63) against one row of x (xb: its
+ * parts at k = begin), k from begin to end (a group): the int32 sums of codes x xq into acc and of
+ * codes x xq_low into rest, lanes as quad_avx2's vectors. Half 0 asks for the tile's lines
+ * PREFETCH_ROWS ahead (half 1 rereads the group from L1). */
+static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t *codes, const __m256i *xb,
+                                                                  int64_t begin, int64_t end, const int half,
+                                                                  __m256i acc[4], __m256i rest[4]) {
+    for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
+    for (int64_t span = begin; span < end; span += INT16_SPAN) {
+        __m256i acc16[4], rest16[4];
+        for (int v = 0; v < 4; v++) acc16[v] = rest16[v] = _mm256_setzero_si256();
+        const int64_t stop = span + INT16_SPAN < end ? span + INT16_SPAN : end;
+        const uint8_t *rows = codes + span * HALF;
+        const __m256i *x = xb + (span - begin) / 2;
+        for (int64_t k = span; k < stop; k += 4, rows += 4 * HALF, x += 2) {
+            if (half == 0) {
+                __builtin_prefetch(rows + PREFETCH_ROWS * HALF, 0, 2);
+                __builtin_prefetch(rows + (PREFETCH_ROWS + 2) * HALF, 0, 2);
+            }
+            __m256i w[4];
+            quad_avx2(rows, 0, half, w);
+            /* One part of x at a time: 4 codes, 8 sums, x and the nibble mask fill 14 registers. */
+            const __m256i high = x[0];
+            for (int v = 0; v < 4; v++) acc16[v] = _mm256_add_epi16(acc16[v], _mm256_maddubs_epi16(w[v], high));
+            const __m256i low = x[1];
+            for (int v = 0; v < 4; v++) rest16[v] = _mm256_add_epi16(rest16[v], _mm256_maddubs_epi16(w[v], low));
+        }
+        for (int v = 0; v < 4; v++) widen_avx2(&acc[v], &rest[v], acc16[v], rest16[v], 0);
+    }
+}
+
+/* Q8_0's codes (quad_q8_avx2) of half `half` of a tile against one row of x, as int4_group_avx2. */
+static inline __attribute__((always_inline)) void q8_group_avx2(const uint8_t *high, const uint8_t *low,
+                                                                const __m256i *xb, int64_t begin, int64_t end,
+                                                                const int half, __m256i acc[4], __m256i rest[4]) {
+    for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
+    const __m256i *x = xb;
+    for (int64_t k = begin; k < end; k += 4, x += 2) {
+        if (half == 0) {
+            __builtin_prefetch(high + (k + PREFETCH_ROWS) * HALF, 0, 2);
+            __builtin_prefetch(high + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+            __builtin_prefetch(low + (k + PREFETCH_ROWS) * HALF, 0, 2);
+            __builtin_prefetch(low + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+        }
+        __m256i w[4];
+        quad_q8_avx2(high, low, k, half, w);
+        for (int v = 0; v < 4; v++) add_products_avx2(w[v], x[0], x[1], &acc[v], &rest[v], NULL, NULL, 1);
+    }
+}
+
+/* Rows i0 .. i0 + rows - 1 of x against tile `tile` (int4, or Q8_0 when q8) at decode, one row
+ * of x and one nibble half at a time (each fills the registers), into total. The epilogue is
+ * vectors too: at groups of 32 (Q4_0, Q8_0) a scalar one took half the time. */
 static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
                                                                  int rows, float total[ROWS_AT_ONCE][TILE],
                                                                  const int q8) {
@@ -520,38 +589,24 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
     const __m256i steps = _mm256_set1_epi32(LOW_STEPS);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
-        for (int half = 0; half < 2; half++) {
-            for (int i = 0; i < rows; i++) {
+        if (g + 2 < groups) /* each group's 64 scale pairs lie in another page: asked for two groups early */
+            for (int line = 0; line < 4; line++) __builtin_prefetch(sz + 4 * a->n_pad + line * 32, 0, 2);
+        const int64_t begin = g * a->group, end = begin + a->group;
+        for (int i = 0; i < rows; i++) {
+            const __m256i *xb = (const __m256i *)a->xb + ((i0 + i) * a->kp + begin) / 2;
+            const int64_t at = (i0 + i) * groups + g;
+            for (int half = 0; half < 2; half++) {
                 __m256i acc[4], rest[4];
-                for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
-                const int64_t end = (g + 1) * a->group;
-                for (int64_t span = g * a->group; span < end; span += INT16_SPAN) {
-                    __m256i acc16[4], rest16[4]; /* int4: pair sums added in int16 over the span */
-                    for (int v = 0; v < 4; v++) acc16[v] = rest16[v] = _mm256_setzero_si256();
-                    for (int64_t k = span; k < span + INT16_SPAN && k < end; k += 4) {
-                        if (half == 0 && i == 0) {
-                            __builtin_prefetch(codes + (k + PREFETCH_ROWS) * HALF, 0, 2);
-                            if (q8) __builtin_prefetch(low + (k + PREFETCH_ROWS) * HALF, 0, 2);
-                        }
-                        __m256i w[4];
-                        if (q8)
-                            quad_q8_avx2(codes, low, k, half, w);
-                        else
-                            quad_avx2(codes, k, half, w);
-                        int32_t four_high, four_low;
-                        memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
-                        memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
-                        const __m256i xh = _mm256_set1_epi32(four_high), xl = _mm256_set1_epi32(four_low);
-                        for (int v = 0; v < 4; v++)
-                            add_products_avx2(w[v], xh, xl, &acc[v], &rest[v], &acc16[v], &rest16[v], q8);
-                    }
-                    for (int v = 0; v < 4; v++) widen_avx2(&acc[v], &rest[v], acc16[v], rest16[v], q8);
-                }
-                const int64_t at = (i0 + i) * groups + g;
+                if (q8)
+                    half ? q8_group_avx2(codes, low, xb, begin, end, 1, acc, rest)
+                         : q8_group_avx2(codes, low, xb, begin, end, 0, acc, rest);
+                else
+                    half ? int4_group_avx2(codes, xb, begin, end, 1, acc, rest)
+                         : int4_group_avx2(codes, xb, begin, end, 0, acc, rest);
                 for (int v = 0; v < 4; v++) /* LOW_STEPS * (codes . xq) + codes . xq_low */
                     add_sums_avx2(sz, total[i], HALF * half + 4 * v,
-                                  _mm256_add_epi32(_mm256_mullo_epi32(acc[v], steps), rest[v]), a->sx[at], a->xsum[at],
-                                  q8);
+                                  _mm256_add_epi32(_mm256_mullo_epi32(acc[v], steps), rest[v]), a->sx[at],
+                                  a->xsum[at], q8);
             }
         }
     }
@@ -686,7 +741,8 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         float sum = 0.0f, largest = 0.0f;
         for (int64_t j = 0; j < group; j++) {
             sum += xg[j];
-            largest = fmaxf(largest, fabsf(xg[j]));
+            const float magnitude = fabsf(xg[j]);
+            largest = magnitude > largest ? magnitude : largest; /* fmaxf, without its libm call (NaN left out as there) */
         }
         xsum[at] = sum;
 #if defined(VNNI) || defined(AVX2_DOTS) /* x ~ sx * (LOW_STEPS xq + xq_low), where integer dots read it */
@@ -704,8 +760,19 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         xqsum[at] = qsum;
 #endif
     }
-    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, packed, scale_zero, out, out_dtype, copies == 2, exact != 0,
-                         m, k, group, tiles * TILE, n_out};
+    void *xb = NULL; /* decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
+#ifdef AVX2_DOTS
+    if (!exact && m < CACHE_MIN_ROWS) {
+        xb = aligned_alloc(32, (size_t)(m * k) * 16); /* m k / 4 quads, 2 x 32 bytes each */
+        if (xb == NULL) {
+            free(xf);
+            return TUILI_NO_MEMORY;
+        }
+        broadcast_x_avx2(xq, xq_low, m * k, xb);
+    }
+#endif
+    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, xb, packed, scale_zero, out, out_dtype, copies == 2,
+                         exact != 0, m, k, group, tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -737,10 +804,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         }
         free(cache);
     }
-    if (failed) {
-        free(xf);
-        return TUILI_NO_MEMORY;
-    }
+    free(xb);
     free(xf);
-    return TUILI_OK;
+    return failed ? TUILI_NO_MEMORY : TUILI_OK;
 }
