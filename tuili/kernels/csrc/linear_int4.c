@@ -513,49 +513,90 @@ static inline __attribute__((always_inline)) void widen_avx2(__m256i *acc, __m25
     *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(rest16, ones));
 }
 
-/* x's int8 parts as VPMADDUBSW reads them at decode (fewer than CACHE_MIN_ROWS rows): four k of
- * xq, then of xq_low, each broadcast to 32 bytes, xb[(i * kp + k) / 2 + part] for row i and the
- * quad at k, made once per call for every tile. The loops below take them as memory operands,
- * which leaves the 16 registers to codes and sums: with two broadcasts per quad in registers
- * GCC spilled three of the eight sums in every quad (machine C, 2026-12-04). */
-static void broadcast_x_avx2(const int8_t *xq, const int8_t *xq_low, int64_t values, __m256i *xb) {
+/* x's int8 parts as VPMADDUBSW reads them at decode (fewer than CACHE_MIN_ROWS rows), made once
+ * per call for every tile; the loops below take them as memory operands, which leaves the 16
+ * registers to codes and sums. For row i of x and the quad at k (a multiple of 4):
+ *   Q8_0 (transposed quads, lanes of four k): xq's four k, then xq_low's, as 32-bit broadcasts,
+ *     xb[(i kp + k) / 2 + part];
+ *   int4 (pairs of k, lanes of two): (xq[k], xq[k + 1]), (xq[k + 2], xq[k + 3]), then xq_low's,
+ *     as 16-bit broadcasts, xb[i kp + k + 2 part + pair]. */
+static void broadcast_x_avx2(const int8_t *xq, const int8_t *xq_low, int64_t values, const int q8, __m256i *xb) {
     for (int64_t at = 0; at < values; at += 4) {
-        int32_t four_high, four_low;
-        memcpy(&four_high, xq + at, sizeof four_high);
-        memcpy(&four_low, xq_low + at, sizeof four_low);
-        xb[at / 2] = _mm256_set1_epi32(four_high);
-        xb[at / 2 + 1] = _mm256_set1_epi32(four_low);
+        if (q8) {
+            int32_t four_high, four_low;
+            memcpy(&four_high, xq + at, sizeof four_high);
+            memcpy(&four_low, xq_low + at, sizeof four_low);
+            xb[at / 2] = _mm256_set1_epi32(four_high);
+            xb[at / 2 + 1] = _mm256_set1_epi32(four_low);
+        } else {
+            const int8_t *parts[2] = {xq, xq_low};
+            for (int part = 0; part < 2; part++)
+                for (int pair = 0; pair < 2; pair++) {
+                    int16_t two;
+                    memcpy(&two, parts[part] + at + 2 * pair, sizeof two);
+                    xb[at + 2 * part + pair] = _mm256_set1_epi16(two);
+                }
+        }
     }
 }
 
+/* k over which int4_group_avx2's int16 sums add (two pair sums per quad, each |.| <= 2 x 15 x
+ * 127 = 3810): 4 quads, |sum| <= 30480 < 2^15. */
+#define PAIR_SPAN 16
+
+/* int16 sums of 16 rows (lanes) widened into the int32 sums of quad_avx2's lanes: `sums` holds
+ * rows 0-7 | 16-23 (after VPUNPCKLBW) or 8-15 | 24-31 (VPUNPCKHBW) of the half; its low four
+ * lanes of each 128 bits go to *first (rows 0-3 | 16-19, or 8-11 | 24-27), its high four to
+ * *second. */
+static inline __attribute__((always_inline)) void widen_rows_avx2(__m256i sums, __m256i *first, __m256i *second) {
+    const __m256i sign = _mm256_srai_epi16(sums, 15);
+    *first = _mm256_add_epi32(*first, _mm256_unpacklo_epi16(sums, sign));
+    *second = _mm256_add_epi32(*second, _mm256_unpackhi_epi16(sums, sign));
+}
+
 /* int4 codes of nibble half `half` of a tile (rows 0-31 or 32-63) against one row of x (xb: its
- * parts at k = begin), k from begin to end (a group): the int32 sums of codes x xq into acc and of
- * codes x xq_low into rest, lanes as quad_avx2's vectors. Half 0 asks for the tile's lines
- * PREFETCH_ROWS ahead (half 1 rereads the group from L1). */
+ * pairs at k = begin), k from begin to end (a group): the int32 sums of codes x xq into acc and of
+ * codes x xq_low into rest, lanes as quad_avx2's vectors (so the epilogue is the same). No
+ * transpose: one VPUNPCKL/HBW of tile rows k and k + 1 puts each output row's two codes side by
+ * side (16 rows per vector), which VPMADDUBSW multiplies by (x[k], x[k + 1]); four int16 sums
+ * (two row sets x two parts) take the quad, against eight for the transposed quads, and spill
+ * nothing. Half 0 asks for the tile's lines PREFETCH_ROWS ahead (half 1 rereads them from L1). */
 static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t *codes, const __m256i *xb,
                                                                   int64_t begin, int64_t end, const int half,
                                                                   __m256i acc[4], __m256i rest[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
-    for (int64_t span = begin; span < end; span += INT16_SPAN) {
-        __m256i acc16[4], rest16[4];
-        for (int v = 0; v < 4; v++) acc16[v] = rest16[v] = _mm256_setzero_si256();
-        const int64_t stop = span + INT16_SPAN < end ? span + INT16_SPAN : end;
+    for (int64_t span = begin; span < end; span += PAIR_SPAN) {
+        /* rows 0-7 | 16-23 (lo) and 8-15 | 24-31 (hi), times xq (high) and xq_low (low) */
+        __m256i lo_high = _mm256_setzero_si256(), hi_high = lo_high, lo_low = lo_high, hi_low = lo_high;
+        const int64_t stop = span + PAIR_SPAN < end ? span + PAIR_SPAN : end;
         const uint8_t *rows = codes + span * HALF;
-        const __m256i *x = xb + (span - begin) / 2;
-        for (int64_t k = span; k < stop; k += 4, rows += 4 * HALF, x += 2) {
+        const __m256i *x = xb + (span - begin);
+        for (int64_t k = span; k < stop; k += 4, rows += 4 * HALF, x += 4) {
             if (half == 0) {
                 __builtin_prefetch(rows + PREFETCH_ROWS * HALF, 0, 2);
                 __builtin_prefetch(rows + (PREFETCH_ROWS + 2) * HALF, 0, 2);
             }
-            __m256i w[4];
-            quad_avx2(rows, 0, half, w);
-            /* One part of x at a time: 4 codes, 8 sums, x and the nibble mask fill 14 registers. */
-            const __m256i high = x[0];
-            for (int v = 0; v < 4; v++) acc16[v] = _mm256_add_epi16(acc16[v], _mm256_maddubs_epi16(w[v], high));
-            const __m256i low = x[1];
-            for (int v = 0; v < 4; v++) rest16[v] = _mm256_add_epi16(rest16[v], _mm256_maddubs_epi16(w[v], low));
+            __m256i n[4];
+            for (int l = 0; l < 4; l++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(rows + l * HALF));
+                n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+            }
+            const __m256i lo01 = _mm256_unpacklo_epi8(n[0], n[1]), hi01 = _mm256_unpackhi_epi8(n[0], n[1]);
+            const __m256i lo23 = _mm256_unpacklo_epi8(n[2], n[3]), hi23 = _mm256_unpackhi_epi8(n[2], n[3]);
+            lo_high = _mm256_add_epi16(lo_high, _mm256_add_epi16(_mm256_maddubs_epi16(lo01, x[0]),
+                                                                 _mm256_maddubs_epi16(lo23, x[1])));
+            hi_high = _mm256_add_epi16(hi_high, _mm256_add_epi16(_mm256_maddubs_epi16(hi01, x[0]),
+                                                                 _mm256_maddubs_epi16(hi23, x[1])));
+            lo_low = _mm256_add_epi16(lo_low, _mm256_add_epi16(_mm256_maddubs_epi16(lo01, x[2]),
+                                                               _mm256_maddubs_epi16(lo23, x[3])));
+            hi_low = _mm256_add_epi16(hi_low, _mm256_add_epi16(_mm256_maddubs_epi16(hi01, x[2]),
+                                                               _mm256_maddubs_epi16(hi23, x[3])));
         }
-        for (int v = 0; v < 4; v++) widen_avx2(&acc[v], &rest[v], acc16[v], rest16[v], 0);
+        widen_rows_avx2(lo_high, &acc[0], &acc[1]);
+        widen_rows_avx2(hi_high, &acc[2], &acc[3]);
+        widen_rows_avx2(lo_low, &rest[0], &rest[1]);
+        widen_rows_avx2(hi_low, &rest[2], &rest[3]);
     }
 }
 
@@ -593,7 +634,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
             for (int line = 0; line < 4; line++) __builtin_prefetch(sz + 4 * a->n_pad + line * 32, 0, 2);
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int i = 0; i < rows; i++) {
-            const __m256i *xb = (const __m256i *)a->xb + ((i0 + i) * a->kp + begin) / 2;
+            const __m256i *xb = (const __m256i *)a->xb + ((i0 + i) * a->kp + begin) / (q8 ? 2 : 1);
             const int64_t at = (i0 + i) * groups + g;
             for (int half = 0; half < 2; half++) {
                 __m256i acc[4], rest[4];
@@ -763,12 +804,12 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     void *xb = NULL; /* decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
 #ifdef AVX2_DOTS
     if (!exact && m < CACHE_MIN_ROWS) {
-        xb = aligned_alloc(32, (size_t)(m * k) * 16); /* m k / 4 quads, 2 x 32 bytes each */
+        xb = aligned_alloc(32, (size_t)(m * k) * (copies == 2 ? 16 : 32)); /* m k / 4 quads of 2 or 4 vectors */
         if (xb == NULL) {
             free(xf);
             return TUILI_NO_MEMORY;
         }
-        broadcast_x_avx2(xq, xq_low, m * k, xb);
+        broadcast_x_avx2(xq, xq_low, m * k, copies == 2, xb);
     }
 #endif
     const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, xb, packed, scale_zero, out, out_dtype, copies == 2,
