@@ -85,6 +85,19 @@ static inline const uint16_t *q8_scales(const int4_args *a, int64_t tile, int64_
     return a->scale_zero + ((a->kp / a->group + g) * a->n_pad + tile * TILE) * 2;
 }
 
+/* Asks for the two lines of the quad PREFETCH_ROWS tile rows after `quad` (its four rows of 32
+ * bytes), into L2. */
+static inline void prefetch_quad(const uint8_t *quad) {
+    __builtin_prefetch(quad + PREFETCH_ROWS * HALF, 0, 2);
+    __builtin_prefetch(quad + (PREFETCH_ROWS + 2) * HALF, 0, 2);
+}
+
+/* Each group's 64 bf16 (scale, zero) pairs lie N * 4 bytes after the previous group's, in another
+ * page: the kernels ask for them two groups early. */
+static inline void prefetch_scales(const uint16_t *pairs) {
+    for (int line = 0; line < 4; line++) __builtin_prefetch(pairs + line * 32, 0, 2);
+}
+
 /* Adds scale * sums + zero * xsum for group g to total[i][r] (rows i of x, r of the tile). */
 static inline void add_group(const int4_args *a, int64_t tile, int64_t g, int64_t i0, int rows,
                              float sums[ROWS_AT_ONCE][TILE], float total[ROWS_AT_ONCE][TILE]) {
@@ -158,17 +171,10 @@ static inline __m512i transpose_index(int first_column) {
  * 0-15 in *first, 16-31 in *second. Asks for the rows PREFETCH_ROWS further on. */
 static inline __attribute__((always_inline)) void four_rows(const uint8_t *rows, int64_t k, __m512i first_half,
                                                             __m512i second_half, __m512i *first, __m512i *second) {
-    __builtin_prefetch(rows + (k + PREFETCH_ROWS) * HALF, 0, 2);
-    __builtin_prefetch(rows + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+    prefetch_quad(rows + k * HALF);
     const __m512i rows01 = _mm512_loadu_si512(rows + k * HALF), rows23 = _mm512_loadu_si512(rows + (k + 2) * HALF);
     *first = _mm512_permutex2var_epi8(rows01, first_half, rows23);
     *second = _mm512_permutex2var_epi8(rows01, second_half, rows23);
-}
-
-/* Each group's 64 bf16 (scale, zero) pairs lie N * 4 bytes after the previous group's, in another
- * page: the kernels ask for them two groups early. */
-static inline void prefetch_scales(const uint16_t *pairs) {
-    for (int line = 0; line < 4; line++) __builtin_prefetch(pairs + line * 32, 0, 2);
 }
 
 /* The products of four k of 64 codes (w: rows 0-15, 16-31, 32-47, 48-63) with rows i0.. of x,
@@ -573,10 +579,7 @@ static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t 
         const uint8_t *rows = codes + span * HALF;
         const __m256i *x = xb + (span - begin);
         for (int64_t k = span; k < stop; k += 4, rows += 4 * HALF, x += 4) {
-            if (half == 0) {
-                __builtin_prefetch(rows + PREFETCH_ROWS * HALF, 0, 2);
-                __builtin_prefetch(rows + (PREFETCH_ROWS + 2) * HALF, 0, 2);
-            }
+            if (half == 0) prefetch_quad(rows);
             __m256i n[4];
             for (int l = 0; l < 4; l++) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)(rows + l * HALF));
@@ -608,10 +611,8 @@ static inline __attribute__((always_inline)) void q8_group_avx2(const uint8_t *h
     const __m256i *x = xb;
     for (int64_t k = begin; k < end; k += 4, x += 2) {
         if (half == 0) {
-            __builtin_prefetch(high + (k + PREFETCH_ROWS) * HALF, 0, 2);
-            __builtin_prefetch(high + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
-            __builtin_prefetch(low + (k + PREFETCH_ROWS) * HALF, 0, 2);
-            __builtin_prefetch(low + (k + PREFETCH_ROWS + 2) * HALF, 0, 2);
+            prefetch_quad(high + k * HALF);
+            prefetch_quad(low + k * HALF);
         }
         __m256i w[4];
         quad_q8_avx2(high, low, k, half, w);
@@ -630,8 +631,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
     const __m256i steps = _mm256_set1_epi32(LOW_STEPS);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
-        if (g + 2 < groups) /* each group's 64 scale pairs lie in another page: asked for two groups early */
-            for (int line = 0; line < 4; line++) __builtin_prefetch(sz + 4 * a->n_pad + line * 32, 0, 2);
+        if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's, int4 or Q8_0 */
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int i = 0; i < rows; i++) {
             const __m256i *xb = (const __m256i *)a->xb + ((i0 + i) * a->kp + begin) / (q8 ? 2 : 1);
