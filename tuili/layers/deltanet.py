@@ -344,11 +344,18 @@ class GatedDeltaNet(nn.Module):
             for first, n, slot in batch.chunks:
                 rows = slice(first, first + n)
                 out = self._chunk(mixed[rows], b[rows], a[rows], slot, batch.cuts.get(first, ()))
-                normed[rows] = self.norm(out.to(x.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(n, -1)
+                self._write_normed(out, z, rows, normed)
         if batch.save_slots.numel():  # checkpoints at the end of an item: the slot's new state
             state.conv[batch.save_rows] = state.conv[batch.save_slots]
             state.recurrent[batch.save_rows] = state.recurrent[batch.save_slots]
         return self.out_proj(normed)
+
+    def _write_normed(self, out: torch.Tensor, z: torch.Tensor, rows: slice | torch.Tensor, normed: torch.Tensor) -> None:
+        """The gated norm of the rule's output `out` [len(rows), Hv, Dv] (any dtype) by the gate z
+        of the same rows, in the model's dtype, written to those rows of `normed` [T, Hv * Dv]."""
+        dv = self.head_v_dim
+        gated = self.norm(out.to(normed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv))
+        normed[rows] = gated.view(-1, self.value_dim)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(beta, g): the write strength and the log decay of each row and value head."""
@@ -401,8 +408,7 @@ class GatedDeltaNet(nn.Module):
             o = o[:, 0]
         else:
             o, state.recurrent[slots] = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent[slots])
-        dv = self.head_v_dim
-        normed[rows] = self.norm(o.to(mixed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(len(rows), -1)
+        self._write_normed(o, z, rows, normed)
 
     def _token_by_token(
         self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, first: int, n: int, slot: int,
@@ -496,8 +502,7 @@ class GatedDeltaNet(nn.Module):
             for i, (_, _, _, row) in enumerate(run):
                 if row is not None:
                     state.recurrent[row] = final[i]
-            dv = self.head_v_dim
-            normed[rows] = self.norm(out[0].to(mixed.dtype).reshape(-1, dv), z[rows].reshape(-1, dv)).view(len(rows), -1)
+            self._write_normed(out[0], z, rows, normed)
 
 
 def _pieces(
