@@ -21,7 +21,8 @@ a process of its own running benchmarks/cpu_worker.py (the same script for both)
 the `repeat` repetitions of a row takes one sample of every column in turn, so that all of them
 see the same phases of a host whose speed drifts. Decode rate = B x 64 / (time for 65 output
 tokens - time for 1), so the prefills are not counted. Each sample is bracketed by two readings
-of the machine's read bandwidth and bf16 matmul peak (tuili.perf.probe.Gauge): this host
+of the machine's read bandwidth and matmul peak (tuili.perf.probe.Gauge: bf16, or fp32 on a CPU
+whose fp32 matmul is faster, as on AVX2 CPUs, where tuili's kernels widen bf16 to fp32): this host
 switches between a fast and a slow state (2.2 against 0.8 TFLOP/s) every few seconds, so two
 columns compare only in repetitions where both samples ran in one steady state. The tables show
 each column's best sample; ratios, MBU and MFU are medians over the steady repetitions. llama.cpp measures
@@ -33,7 +34,7 @@ tuili is held to the better of the two. transformers runs in a cpu_worker.py pro
 
 Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit),
 MBU of tuili's batch-1 decode and MFU of its prefill against this machine's read bandwidth and
-bf16 matmul peak (read right before and after each sample, as `tuili probe` measures them; or a
+matmul peak (read right before and after each sample, as `tuili probe` measures them; or a
 --hardware spec), and the model's targets with PASS / MISS: issue 24's (issue 7's, raised for
 CPUs without AMX) on the Qwen3-0.6B shape, issue 19's on the Qwen3.5 shape. A decode step's
 bytes for MBU are the weights it reads, the KV of its context and, for a hybrid model, each
@@ -154,7 +155,7 @@ class Sample:
     def reading(self) -> Reading:
         """The machine during the sample: the mean of the two readings."""
         return Reading((self.before.read_bandwidth + self.after.read_bandwidth) / 2,
-                       (self.before.bf16_flops + self.after.bf16_flops) / 2)
+                       (self.before.matmul_flops + self.after.matmul_flops) / 2)
 
 
 def steady(*samples: Sample) -> bool:
@@ -162,7 +163,7 @@ def steady(*samples: Sample) -> bool:
     within STEADY of the others, in bandwidth and in matmul rate."""
     readings = [r for s in samples for r in (s.before, s.after)]
     return all(max(values) <= (1 + STEADY) * min(values)
-               for values in ([r.read_bandwidth for r in readings], [r.bf16_flops for r in readings]))
+               for values in ([r.read_bandwidth for r in readings], [r.matmul_flops for r in readings]))
 
 
 @dataclass
@@ -629,7 +630,7 @@ def print_model(model: Model, columns: list[Column], spec: HardwareSpec | None) 
                   + (f", state {state / 1e6:.1f} MB per sequence (read and written)" if state else "")
                   + f"   decode b1 MBU {percent(roof['mbu']):>6} "
                   f"of {gb(roof['read_bandwidth'])} GB/s   {model.sizes.prefill_row} MFU "
-                  f"{percent(roof['mfu']):>6} of {tf(roof['bf16_flops'])} TFLOP/s")
+                  f"{percent(roof['mfu']):>6} of {tf(roof['matmul_flops'])} TFLOP/s")
 
 
 def column_record(column: Column, sizes: Sizes, spec: HardwareSpec | None) -> dict:
@@ -655,7 +656,7 @@ def roofline(column: Column, sizes: Sizes, spec: HardwareSpec | None) -> dict[st
     them, plus the KV of the context, on average prompt + (decode + 1) / 2 tokens, plus a hybrid
     model's linear-attention state of the sequence, read and written back: 2 x its bytes) over
     the step time, against the read bandwidth (the state's write is counted at the read rate). MFU of prefill: the cost model's FLOPs of the prompt over
-    its time, against the bf16 matmul peak. Each steady sample is judged against the rates read
+    its time, against the matmul peak (the Gauge's). Each steady sample is judged against the rates read
     around it (or `spec`'s, when given), and the median counts; with no steady sample, all of them."""
     facts = column.facts
     context = sizes.prompt + (sizes.decode + 1) / 2
@@ -675,8 +676,8 @@ def roofline(column: Column, sizes: Sizes, spec: HardwareSpec | None) -> dict[st
     mbu, read = median_use(sizes.decode_row(1), step_bytes,
                            lambda r: spec.memory_bandwidth if spec else r.read_bandwidth)
     mfu, peak = median_use(sizes.prefill_row, facts["prefill_flops"] / sizes.prefill,
-                           lambda r: spec.flops("bf16") if spec else r.bf16_flops)
-    return {"mbu": mbu, "mfu": mfu, "read_bandwidth": read, "bf16_flops": peak}
+                           lambda r: spec.flops("bf16") if spec else r.matmul_flops)
+    return {"mbu": mbu, "mfu": mfu, "read_bandwidth": read, "matmul_flops": peak}
 
 
 def check_targets(model: Model, columns: list[Column], spec: HardwareSpec | None) -> list[dict]:
@@ -735,10 +736,10 @@ def main() -> None:
     print(f"machine: {machine()}")
     if spec:
         print(f"hardware: {spec.name} [{spec.origin}], read {spec.memory_bandwidth / 1e9:.1f} GB/s, "
-              f"bf16 matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s")
+              f"{spec.dtype_used('bf16')} matmul {spec.flops('bf16') / 1e12:.2f} TFLOP/s")
     else:
         now = gauge()
-        print(f"hardware: read {now.read_bandwidth / 1e9:.1f} GB/s, bf16 matmul {now.bf16_flops / 1e12:.2f} TFLOP/s "
+        print(f"hardware: read {now.read_bandwidth / 1e9:.1f} GB/s, {gauge.dtype} matmul {now.matmul_flops / 1e12:.2f} TFLOP/s "
               "now; MBU and MFU use the rates read around each sample")
     report = {"machine": machine(), "hardware": spec.to_dict() if spec else None, "threads": args.threads,
               "quick": args.quick, "models": {}}

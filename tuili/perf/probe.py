@@ -143,28 +143,42 @@ class Reading:
     """What a Gauge read at one moment."""
 
     read_bandwidth: float  # B/s
-    bf16_flops: float  # FLOP/s
+    matmul_flops: float  # FLOP/s of the Gauge's matmul (Gauge.dtype)
 
 
 class Gauge:
-    """The two rates a roofline is drawn against, memory read bandwidth and the bf16 matmul peak,
-    measured as `probe` measures them (the same buffer and matmul sizes) but in about
-    3 x ``budget_s`` with the buffers allocated once, so that a benchmark can read the machine
-    right before and after each sample. On a host whose speed switches between states within
-    seconds (docs/benchmarks.md), a sample is compared with the rates of its own moment."""
+    """The two rates a roofline is drawn against, memory read bandwidth and the peak of a bf16
+    model's matmuls, measured as `probe` measures them (the same buffer and matmul sizes) but in
+    about 3 x ``budget_s`` with the buffers allocated once, so that a benchmark can read the
+    machine right before and after each sample. On a host whose speed switches between states
+    within seconds (docs/benchmarks.md), a sample is compared with the rates of its own moment.
+
+    The matmul is bf16, or fp32 where fp32 is the faster here (``dtype``; HardwareSpec.dtype_used:
+    CPUs without bf16 arithmetic, whose bf16 matmul takes ~10 s at this size)."""
 
     def __init__(self, device: str = "cpu", budget_s: float = 0.1) -> None:
         self.dev = resolve_device(device)
         sizes = _sizes(self.dev, quick=False)
         self.buffer = _read_buffer(self.dev, sizes)
-        self.a = torch.randn(sizes.matmul_n, sizes.matmul_n, device=self.dev).to(torch.bfloat16)
-        self.b = torch.randn(sizes.matmul_n, sizes.matmul_n, device=self.dev).to(torch.bfloat16)
+        self.dtype = _faster_matmul_dtype(self.dev)
+        n, dtype = sizes.matmul_n, _TORCH_DTYPES[self.dtype]
+        self.a = torch.randn(n, n, device=self.dev).to(dtype)
+        self.b = torch.randn(n, n, device=self.dev).to(dtype)
         self.budget_s = budget_s
 
     def __call__(self) -> Reading:
         t_read = _read_seconds(self.buffer, self.dev, self.budget_s)
         t_mm = _time(lambda: self.a @ self.b, self.dev, self.budget_s)
         return Reading(self.buffer.numel() * 4 / t_read, 2 * self.a.shape[0] ** 3 / t_mm)
+
+
+def _faster_matmul_dtype(dev: torch.device, n: int = 256) -> str:
+    """"bf16", or on a CPU "fp32" where an n x n x n matmul runs faster in fp32 than in bf16 (GPUs
+    have bf16 tensor cores; at this size their timings would be launch latency)."""
+    if dev.type != "cpu":
+        return "bf16"
+    seconds = {dtype: _matmul_runner(dtype, dev)(n, n, n, 0.0) for dtype in ("bf16", "fp32")}
+    return "fp32" if seconds["fp32"] < seconds["bf16"] else "bf16"
 
 
 def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
@@ -214,12 +228,16 @@ def _time(fn: Callable[[], object], dev: torch.device, budget: float) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
+    start = time.perf_counter()
     fn()
     sync()
+    # A call slower than the whole budget is timed once more, not three times: PyTorch's bf16
+    # matmul on an AVX2 CPU takes ~10 s at the probe's size, where the spread of one run is small.
+    least = 1 if time.perf_counter() - start > budget else 3
     best = float("inf")
     deadline = time.perf_counter() + budget
     runs = 0
-    while runs < 3 or time.perf_counter() < deadline:
+    while runs < least or time.perf_counter() < deadline:
         start = time.perf_counter()
         fn()
         sync()
