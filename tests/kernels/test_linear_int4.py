@@ -96,7 +96,7 @@ def test_int4_matches_float64(m, x_dtype):
             assert_close(module, x, run(module, x, out_dtype))
 
 
-@pytest.mark.parametrize("m", [1, 4, 6])
+@pytest.mark.parametrize("m", [1, 4, 6, 17])  # 17: a prompt (the unpacked tile)
 def test_q8_0_halves_match_float64(m):
     for n, k in [(64, 32), (100, 96), (130, 1024)]:
         module = q8_module(n, k, seed=n + k)

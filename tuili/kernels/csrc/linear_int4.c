@@ -43,7 +43,8 @@
  * the registers); a tile, 32 K' bytes, is still in L2 for the next four. On VNNI CPUs a call of
  * CACHE_MIN_ROWS rows or more (a prompt) unpacks each tile's codes once into a per-thread buffer of 64 K
  * bytes that every pair of rows then reads, instead of permuting and masking the packed bytes
- * again for each pair; the integer sums, hence the bits, are the same either way. */
+ * again for each pair (on AVX2, from a few rows on: widens them to int16, 128 K bytes,
+ * tile_rows_avx2_wide); the integer sums, hence the bits, are the same either way. */
 #include <omp.h>
 #include <stdlib.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -68,6 +69,7 @@ typedef struct {
     const float *sx;      /* [M, groups] the scales of x / (sx * LOW_STEPS) ~ LOW_STEPS xq + xq_low */
     const int32_t *xqsum; /* [M, groups] sum of LOW_STEPS xq + xq_low over each group */
     const void *xb;       /* AVX2 decode: xq, xq_low broadcast per quad of k (broadcast_x_avx2), or NULL */
+    const int16_t *x16;   /* AVX2, from a few rows: [M, K] LOW_STEPS xq + xq_low (tile_rows_avx2_wide), or NULL */
     const uint8_t *packed;
     const uint16_t *scale_zero;
     void *out;
@@ -425,13 +427,15 @@ static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int ro
  * against 20 GB/s for AVX-512), as were AVX2 intrinsics of them. At decode the loops take x's
  * parts from memory (broadcast_x_avx2) and ask for both lines of each quad, and each group's
  * scales, ahead: on a Zen 3 (machine C) one Q4_0 row went 4.5 -> 8.6 GB/s on one core from
- * memory (8.7 from L3 before: the prefetch was half of it), on two 7 -> 12-17 GB/s. */
+ * memory (8.7 from L3 before: the prefetch was half of it), on two 7 -> 12-17 GB/s. From a few
+ * rows on, int16 codes multiply x's two parts as one int16 instead (tile_rows_avx2_wide). */
 #define AVX2_DOTS 1
-/* k over which int4 pair sums (|.| <= 2 x 15 x 127 = 3810) add in int16 before VPMADDWD widens
- * them: 8 quads, |sum| <= 30480 < 2^15. Half the VPMADDWDs, which share two ports with VPMADDUBSW.
- * Q8_0's pairs (|.| <= 32512) widen at once. */
-#define INT16_SPAN 32
-
+/* Rows of x from which a tile is widened once (tile_rows_avx2_wide) rather than read per row
+ * (tile_rows_avx2), int4 and Q8_0: measured crossovers on Zen 3 (machine C, two cores,
+ * Qwen3-0.6B's shapes): int4 at 4 rows 0.39 against 0.48 ms, at 6 0.75 against 0.57; Q8_0's
+ * 151936 x 1024 output matrix at 2 rows 16 against 18 ms, at 3 22 against 19. */
+#define WIDE_MIN_ROWS_INT4 5
+#define WIDE_MIN_ROWS_Q8 3
 /* Four rows of bytes n[l] (tile rows k + l, one byte per output row) as four vectors of eight
  * 32-bit lanes, each lane four consecutive k of one row: vector v holds rows 4v .. 4v + 3 of
  * the 32 (lanes 0-3) and 16 + 4v .. 16 + 4v + 3 (lanes 4-7). */
@@ -444,38 +448,29 @@ static inline __attribute__((always_inline)) void transpose_quad(const __m256i n
     w[3] = _mm256_unpackhi_epi16(t1, t3);
 }
 
-/* int4: the codes of tile rows k .. k + 3 of nibble half `half` (0: output rows 0-31, 1: 32-63),
- * transposed. */
-static inline __attribute__((always_inline)) void quad_avx2(const uint8_t *codes, int64_t k, int half, __m256i w[4]) {
+/* Q8_0's u = 16h + l (0..255) of one tile row k, for the 32 output rows of nibble half `half`:
+ * h, l the nibbles of that half in the high and low codes. */
+static inline __attribute__((always_inline)) __m256i q8_row_avx2(const uint8_t *high, const uint8_t *low, int64_t k,
+                                                                 int half) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
-    __m256i n[4];
-    for (int l = 0; l < 4; l++) {
-        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
-        n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
-    }
-    transpose_quad(n, w);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(high + k * HALF));
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(low + k * HALF));
+    return half ? _mm256_or_si256(_mm256_andnot_si256(nibble, h), _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble))
+                : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, nibble), 4),
+                                  _mm256_and_si256(lo, nibble)); /* a nibble shifted stays in its byte */
 }
 
-/* Q8_0: q = 16h + l - 128 of tile rows k .. k + 3 (h, l: the high and low halves' nibbles of
- * `half`), as signed bytes, transposed. */
+/* Q8_0: q = u - 128 of tile rows k .. k + 3 of nibble half `half`, as signed bytes, transposed. */
 static inline __attribute__((always_inline)) void quad_q8_avx2(const uint8_t *high, const uint8_t *low, int64_t k,
                                                                int half, __m256i w[4]) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0x80);
+    const __m256i top = _mm256_set1_epi8((char)0x80);
     __m256i n[4];
-    for (int l = 0; l < 4; l++) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(high + (k + l) * HALF));
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)(low + (k + l) * HALF));
-        const __m256i u = half ? _mm256_or_si256(_mm256_andnot_si256(nibble, h),
-                                                 _mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble))
-                               : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, nibble), 4),
-                                                 _mm256_and_si256(lo, nibble)); /* a nibble shifted stays in its byte */
-        n[l] = _mm256_xor_si256(u, top);
-    }
+    for (int l = 0; l < 4; l++) n[l] = _mm256_xor_si256(q8_row_avx2(high, low, k + l, half), top);
     transpose_quad(n, w);
 }
 
-/* tile_rows_vnni's epilogue for one row of x and one of quad_avx2's vectors of tile rows
- * (`first`: the tile row of lane 0; lanes 4-7 are 16 rows further): total += scale * sx * sums
+/* tile_rows_vnni's epilogue for one row of x and one vector of tile rows as transpose_quad lays
+ * them out (`first`: the tile row of lane 0; lanes 4-7 are 16 rows further): total += scale * sx * sums
  * + (zero - 8 scale) * sum x, or for Q8_0 scale * sx * sums, with the same fused operations in
  * the same order, lane by lane. */
 static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *sz, float *total, int first,
@@ -495,31 +490,16 @@ static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *
     _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
 }
 
-/* One vector of codes w (quad_avx2's or quad_q8_avx2's) times the two int8 parts of one row of
- * x, broadcast: Q8_0 into the int32 sums at once, int4 into the int16 ones (INT16_SPAN). */
-static inline __attribute__((always_inline)) void add_products_avx2(__m256i w, __m256i xh, __m256i xl, __m256i *acc,
-                                                                    __m256i *rest, __m256i *acc16, __m256i *rest16,
-                                                                    const int q8) {
-    if (q8) { /* VPMADDUBSW's first operand is unsigned: |q|, and x takes q's sign */
-        const __m256i ones = _mm256_set1_epi16(1), wv = _mm256_abs_epi8(w);
-        *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xh, w)), ones));
-        *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xl, w)), ones));
-    } else {
-        *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(w, xh));
-        *rest16 = _mm256_add_epi16(*rest16, _mm256_maddubs_epi16(w, xl));
-    }
+/* One vector of Q8_0 codes w (quad_q8_avx2's) times the two int8 parts of one row of x, broadcast,
+ * into the int32 sums. VPMADDUBSW's first operand is unsigned: |q|, and x takes q's sign. */
+static inline __attribute__((always_inline)) void add_products_q8_avx2(__m256i w, __m256i xh, __m256i xl,
+                                                                       __m256i *acc, __m256i *rest) {
+    const __m256i ones = _mm256_set1_epi16(1), wv = _mm256_abs_epi8(w);
+    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xh, w)), ones));
+    *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xl, w)), ones));
 }
 
-/* The end of a span: int4's int16 sums widened into the int32 ones (Q8_0's are there already). */
-static inline __attribute__((always_inline)) void widen_avx2(__m256i *acc, __m256i *rest, __m256i acc16,
-                                                             __m256i rest16, const int q8) {
-    if (q8) return;
-    const __m256i ones = _mm256_set1_epi16(1);
-    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(acc16, ones));
-    *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(rest16, ones));
-}
-
-/* x's int8 parts as VPMADDUBSW reads them at decode (fewer than CACHE_MIN_ROWS rows), made once
+/* x's int8 parts as VPMADDUBSW reads them at decode (below the wide path's rows), made once
  * per call for every tile; the loops below take them as memory operands, which leaves the 16
  * registers to codes and sums. For row i of x and the quad at k (a multiple of 4):
  *   Q8_0 (transposed quads, lanes of four k): xq's four k, then xq_low's, as 32-bit broadcasts,
@@ -550,7 +530,7 @@ static void broadcast_x_avx2(const int8_t *xq, const int8_t *xq_low, int64_t val
  * 127 = 3810): 4 quads, |sum| <= 30480 < 2^15. */
 #define PAIR_SPAN 16
 
-/* int16 sums of 16 rows (lanes) widened into the int32 sums of quad_avx2's lanes: `sums` holds
+/* int16 sums of 16 rows (lanes) widened into the int32 sums of transpose_quad's lanes: `sums` holds
  * rows 0-7 | 16-23 (after VPUNPCKLBW) or 8-15 | 24-31 (VPUNPCKHBW) of the half; its low four
  * lanes of each 128 bits go to *first (rows 0-3 | 16-19, or 8-11 | 24-27), its high four to
  * *second. */
@@ -562,7 +542,7 @@ static inline __attribute__((always_inline)) void widen_rows_avx2(__m256i sums, 
 
 /* int4 codes of nibble half `half` of a tile (rows 0-31 or 32-63) against one row of x (xb: its
  * pairs at k = begin), k from begin to end (a group): the int32 sums of codes x xq into acc and of
- * codes x xq_low into rest, lanes as quad_avx2's vectors (so the epilogue is the same). No
+ * codes x xq_low into rest, lanes as transpose_quad's vectors (so the epilogue is the same). No
  * transpose: one VPUNPCKL/HBW of tile rows k and k + 1 puts each output row's two codes side by
  * side (16 rows per vector), which VPMADDUBSW multiplies by (x[k], x[k + 1]); four int16 sums
  * (two row sets x two parts) take the quad, against eight for the transposed quads, and spill
@@ -616,7 +596,7 @@ static inline __attribute__((always_inline)) void q8_group_avx2(const uint8_t *h
         }
         __m256i w[4];
         quad_q8_avx2(high, low, k, half, w);
-        for (int v = 0; v < 4; v++) add_products_avx2(w[v], x[0], x[1], &acc[v], &rest[v], NULL, NULL, 1);
+        for (int v = 0; v < 4; v++) add_products_q8_avx2(w[v], x[0], x[1], &acc[v], &rest[v]);
     }
 }
 
@@ -653,91 +633,108 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
     }
 }
 
-/* A tile's quads (quad_avx2's or quad_q8_avx2's vectors, for both halves) unpacked once, for
- * prompts (CACHE_MIN_ROWS rows of x or more), as unpack_tile on VNNI CPUs:
- * cache[(k / 4 * 2 + half) * 4 + v]. */
-static void unpack_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
+/* From a few rows of x on (WIDE_MIN_ROWS_*) AVX2 multiplies int16 by int16: the codes of a
+ * tile widened once into a per-thread buffer, x as x16 = LOW_STEPS xq + xq_low (|.| <= 32385, one
+ * int16 holding both parts), and one VPMADDWD per 16 products. Its int32 sums are LOW_STEPS (codes
+ * . xq) + codes . xq_low, the integers the decode loops and the VNNI path make (|sum| <= group x
+ * 255 x 32385 < 2^31 for groups up to 256), so the same bits. Against VPMADDUBSW over the two parts
+ * it takes half the multiplies for Q8_0 (no VPMADDWD to widen, no sign trick) and the same for
+ * int4, without the int16 spans and the final multiply by LOW_STEPS.
+ *
+ * The buffer: for each pair of tile rows (k, k + 1) eight vectors, cache[k / 2 * 8 + 4 half + v],
+ * lane l of vector v the two int16 codes (k, k + 1) of output row HALF half + 4v + l (l < 4) or
+ * HALF half + 16 + 4v + l - 4: transpose_quad's rows, so add_sums_avx2 is the epilogue. Q8_0's codes
+ * are q = u - 128 (signed), int4's as stored (0..15). */
+static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
     const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
-    for (int64_t k = 0; k < a->kp; k += 4)
+    const __m256i nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i offset = _mm256_set1_epi16(a->q8 ? 128 : 0);
+    for (int64_t k = 0; k < a->kp; k += 2)
         for (int half = 0; half < 2; half++) {
-            __m256i *w = cache + (k / 4 * 2 + half) * 4;
-            if (a->q8)
-                quad_q8_avx2(codes, low, k, half, w);
-            else
-                quad_avx2(codes, k, half, w);
+            __m256i n[2];
+            for (int l = 0; l < 2; l++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
+                n[l] = a->q8 ? q8_row_avx2(codes, low, k + l, half)
+                             : _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+            }
+            /* rows 0-7 | 16-23 and 8-15 | 24-31 of the half, k and k + 1 side by side */
+            const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
+            __m256i *w = cache + k / 2 * 8 + 4 * half;
+            for (int p = 0; p < 2; p++) {
+                w[2 * p] = _mm256_sub_epi16(_mm256_unpacklo_epi8(pairs[p], zero), offset);
+                w[2 * p + 1] = _mm256_sub_epi16(_mm256_unpackhi_epi8(pairs[p], zero), offset);
+            }
         }
 }
 
-/* tile_rows_avx2 over R rows of x at once from the unpacked tile: one vector of codes at a time
- * (v outermost), so each code vector loaded serves R rows and only R accumulator pairs stay in
- * registers. The same integer sums and epilogue, so the same bits as one row at a time. */
-static inline __attribute__((always_inline)) void tile_rows_avx2_cached(const int4_args *a, int64_t tile, int64_t i0,
-                                                                        float total[ROWS_AT_ONCE][TILE],
-                                                                        const __m256i *cache, const int R,
-                                                                        const int q8) {
+/* R rows of x against the widened tile: two vectors of codes at a time (a group's pairs of k
+ * innermost), so each code vector loaded serves R rows, each broadcast of x two vectors, and
+ * 2R sums stay in registers. VPMADDWD bounds it: on Zen 3 (one per cycle) 64 rows of a
+ * 4096 x 1024 int4 weight run at ~0.8 of them per cycle. Keeping the running totals in
+ * registers across groups instead (one vector at a time) measured 3% slower. */
+static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4_args *a, int64_t tile, int64_t i0,
+                                                                      float total[ROWS_AT_ONCE][TILE],
+                                                                      const __m256i *cache, const int R,
+                                                                      const int q8) {
     const int64_t groups = a->kp / a->group;
-    const __m256i steps = _mm256_set1_epi32(LOW_STEPS);
+    const int16_t *x[ROWS_AT_ONCE];
+    for (int i = 0; i < R; i++) x[i] = a->x16 + (i0 + i) * a->kp;
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
-        for (int half = 0; half < 2; half++)
-            for (int v = 0; v < 4; v++) {
-                __m256i acc[ROWS_AT_ONCE], rest[ROWS_AT_ONCE];
-                for (int i = 0; i < R; i++) acc[i] = rest[i] = _mm256_setzero_si256();
-                const int64_t end = (g + 1) * a->group;
-                for (int64_t span = g * a->group; span < end; span += INT16_SPAN) {
-                    __m256i acc16[ROWS_AT_ONCE], rest16[ROWS_AT_ONCE]; /* int4, as in tile_rows_avx2 */
-                    for (int i = 0; i < R; i++) acc16[i] = rest16[i] = _mm256_setzero_si256();
-                    for (int64_t k = span; k < span + INT16_SPAN && k < end; k += 4) {
-                        const __m256i w = _mm256_load_si256(cache + (k / 4 * 2 + half) * 4 + v);
-                        for (int i = 0; i < R; i++) {
-                            int32_t four_high, four_low;
-                            memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
-                            memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
-                            add_products_avx2(w, _mm256_set1_epi32(four_high), _mm256_set1_epi32(four_low), &acc[i],
-                                              &rest[i], &acc16[i], &rest16[i], q8);
-                        }
-                    }
-                    for (int i = 0; i < R; i++) widen_avx2(&acc[i], &rest[i], acc16[i], rest16[i], q8);
-                }
+        const int64_t begin = g * a->group, end = begin + a->group;
+        for (int vec = 0; vec < 8; vec += 2) {
+            __m256i acc[ROWS_AT_ONCE][2];
+            for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+            const __m256i *w = cache + begin / 2 * 8 + vec;
+            for (int64_t k = begin; k < end; k += 2, w += 8) {
+                const __m256i w0 = _mm256_load_si256(w), w1 = _mm256_load_si256(w + 1);
                 for (int i = 0; i < R; i++) {
-                    const int64_t at = (i0 + i) * groups + g;
-                    add_sums_avx2(sz, total[i], HALF * half + 4 * v,
-                                  _mm256_add_epi32(_mm256_mullo_epi32(acc[i], steps), rest[i]), a->sx[at],
-                                  a->xsum[at], q8);
+                    int32_t two; /* x16[k], x16[k + 1] */
+                    memcpy(&two, x[i] + k, sizeof two);
+                    const __m256i xv = _mm256_set1_epi32(two);
+                    acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(w0, xv));
+                    acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(w1, xv));
                 }
             }
+            for (int i = 0; i < R; i++) {
+                const int64_t at = (i0 + i) * groups + g;
+                for (int j = 0; j < 2; j++)
+                    add_sums_avx2(sz, total[i], HALF * ((vec + j) / 4) + 4 * ((vec + j) % 4), acc[i][j], a->sx[at],
+                                  a->xsum[at], q8);
+            }
+        }
     }
 }
-#define AVX2_CACHED(R)                                                                                          \
-    static void avx2_cached_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE],      \
-                                const __m256i *cache) {                                                         \
-        if (a->q8)                                                                                              \
-            tile_rows_avx2_cached(a, t, i0, tot, cache, R, 1);                                                  \
-        else                                                                                                    \
-            tile_rows_avx2_cached(a, t, i0, tot, cache, R, 0);                                                  \
+#define AVX2_WIDE(R)                                                                                        \
+    static void avx2_wide_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE],    \
+                              const __m256i *cache) {                                                       \
+        if (a->q8)                                                                                          \
+            tile_rows_avx2_wide(a, t, i0, tot, cache, R, 1);                                                \
+        else                                                                                                \
+            tile_rows_avx2_wide(a, t, i0, tot, cache, R, 0);                                                \
     }
-AVX2_CACHED(1)
-AVX2_CACHED(2)
-AVX2_CACHED(3)
-AVX2_CACHED(4)
-typedef void (*avx2_cached_fn)(const int4_args *, int64_t, int64_t, float[ROWS_AT_ONCE][TILE], const __m256i *);
-static const avx2_cached_fn avx2_cached_table[ROWS_AT_ONCE] = {avx2_cached_1, avx2_cached_2, avx2_cached_3,
-                                                               avx2_cached_4};
+AVX2_WIDE(1)
+AVX2_WIDE(2)
+AVX2_WIDE(3)
+AVX2_WIDE(4)
+typedef void (*avx2_wide_fn)(const int4_args *, int64_t, int64_t, float[ROWS_AT_ONCE][TILE], const __m256i *);
+static const avx2_wide_fn avx2_wide_table[ROWS_AT_ONCE] = {avx2_wide_1, avx2_wide_2, avx2_wide_3, avx2_wide_4};
 #endif
 
 static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE],
                           const void *cache) {
     (void)cache;
 #ifdef AVX2_DOTS
-    if (!a->exact && cache != NULL) {
-        avx2_cached_table[rows - 1](a, tile, i0, total, cache);
-        return;
-    }
-    if (!a->exact) {
+    /* Not exact: a few rows have x broadcast (xb), more x16 and the widened tile (cache). */
+    if (a->xb != NULL) {
         if (a->q8)
             tile_rows_avx2(a, tile, i0, rows, total, 1);
         else
             tile_rows_avx2(a, tile, i0, rows, total, 0);
+        return;
+    }
+    if (a->x16 != NULL) {
+        avx2_wide_table[rows - 1](a, tile, i0, total, cache);
         return;
     }
 #endif
@@ -801,18 +798,33 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         xqsum[at] = qsum;
 #endif
     }
-    void *xb = NULL; /* decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
 #ifdef AVX2_DOTS
-    if (!exact && m < CACHE_MIN_ROWS) {
+    const int64_t cache_rows = copies == 2 ? WIDE_MIN_ROWS_Q8 : WIDE_MIN_ROWS_INT4;
+#else
+    const int64_t cache_rows = CACHE_MIN_ROWS;
+#endif
+    void *xb = NULL;       /* decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
+    int16_t *x16 = NULL;   /* the wide path on AVX2: x's parts as one int16 */
+    size_t cache_bytes = (size_t)k * TILE; /* a prompt's tile unpacked: 64 K bytes (VNNI), 128 K (AVX2) */
+#ifdef AVX2_DOTS
+    if (!exact && m < cache_rows) {
         xb = aligned_alloc(32, (size_t)(m * k) * (copies == 2 ? 16 : 32)); /* m k / 4 quads of 2 or 4 vectors */
         if (xb == NULL) {
             free(xf);
             return TUILI_NO_MEMORY;
         }
         broadcast_x_avx2(xq, xq_low, m * k, copies == 2, xb);
+    } else if (!exact) {
+        x16 = malloc((size_t)(m * k) * sizeof(int16_t));
+        if (x16 == NULL) {
+            free(xf);
+            return TUILI_NO_MEMORY;
+        }
+        for (int64_t i = 0; i < m * k; i++) x16[i] = (int16_t)(LOW_STEPS * xq[i] + xq_low[i]);
+        cache_bytes *= 2;
     }
 #endif
-    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, xb, packed, scale_zero, out, out_dtype, copies == 2,
+    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, xb, x16, packed, scale_zero, out, out_dtype, copies == 2,
                          exact != 0, m, k, group, tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
@@ -820,11 +832,11 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     {
         void *cache = NULL;
 #if defined(VNNI) || defined(AVX2_DOTS)
-        /* Only prompts unpack a tile once: at a few rows writing and rereading the buffer costs
-         * more than unpacking per pair (measured at 4 and 8 rows on Zen 5; on AVX2, at 2 to 4 rows
-         * on machine A, where 16 rows of Q8_0 went 46 -> 32 ms on 8192x4096). */
-        if (!exact && m >= CACHE_MIN_ROWS) {
-            cache = aligned_alloc(64, (size_t)k * TILE);
+        /* Only calls of cache_rows rows or more unpack a tile once: below, writing and rereading
+         * the buffer costs more than unpacking per pair (VNNI: measured at 4 and 8 rows on Zen 5;
+         * AVX2: WIDE_MIN_ROWS_INT4, WIDE_MIN_ROWS_Q8). */
+        if (!exact && m >= cache_rows) {
+            cache = aligned_alloc(64, cache_bytes);
             failed = cache == NULL;
         }
 #endif
@@ -834,7 +846,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 #ifdef VNNI
             if (cache != NULL) unpack_tile(&a, tile, cache);
 #elif defined(AVX2_DOTS)
-            if (cache != NULL) unpack_tile_avx2(&a, tile, cache);
+            if (cache != NULL) widen_tile_avx2(&a, tile, cache);
 #endif
             for (int64_t i0 = 0; i0 < m; i0 += ROWS_AT_ONCE) {
                 const int rows = m - i0 < ROWS_AT_ONCE ? (int)(m - i0) : ROWS_AT_ONCE;
@@ -845,6 +857,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         }
         free(cache);
     }
+    free(x16);
     free(xb);
     free(xf);
     return failed ? TUILI_NO_MEMORY : TUILI_OK;
