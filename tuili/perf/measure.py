@@ -154,7 +154,7 @@ def _measure(
     notes = []
     if packed:
         notes.append(f"the engine holds its linears quantized ({engine.weights_quantized}) and multiplies them in "
-                     f"{packed}: the compute peak is {packed}'s")
+                     f"{packed}: the compute peak is {hardware.dtype_used(packed)}'s")
     if ranks == 1 and decode_weight_bytes != cost.decode_weight_bytes(inputs.weights):
         notes.append(f"a decode step of the engine reads {decode_weight_bytes} bytes of weights, the cost model "
                      f"counts {cost.decode_weight_bytes(inputs.weights)}")
@@ -421,7 +421,7 @@ def _drift_note(probed: HardwareSpec, before: HardwareSpec, after: HardwareSpec,
     """How this machine's rates moved: at its last probe, just before the runs and just after."""
     note = (f"rates measured again around the runs (the predictions use the mean): memory read "
             f"{probed.memory_bandwidth / 1e9:.1f} GB/s at the probe, {before.memory_bandwidth / 1e9:.1f} before, "
-            f"{after.memory_bandwidth / 1e9:.1f} after; {dtype} matmul {probed.flops(dtype) / 1e12:.2f} TFLOP/s "
+            f"{after.memory_bandwidth / 1e9:.1f} after; {probed.dtype_used(dtype)} matmul {probed.flops(dtype) / 1e12:.2f} TFLOP/s "
             f"at the probe, {before.flops(dtype) / 1e12:.2f} before, {after.flops(dtype) / 1e12:.2f} after")
     moved = max(abs(after.memory_bandwidth / before.memory_bandwidth - 1), abs(after.flops(dtype) / before.flops(dtype) - 1))
     if moved > UNSTABLE_RATE_CHANGE:

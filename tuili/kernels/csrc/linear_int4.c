@@ -653,9 +653,12 @@ static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
         for (int half = 0; half < 2; half++) {
             __m256i n[2];
             for (int l = 0; l < 2; l++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
-                n[l] = a->q8 ? q8_row_avx2(codes, low, k + l, half)
-                             : _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+                if (a->q8) {
+                    n[l] = q8_row_avx2(codes, low, k + l, half);
+                } else {
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
+                    n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+                }
             }
             /* rows 0-7 | 16-23 and 8-15 | 24-31 of the half, k and k + 1 side by side */
             const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
