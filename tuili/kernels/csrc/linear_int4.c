@@ -761,6 +761,58 @@ static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, f
         }
 }
 
+/* Where tuili_linear_int4 puts x's forms: float32, group sums and, for the integer dots, the
+ * int8 parts and their scales and sums; on AVX2 also what the chosen loop reads (xb or x16). */
+typedef struct {
+    float *xf, *xsum, *sx;
+    int32_t *xqsum;
+    int8_t *xq, *xq_low;
+    void *xb;
+    int16_t *x16;
+} x_forms;
+
+/* Group `at` of x (row at / groups, group at % groups) into its forms. Groups are independent,
+ * so the threads share them out before any tile is read. */
+static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, int exact, int q8, const x_forms *f) {
+    float *xg = f->xf + at * group;
+    for (int64_t j = 0; j < group; j++)
+        xg[j] = x_dtype == TUILI_F32 ? ((const float *)x)[at * group + j]
+                                     : bf16_to_f32(((const uint16_t *)x)[at * group + j]);
+    float sum = 0.0f, largest = 0.0f;
+    for (int64_t j = 0; j < group; j++) {
+        sum += xg[j];
+        const float magnitude = fabsf(xg[j]);
+        largest = magnitude > largest ? magnitude : largest; /* fmaxf, without its libm call (NaN left out as there) */
+    }
+    f->xsum[at] = sum;
+#if defined(VNNI) || defined(AVX2_DOTS) /* x ~ sx * (LOW_STEPS xq + xq_low), where integer dots read it */
+    if (exact) return;
+    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    int8_t *xq = f->xq + at * group, *xq_low = f->xq_low + at * group;
+    int32_t qsum = 0;
+    for (int64_t j = 0; j < group; j++) {
+        const float scaled = xg[j] * inverse; /* in [-127, 127] */
+        const float high = rintf(scaled);
+        xq[j] = (int8_t)high;
+        xq_low[j] = (int8_t)lrintf((scaled - high) * LOW_STEPS); /* |.| <= 127 */
+        qsum += LOW_STEPS * xq[j] + xq_low[j];
+    }
+    f->sx[at] = largest / (127.0f * LOW_STEPS);
+    f->xqsum[at] = qsum;
+#endif
+#ifdef AVX2_DOTS /* the group starts at a multiple of 4 values: whole quads of xb */
+    if (f->xb != NULL) broadcast_x_avx2(xq, xq_low, group, q8, (__m256i *)f->xb + at * group / (q8 ? 2 : 1));
+    if (f->x16 != NULL)
+        for (int64_t j = 0; j < group; j++) f->x16[at * group + j] = (int16_t)(LOW_STEPS * xq[j] + xq_low[j]);
+#else
+    (void)q8;
+#endif
+#if !defined(VNNI) && !defined(AVX2_DOTS)
+    (void)exact;
+    (void)largest;
+#endif
+}
+
 /* x [M, K] (float32 or bfloat16, 1 <= M <= MAX_M), packed [tiles, K', 32], scale_zero
  * [K' / group, tiles * 64, 2] bfloat16, out [M, n_out] with n_out <= tiles * 64; K' = copies * K
  * and group divides K'. The shapes are checked by the caller (tuili/kernels/cpu.py). */
@@ -775,64 +827,39 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     float *xsum = xf + m * k, *sx = xsum + m * groups;
     int32_t *xqsum = (int32_t *)(sx + m * groups);
     int8_t *xq = (int8_t *)(xqsum + m * groups), *xq_low = xq + m * k;
-    for (int64_t i = 0; i < m * k; i++)
-        xf[i] = x_dtype == TUILI_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
-    for (int64_t at = 0; at < m * groups; at++) { /* row at / groups, group at % groups */
-        const float *xg = xf + at * group;
-        float sum = 0.0f, largest = 0.0f;
-        for (int64_t j = 0; j < group; j++) {
-            sum += xg[j];
-            const float magnitude = fabsf(xg[j]);
-            largest = magnitude > largest ? magnitude : largest; /* fmaxf, without its libm call (NaN left out as there) */
-        }
-        xsum[at] = sum;
-#if defined(VNNI) || defined(AVX2_DOTS) /* x ~ sx * (LOW_STEPS xq + xq_low), where integer dots read it */
-        if (exact) continue;
-        const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-        int32_t qsum = 0;
-        for (int64_t j = 0; j < group; j++) {
-            const float scaled = xg[j] * inverse; /* in [-127, 127] */
-            const float high = rintf(scaled);
-            xq[at * group + j] = (int8_t)high;
-            xq_low[at * group + j] = (int8_t)lrintf((scaled - high) * LOW_STEPS); /* |.| <= 127 */
-            qsum += LOW_STEPS * xq[at * group + j] + xq_low[at * group + j];
-        }
-        sx[at] = largest / (127.0f * LOW_STEPS);
-        xqsum[at] = qsum;
-#endif
-    }
-#ifdef AVX2_DOTS
-    const int64_t cache_rows = copies == 2 ? WIDE_MIN_ROWS_Q8 : WIDE_MIN_ROWS_INT4;
-#else
-    const int64_t cache_rows = CACHE_MIN_ROWS;
-#endif
     void *xb = NULL;       /* decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
     int16_t *x16 = NULL;   /* the wide path on AVX2: x's parts as one int16 */
-    size_t cache_bytes = (size_t)k * TILE; /* a prompt's tile unpacked: 64 K bytes (VNNI), 128 K (AVX2) */
+#if defined(AVX2_DOTS)
+    const int64_t cache_rows = copies == 2 ? WIDE_MIN_ROWS_Q8 : WIDE_MIN_ROWS_INT4;
+#elif defined(VNNI)
+    const int64_t cache_rows = CACHE_MIN_ROWS;
+#endif
+#if defined(VNNI) || defined(AVX2_DOTS)
+    size_t cache_bytes = (size_t)k * TILE; /* a tile unpacked: 64 K bytes (VNNI), 128 K (AVX2) */
+#endif
 #ifdef AVX2_DOTS
     if (!exact && m < cache_rows) {
         xb = aligned_alloc(32, (size_t)(m * k) * (copies == 2 ? 16 : 32)); /* m k / 4 quads of 2 or 4 vectors */
-        if (xb == NULL) {
-            free(xf);
-            return TUILI_NO_MEMORY;
-        }
-        broadcast_x_avx2(xq, xq_low, m * k, copies == 2, xb);
     } else if (!exact) {
         x16 = malloc((size_t)(m * k) * sizeof(int16_t));
-        if (x16 == NULL) {
-            free(xf);
-            return TUILI_NO_MEMORY;
-        }
-        for (int64_t i = 0; i < m * k; i++) x16[i] = (int16_t)(LOW_STEPS * xq[i] + xq_low[i]);
         cache_bytes *= 2;
     }
+    if (!exact && xb == NULL && x16 == NULL) {
+        free(xf);
+        return TUILI_NO_MEMORY;
+    }
 #endif
+    const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, xb, x16};
     const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, xb, x16, packed, scale_zero, out, out_dtype, copies == 2,
                          exact != 0, m, k, group, tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
+        /* x's forms first, in one region with the tiles (a second fork costs a decode call more
+         * than rounding its one row takes); the loop's barrier: all of x before any tile */
+#pragma omp for schedule(static)
+        for (int64_t at = 0; at < m * groups; at++) round_group(x, x_dtype, group, at, exact, copies == 2, &forms);
         void *cache = NULL;
 #if defined(VNNI) || defined(AVX2_DOTS)
         /* Only calls of cache_rows rows or more unpack a tile once: below, writing and rereading
