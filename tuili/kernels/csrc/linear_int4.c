@@ -448,6 +448,12 @@ static inline __attribute__((always_inline)) void transpose_quad(const __m256i n
     w[3] = _mm256_unpackhi_epi16(t1, t3);
 }
 
+/* int4: the 32 codes (0..15) of one tile row for the output rows of nibble half `half`. */
+static inline __attribute__((always_inline)) __m256i int4_row_avx2(const uint8_t *row, int half) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
+    return _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+}
+
 /* Q8_0's u = 16h + l (0..255) of one tile row k, for the 32 output rows of nibble half `half`:
  * h, l the nibbles of that half in the high and low codes. */
 static inline __attribute__((always_inline)) __m256i q8_row_avx2(const uint8_t *high, const uint8_t *low, int64_t k,
@@ -550,7 +556,6 @@ static inline __attribute__((always_inline)) void widen_rows_avx2(__m256i sums, 
 static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t *codes, const __m256i *xb,
                                                                   int64_t begin, int64_t end, const int half,
                                                                   __m256i acc[4], __m256i rest[4]) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
     for (int64_t span = begin; span < end; span += PAIR_SPAN) {
         /* rows 0-7 | 16-23 (lo) and 8-15 | 24-31 (hi), times xq (high) and xq_low (low) */
@@ -561,10 +566,7 @@ static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t 
         for (int64_t k = span; k < stop; k += 4, rows += 4 * HALF, x += 4) {
             if (half == 0) prefetch_quad(rows);
             __m256i n[4];
-            for (int l = 0; l < 4; l++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(rows + l * HALF));
-                n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
-            }
+            for (int l = 0; l < 4; l++) n[l] = int4_row_avx2(rows + l * HALF, half);
             const __m256i lo01 = _mm256_unpacklo_epi8(n[0], n[1]), hi01 = _mm256_unpackhi_epi8(n[0], n[1]);
             const __m256i lo23 = _mm256_unpacklo_epi8(n[2], n[3]), hi23 = _mm256_unpackhi_epi8(n[2], n[3]);
             lo_high = _mm256_add_epi16(lo_high, _mm256_add_epi16(_mm256_maddubs_epi16(lo01, x[0]),
@@ -647,8 +649,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
  * are q = u - 128 (signed), int4's as stored (0..15). */
 static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
     const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i offset = _mm256_set1_epi16(a->q8 ? 128 : 0);
+    const __m256i zero = _mm256_setzero_si256(), offset = _mm256_set1_epi16(a->q8 ? 128 : 0);
     for (int64_t k = 0; k < a->kp; k += 2)
         for (int half = 0; half < 2; half++) {
             __m256i n[2];
@@ -656,8 +657,7 @@ static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
                 if (a->q8) {
                     n[l] = q8_row_avx2(codes, low, k + l, half);
                 } else {
-                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(codes + (k + l) * HALF));
-                    n[l] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+                    n[l] = int4_row_avx2(codes + (k + l) * HALF, half);
                 }
             }
             /* rows 0-7 | 16-23 and 8-15 | 24-31 of the half, k and k + 1 side by side */
