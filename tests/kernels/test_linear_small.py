@@ -91,7 +91,7 @@ def test_linear_small_splits_rows_across_threads(threads):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_linear_rows_gives_each_row_linear_smalls_bits(dtype, threads):
-    # Row counts past one 8-row block, not multiples of the tiled path's 3 rows; N past its tiles
+    # Row counts past one 8-row block, some not multiples of the tiled path's 5 rows; N past its tiles
     # of weight rows (32 at K = 1000) and odd; float32 and bf16 outputs, with and without bias.
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -229,32 +229,43 @@ static rows_fn kernel_for(const linear_args *a, int R) {
 }
 
 /* Prompts (tuili_linear_rows): dot_portable's sums, element for element, for I rows of x (row
- * stride k) against R rows of a float32 weight tile w (row stride k). A sum's LANES lanes are
+ * stride xk) against R rows of a float32 weight tile w (row stride wk). A sum's LANES lanes are
  * independent chains (lane l takes the j = l mod LANES), so they run as two passes of HALF lanes
- * (one AVX2 register each): in a pass, I x R = 12 accumulators, R weight vectors and one x vector
- * fill the 16 AVX2 registers, and each load serves R or I products (7 loads per 12
- * multiply-adds, where whole 16-lane sums leave no register for x: 16 per 12). K goes in chunks
+ * (one AVX2 register each): in a pass, I x R = 10 accumulators, R weight vectors and one x vector
+ * take 13 of the 16 AVX2 registers, and each load serves R or I products (7 loads per 10
+ * multiply-adds, where whole 16-lane sums leave no register for x: 16 per 12). 4 x 3 fills all 16
+ * registers, and GCC then reads the weight vectors again from memory (15 loads per 12): 3-5%
+ * slower on a Zen 3; 6 x 2 and 3 x 4 spill, at half the speed. K goes in chunks
  * of K_CHUNK floats, the lanes carried in memory from one to the next, so that a block of x's
  * rows stays in L1 while the tile's rows pass it. Each lane's chain and the final sum over lanes
- * 0 .. LANES-1 are dot_portable's. */
-#define TILE_X 4
-#define TILE_W 3
+ * 0 .. LANES-1 are dot_portable's.
+ *
+ * The float32 copies (x's rows, each thread's tile) start at 64 bytes and their rows lie
+ * padded_stride(k) floats apart: a vector load never splits a cache line, and the seven rows one
+ * step reads do not all fall in one L1 set, as rows 4 KiB apart (k = 1024) do. On a Zen 3
+ * (machine C) the two took 512 x 1024 x 3072 from 66-70 to 97 GFLOP/s on two cores (PyTorch's
+ * float32 matmul, with no fixed order to keep: 150-170). */
+#define TILE_X 5
+#define TILE_W 2
 #define HALF (LANES / 2)
-#define K_CHUNK 1024 /* TILE_X rows of it: 16 KB */
+#define K_CHUNK 1024 /* TILE_X rows of it: 20 KB */
 typedef float tile_lanes[TILE_X][TILE_W][LANES]; /* the partial sums of one (x block, weight rows) pair */
+
+/* Floats from one row of a float32 copy to the next: whole cache lines, plus one. */
+static inline int64_t padded_stride(int64_t k) { return (k + LANES - 1) / LANES * LANES + LANES; }
 
 /* Lanes half .. half + HALF - 1 over the whole steps at j0 .. j1 - 1, carried in acc. */
 static inline __attribute__((always_inline)) void dot_half(const float *restrict x, const float *restrict w,
-                                                           int64_t k, int64_t j0, int64_t j1, int I, int R,
-                                                           int half, tile_lanes acc) {
+                                                           int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
+                                                           int R, int half, tile_lanes acc) {
     float part[TILE_X][TILE_W][HALF];
-    for (int i = 0; i < I; i++)
+    for (int i = 0; i < I; i++) /* the first chunk starts the chains at zero */
         for (int r = 0; r < R; r++)
-            for (int l = 0; l < HALF; l++) part[i][r][l] = acc[i][r][half + l];
+            for (int l = 0; l < HALF; l++) part[i][r][l] = j0 == 0 ? 0.0f : acc[i][r][half + l];
     for (int64_t j = j0 + half; j < j1; j += LANES)
-        _Pragma("GCC unroll 4") for (int i = 0; i < I; i++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < I; i++) /* hints: 5 and 2 measured 4% slower */
             _Pragma("GCC unroll 3") for (int r = 0; r < R; r++)
-                for (int l = 0; l < HALF; l++) part[i][r][l] = MADD(x[i * k + j + l], w[r * k + j + l], part[i][r][l]);
+                for (int l = 0; l < HALF; l++) part[i][r][l] = MADD(x[i * xk + j + l], w[r * wk + j + l], part[i][r][l]);
     for (int i = 0; i < I; i++)
         for (int r = 0; r < R; r++)
             for (int l = 0; l < HALF; l++) acc[i][r][half + l] = part[i][r][l];
@@ -262,12 +273,12 @@ static inline __attribute__((always_inline)) void dot_half(const float *restrict
 
 /* Both halves over one chunk; one specialised copy per (I, R), so that the loops unroll into
  * registers. */
-static void dot_chunk(const float *x, const float *w, int64_t k, int64_t j0, int64_t j1, int I, int R,
-                      tile_lanes acc) {
-#define DOT_CHUNK(I_, R_)                                    \
-    do {                                                     \
-        dot_half(x, w, k, j0, j1, I_, R_, 0, acc);    \
-        dot_half(x, w, k, j0, j1, I_, R_, HALF, acc); \
+static void dot_chunk(const float *x, const float *w, int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
+                      int R, tile_lanes acc) {
+#define DOT_CHUNK(I_, R_)                                          \
+    do {                                                           \
+        dot_half(x, w, xk, wk, j0, j1, I_, R_, 0, acc);    \
+        dot_half(x, w, xk, wk, j0, j1, I_, R_, HALF, acc); \
     } while (0)
     if (I == TILE_X && R == TILE_W)
         DOT_CHUNK(TILE_X, TILE_W);
@@ -280,19 +291,21 @@ static void dot_chunk(const float *x, const float *w, int64_t k, int64_t j0, int
 #undef DOT_CHUNK
 }
 
-/* After the last chunk: the tail of K (from `whole`) to lane 0, then the sum over the lanes into
- * sums[i * R + r]. */
-static void finish_tile(const float *x, const float *w, int64_t k, int64_t whole, int I, int R, tile_lanes acc,
-                        float *sums) {
+/* After the last chunk (none ran when K < LANES): the tail of K (from `whole`) to lane 0, then
+ * the sum over the lanes into sums[i * R + r]. The I x R sums advance side by side, lane by lane,
+ * each in dot_portable's order: independent chains, where one sum at a time waits on each add. */
+static void finish_tile(const float *x, const float *w, int64_t xk, int64_t wk, int64_t k, int64_t whole, int I,
+                        int R, tile_lanes acc, float *sums) {
+    if (whole == 0) memset(acc, 0, sizeof(tile_lanes));
     for (int64_t j = whole; j < k; j++)
         for (int i = 0; i < I; i++)
-            for (int r = 0; r < R; r++) acc[i][r][0] = MADD(x[i * k + j], w[r * k + j], acc[i][r][0]);
+            for (int r = 0; r < R; r++) acc[i][r][0] = MADD(x[i * xk + j], w[r * wk + j], acc[i][r][0]);
+    float total[TILE_X][TILE_W] = {{0}};
+    for (int l = 0; l < LANES; l++)
+        for (int i = 0; i < I; i++)
+            for (int r = 0; r < R; r++) total[i][r] += acc[i][r][l];
     for (int i = 0; i < I; i++)
-        for (int r = 0; r < R; r++) {
-            float s = 0.0f;
-            for (int l = 0; l < LANES; l++) s += acc[i][r][l];
-            sums[i * R + r] = s;
-        }
+        for (int r = 0; r < R; r++) sums[i * R + r] = total[i][r];
 }
 #endif
 
@@ -311,6 +324,17 @@ static void store_rows(const linear_args *a, int64_t row, int R, const float *su
                 ((uint16_t *)a->out)[i * a->n + row + r] = f32_to_bf16(y);
         }
     }
+}
+
+/* count floats at a 64-byte boundary (aligned_alloc wants a multiple of it, and never 0). */
+static float *floats_at_64(size_t count) {
+    return aligned_alloc(64, (count * sizeof(float) + 64) / 64 * 64);
+}
+
+/* rows x k bfloat16 values (row stride k) as float32 rows `stride` apart, in `dst`. */
+static void widen_rows(float *dst, const uint16_t *src, int64_t rows, int64_t k, int64_t stride) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < k; j++) dst[i * stride + j] = bf16_to_f32(src[i * k + j]);
 }
 
 /* Whether the kernels read x as float32 (all but vdpbf16ps), so a bfloat16 x needs a copy. */
@@ -392,10 +416,15 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
     const size_t out_size = out_dtype == TUILI_BF16 ? 2 : 4;
     if (num_threads < 1) num_threads = 1;
     float *x_f32 = (float *)x;
+#ifdef AVX512
+    const int64_t xk = k; /* linear_small's kernels read x's rows k apart */
+#else
+    const int64_t xk = dtype == TUILI_BF16 ? padded_stride(k) : k; /* float32 x is read in place */
+#endif
     if (dtype == TUILI_BF16 && reads_x_as_f32(dtype)) {
-        x_f32 = malloc((size_t)(m * k) * sizeof(float) + 1); /* + 1: never malloc(0) */
+        x_f32 = floats_at_64((size_t)(m * xk));
         if (x_f32 == NULL) return TUILI_NO_MEMORY;
-        for (int64_t i = 0; i < m * k; i++) x_f32[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        widen_rows(x_f32, x, m, k, xk);
     }
 #ifdef AVX512
     const size_t size = dtype == TUILI_BF16 ? 2 : 4;
@@ -419,8 +448,9 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
      * and per row left over */
     const int64_t groups = tile / TILE_W + TILE_W;
     tile_lanes *lanes = malloc((size_t)(num_threads * groups) * sizeof *lanes);
+    const int64_t wk = dtype == TUILI_BF16 ? padded_stride(k) : k; /* float32 weights are read in place */
     float *tiles = NULL;
-    if (dtype == TUILI_BF16) tiles = malloc((size_t)(num_threads * tile * k) * sizeof(float) + 1);
+    if (dtype == TUILI_BF16) tiles = floats_at_64((size_t)(num_threads * tile * wk));
     if (lanes == NULL || (dtype == TUILI_BF16 && tiles == NULL)) {
         free(lanes);
         free(tiles);
@@ -433,8 +463,8 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
         const int64_t row0 = t * tile, rows = n - row0 < tile ? n - row0 : tile;
         const float *w = (const float *)weight + row0 * k;
         if (dtype == TUILI_BF16) {
-            float *own = tiles + (size_t)omp_get_thread_num() * tile * k;
-            for (int64_t e = 0; e < rows * k; e++) own[e] = bf16_to_f32(((const uint16_t *)weight)[row0 * k + e]);
+            float *own = tiles + (size_t)omp_get_thread_num() * tile * wk;
+            widen_rows(own, (const uint16_t *)weight + row0 * k, rows, k, wk);
             w = own;
         }
         tile_lanes *acc = lanes + (size_t)omp_get_thread_num() * groups;
@@ -442,20 +472,19 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
         float sums[TILE_X * TILE_W];
         for (int64_t i0 = 0; i0 < m; i0 += TILE_X) {
             const int I = m - i0 < TILE_X ? (int)(m - i0) : TILE_X;
-            const float *xs = x_f32 + i0 * k;
-            memset(acc, 0, (size_t)groups * sizeof *acc);
+            const float *xs = x_f32 + i0 * xk;
             for (int64_t j0 = 0; j0 < whole; j0 += K_CHUNK) {
                 const int64_t j1 = whole - j0 < K_CHUNK ? whole : j0 + K_CHUNK;
                 for (int64_t r0 = 0, g = 0; r0 < rows; g++) {
                     const int R = rows - r0 < TILE_W ? 1 : TILE_W; /* the rows left over one at a time */
-                    dot_chunk(xs, w + r0 * k, k, j0, j1, I, R, acc[g]);
+                    dot_chunk(xs, w + r0 * wk, xk, wk, j0, j1, I, R, acc[g]);
                     r0 += R;
                 }
             }
             const linear_args a = {NULL, weight, bias, NULL, (char *)out + i0 * n * out_size, dtype, out_dtype, I, n, k};
             for (int64_t r0 = 0, g = 0; r0 < rows; g++) {
                 const int R = rows - r0 < TILE_W ? 1 : TILE_W;
-                finish_tile(xs, w + r0 * k, k, whole, I, R, acc[g], sums);
+                finish_tile(xs, w + r0 * wk, xk, wk, k, whole, I, R, acc[g], sums);
                 store_rows(&a, row0 + r0, R, sums);
                 r0 += R;
             }
