@@ -576,3 +576,5 @@ def test_fixed_key_splits_give_a_token_the_same_bits_in_any_call(dtype):
     decodes = attend([(p, 1) for p in (0, 255, 256, 300, 511, 599)], threads=1)
     assert torch.equal(decodes, whole[[0, 255, 256, 300, 511, 599]])
     assert torch.equal(attend([(599, 1)]), whole[599:])
+    # one decode within the first part: one unit per KV head instead of one for all (both threads busy)
+    assert torch.equal(attend([(200, 1)]), whole[200:201])

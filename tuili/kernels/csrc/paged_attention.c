@@ -528,9 +528,10 @@ static int check_indices(const attn_args *a, int64_t num_tokens, int64_t num_blo
 /* Lays out the units (and, when units != NULL, fills them). Returns the number of units;
  * *partial_floats receives the size of the partials buffer. Keys are split in up to
  * max_splits parts of at least MIN_SPLIT_KEYS keys, or, when fixed_part > 0 (a multiple of
- * KEY_CHUNK), in parts of fixed_part keys at fixed positions. */
+ * KEY_CHUNK), in parts of fixed_part keys at fixed positions. A unit takes at most max_heads KV
+ * heads. */
 static int64_t plan_units(const attn_args *a, int64_t num_seqs, int64_t max_splits, int64_t fixed_part,
-                          unit_t *units, int64_t *partial_floats) {
+                          int64_t max_heads, unit_t *units, int64_t *partial_floats) {
     const int64_t per_kv = a->num_heads / a->num_kv_heads, D = a->head_dim;
     int64_t count = 0, floats = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -539,9 +540,10 @@ static int64_t plan_units(const attn_args *a, int64_t num_seqs, int64_t max_spli
         const int64_t head_rows = n * per_kv;
         if (head_rows == 0) continue;
         /* Few rows per head (decodes): several heads per unit. Many (prompt chunks): row tiles. */
-        const int64_t heads = head_rows <= ROW_TILE ? (ROW_TILE / head_rows < a->num_kv_heads ? ROW_TILE / head_rows
-                                                                                                : a->num_kv_heads)
-                                                    : 1;
+        int64_t heads = head_rows <= ROW_TILE ? (ROW_TILE / head_rows < a->num_kv_heads ? ROW_TILE / head_rows
+                                                                                          : a->num_kv_heads)
+                                              : 1;
+        heads = heads < max_heads ? heads : max_heads;
         const int64_t tile = head_rows <= ROW_TILE ? head_rows : ROW_TILE;
         for (int64_t h = 0; h < a->num_kv_heads; h += heads) {
             const int64_t unit_heads = a->num_kv_heads - h < heads ? a->num_kv_heads - h : heads;
@@ -595,13 +597,20 @@ int tuili_paged_attention(const void *q, int q_dtype, int64_t q_stride, int64_t 
     if (num_threads < 1) num_threads = 1;
 
     /* Split keys only as far as needed to give every thread several units, or at the fixed
-     * positions asked for (rounded up to whole key chunks). */
+     * positions asked for (rounded up to whole key chunks). Still too few units (a short decode
+     * with fixed parts: one unit below 256 keys, which one thread ran while the others waited),
+     * fewer KV heads per unit: a row's arithmetic does not depend on the heads beside it. */
     int64_t partial_floats;
     const int64_t fixed_part = split_keys > 0 ? (split_keys + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK : 0;
-    const int64_t whole = plan_units(&a, num_seqs, 1, 0, NULL, &partial_floats);
+    const int64_t whole = plan_units(&a, num_seqs, 1, 0, num_kv_heads, NULL, &partial_floats);
     const int64_t wanted = num_threads > 1 ? (int64_t)UNITS_PER_THREAD * num_threads : 1;
     const int64_t max_splits = whole > 0 && whole < wanted ? (wanted + whole - 1) / whole : 1;
-    const int64_t count = plan_units(&a, num_seqs, max_splits, fixed_part, NULL, &partial_floats);
+    int64_t max_heads = num_kv_heads;
+    int64_t count = plan_units(&a, num_seqs, max_splits, fixed_part, max_heads, NULL, &partial_floats);
+    while (count > 0 && count < wanted && max_heads > 1) {
+        max_heads = (max_heads + 1) / 2;
+        count = plan_units(&a, num_seqs, max_splits, fixed_part, max_heads, NULL, &partial_floats);
+    }
     unit_t *units = malloc((size_t)(count > 0 ? count : 1) * sizeof(unit_t));
     float *partials = malloc((size_t)(partial_floats > 0 ? partial_floats : 1) * sizeof(float));
     if (!units || !partials) {
@@ -609,7 +618,7 @@ int tuili_paged_attention(const void *q, int q_dtype, int64_t q_stride, int64_t 
         free(partials);
         return (int)(error[0] = TUILI_NO_MEMORY);
     }
-    plan_units(&a, num_seqs, max_splits, fixed_part, units, &partial_floats);
+    plan_units(&a, num_seqs, max_splits, fixed_part, max_heads, units, &partial_floats);
 
     int failed = 0;
     const size_t scratch_bytes = (scratch_floats(head_dim) * sizeof(float) + 63) / 64 * 64;
