@@ -249,31 +249,38 @@ static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t en
 #define SCORE_KEYS 4
 #define PV_BLOCK 64 /* eight AVX2 registers: two FMA ports of 4-cycle latency */
 
+/* Element d of a cache row as float32: a float32 row, or (bf16) a bfloat16 one read in place
+ * (the conversion is exact, so either gives the same sums). */
+static inline __attribute__((always_inline)) float cache_value(const void *row, int64_t d, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
 /* Lanes half .. half + 7 of dot_lanes16 for I rows of q (row stride D) by SCORE_KEYS keys. */
 static inline __attribute__((always_inline)) void score_half(const float *restrict q, int64_t D, int64_t whole,
-                                                             const float *const *restrict k, int I, int half,
-                                                             float lanes[SCORE_ROWS][SCORE_KEYS][16]) {
+                                                             const void *const *restrict k, int I, int half,
+                                                             float lanes[SCORE_ROWS][SCORE_KEYS][16], const int bf16) {
     float part[SCORE_ROWS][SCORE_KEYS][8] = {{{0}}};
     for (int64_t d = half; d < whole; d += 16)
         _Pragma("GCC unroll 3") for (int i = 0; i < I; i++)
             _Pragma("GCC unroll 4") for (int t = 0; t < SCORE_KEYS; t++)
-                for (int l = 0; l < 8; l++) part[i][t][l] = MADD(q[i * D + d + l], k[t][d + l], part[i][t][l]);
+                for (int l = 0; l < 8; l++)
+                    part[i][t][l] = MADD(q[i * D + d + l], cache_value(k[t], d + l, bf16), part[i][t][l]);
     for (int i = 0; i < I; i++)
         for (int t = 0; t < SCORE_KEYS; t++)
             for (int l = 0; l < 8; l++) lanes[i][t][half + l] = part[i][t][l];
 }
 
 /* scores[i * KEY_CHUNK + t] = dot_lanes16(q row i, k[t], D), I <= SCORE_ROWS rows, SCORE_KEYS keys. */
-static inline __attribute__((always_inline)) void score_tile(const float *q, int64_t D, const float *const *k,
-                                                             int I, float *scores) {
+static inline __attribute__((always_inline)) void score_tile(const float *q, int64_t D, const void *const *k,
+                                                             int I, float *scores, const int bf16) {
     float lanes[SCORE_ROWS][SCORE_KEYS][16];
     const int64_t whole = D - D % 16;
-    score_half(q, D, whole, k, I, 0, lanes);
-    score_half(q, D, whole, k, I, 8, lanes);
+    score_half(q, D, whole, k, I, 0, lanes, bf16);
+    score_half(q, D, whole, k, I, 8, lanes, bf16);
     for (int i = 0; i < I; i++)
         for (int t = 0; t < SCORE_KEYS; t++) {
             float total = 0.0f;
-            for (int64_t d = whole; d < D; d++) total = MADD(q[i * D + d], k[t][d], total);
+            for (int64_t d = whole; d < D; d++) total = MADD(q[i * D + d], cache_value(k[t], d, bf16), total);
             for (int l = 0; l < 16; l++) total += lanes[i][t][l];
             scores[i * KEY_CHUNK + t] = total;
         }
@@ -281,32 +288,34 @@ static inline __attribute__((always_inline)) void score_tile(const float *q, int
 
 /* acc[0 .. PV_BLOCK) += sum over t < keys of p[t] * vrow[t][d ..], the block held in registers. */
 static inline __attribute__((always_inline)) void accumulate_block(float *restrict acc, const float *restrict p,
-                                                                   const float *const *restrict vrow,
-                                                                   int64_t keys, int64_t d) {
+                                                                   const void *const *restrict vrow,
+                                                                   int64_t keys, int64_t d, const int bf16) {
     float sum[PV_BLOCK];
     for (int l = 0; l < PV_BLOCK; l++) sum[l] = acc[l];
     for (int64_t t = 0; t < keys; t++) {
-        const float weight = p[t], *restrict v = vrow[t] + d;
-        for (int l = 0; l < PV_BLOCK; l++) sum[l] = MADD(weight, v[l], sum[l]);
+        const float weight = p[t];
+        for (int l = 0; l < PV_BLOCK; l++) sum[l] = MADD(weight, cache_value(vrow[t], d + l, bf16), sum[l]);
     }
     for (int l = 0; l < PV_BLOCK; l++) acc[l] = sum[l];
 }
 
 /* Without unroll-and-jam: GCC 12 at -O3 jams two keys of accumulate_block into one scalar loop
- * over a block kept in memory (seen in the assembly), four times slower than the vector loop. */
-__attribute__((optimize("no-loop-unroll-and-jam"))) static void attend_chunk_portable(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
-                                  const float *const *krow, const float *const *vrow) {
+ * over a block kept in memory (seen in the assembly), four times slower than the vector loop.
+ * krow, vrow: float32 rows, or (bf16) the bfloat16 cache rows read in place. */
+static inline __attribute__((always_inline)) void portable_chunk(rows_t *st, int64_t first, int64_t end, int64_t c,
+                                                                 int64_t n, const void *const *krow,
+                                                                 const void *const *vrow, const int bf16) {
     const int64_t D = st->head_dim;
     float scores[SCORE_ROWS * KEY_CHUNK];
     for (int64_t r0 = first; r0 < end; r0 += SCORE_ROWS) {
         const int I = end - r0 < SCORE_ROWS ? (int)(end - r0) : SCORE_ROWS;
         for (int t0 = 0; t0 < KEY_CHUNK; t0 += SCORE_KEYS) { /* every key: rows past n score zeros */
             if (I == SCORE_ROWS)
-                score_tile(st->q + r0 * D, D, krow + t0, SCORE_ROWS, scores + t0);
+                score_tile(st->q + r0 * D, D, krow + t0, SCORE_ROWS, scores + t0, bf16);
             else if (I == 2)
-                score_tile(st->q + r0 * D, D, krow + t0, 2, scores + t0);
+                score_tile(st->q + r0 * D, D, krow + t0, 2, scores + t0, bf16);
             else
-                score_tile(st->q + r0 * D, D, krow + t0, 1, scores + t0);
+                score_tile(st->q + r0 * D, D, krow + t0, 1, scores + t0, bf16);
         }
         for (int i = 0; i < I; i++) {
             const int64_t r = r0 + i, keys = visible_keys(st, r, c, n);
@@ -318,10 +327,24 @@ __attribute__((optimize("no-loop-unroll-and-jam"))) static void attend_chunk_por
             for (int64_t t = 0; t < keys; t++) st->l[r] += s[t];
             float *acc = st->acc + r * D;
             int64_t d = 0;
-            for (; d + PV_BLOCK <= D; d += PV_BLOCK) accumulate_block(acc + d, s, vrow, keys, d);
-            for (int64_t t = 0; t < keys; t++) axpy(acc + d, s[t], vrow[t] + d, D - d);
+            for (; d + PV_BLOCK <= D; d += PV_BLOCK) accumulate_block(acc + d, s, vrow, keys, d, bf16);
+            for (int64_t t = 0; t < keys; t++)
+                for (int64_t e = d; e < D; e++) acc[e] = MADD(s[t], cache_value(vrow[t], e, bf16), acc[e]);
         }
     }
+}
+
+__attribute__((optimize("no-loop-unroll-and-jam"))) static void attend_chunk_portable(
+    rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n, const float *const *krow, const float *const *vrow) {
+    portable_chunk(st, first, end, c, n, (const void *const *)krow, (const void *const *)vrow, 0);
+}
+
+/* The same for a bfloat16 cache read in place (decodes: few rows per head, so a float32 copy of
+ * each key and value, written and read back once or twice, cost more than widening in registers). */
+__attribute__((optimize("no-loop-unroll-and-jam"))) static void attend_chunk_portable_bf16(
+    rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n, const uint16_t *const *krow,
+    const uint16_t *const *vrow) {
+    portable_chunk(st, first, end, c, n, (const void *const *)krow, (const void *const *)vrow, 1);
 }
 
 static inline void attend_chunk(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
@@ -378,13 +401,20 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
     rows_t st = {.rows = u->heads * head_rows, .head_dim = D, .q = scratch, .acc = scratch + ROW_TILE * D};
     float *kbuf = st.acc + ROW_TILE * D, *vbuf = kbuf + KEY_CHUNK * D, *zeros = vbuf + KEY_CHUNK * D;
     const float *krow[KEY_CHUNK], *vrow[KEY_CHUNK];
-    const uint16_t *krow_bf16[KEY_CHUNK];
+    const uint16_t *krow_bf16[KEY_CHUNK], *vrow_bf16[KEY_CHUNK];
     int64_t out_row[ROW_TILE], offsets[KEY_CHUNK];
 #ifdef HAVE_BF16_SCORES
     const int bf16_scores = a->cache_dtype == TUILI_BF16 && a->q_dtype == TUILI_BF16 && D % 32 == 0;
 #else
     const int bf16_scores = 0;
 #endif
+#ifdef __AVX512F__
+    const int portable = D % 16 != 0; /* attend_chunk's choice */
+#else
+    const int portable = 1;
+#endif
+    /* decodes on the portable chunk read a bf16 cache in place */
+    const int bf16_in_place = portable && !bf16_scores && a->cache_dtype == TUILI_BF16 && head_rows <= IN_PLACE_MAX_ROWS;
     const int64_t first_token = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq);
     const int64_t first_pos = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq + 2);
     const size_t q_size = element_size(a->q_dtype), row_bytes = (size_t)D * element_size(a->cache_dtype);
@@ -432,7 +462,10 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                 const char *k = k_cache + offsets[t] + h * row_bytes, *v = v_cache + offsets[t] + h * row_bytes;
                 if (t >= n) {
                     krow[t] = vrow[t] = zeros;
-                    krow_bf16[t] = (const uint16_t *)zeros;
+                    krow_bf16[t] = vrow_bf16[t] = (const uint16_t *)zeros; /* zero bytes: bf16 zeros too */
+                } else if (bf16_in_place) {
+                    krow_bf16[t] = (const uint16_t *)k;
+                    vrow_bf16[t] = (const uint16_t *)v;
                 } else if (bf16_scores) { /* keys read in place as bf16, values converted */
                     krow_bf16[t] = (const uint16_t *)k;
                     to_f32(vbuf + t * D, v, a->cache_dtype, D);
@@ -453,7 +486,10 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                 continue;
             }
 #endif
-            attend_chunk(&st, h * head_rows, (h + 1) * head_rows, c, n, krow, vrow);
+            if (bf16_in_place)
+                attend_chunk_portable_bf16(&st, h * head_rows, (h + 1) * head_rows, c, n, krow_bf16, vrow_bf16);
+            else
+                attend_chunk(&st, h * head_rows, (h + 1) * head_rows, c, n, krow, vrow);
         }
     }
 
