@@ -41,9 +41,9 @@
 #define ROW_TILE 32       /* query rows per unit, over all its KV heads */
 #define MIN_SPLIT_KEYS 64 /* fewer keys per unit than this is not worth a merge */
 #define UNITS_PER_THREAD 4
-/* float32 keys and values are read in place when a head has at most this many rows (decodes); more
- * rows (prompt chunks) reuse each key often enough that a compact copy in L1 pays (docs/kernels.md,
- * Measured crossovers). */
+/* float32 keys and values (and bf16 ones on the portable chunk) are read in place when a head has
+ * at most this many rows (decodes); more rows (prompt chunks) reuse each key often enough that a
+ * compact float32 copy in L1 pays (docs/kernels.md, Measured crossovers). */
 #define IN_PLACE_MAX_ROWS 4
 
 typedef struct {
