@@ -370,9 +370,9 @@ int tuili_linear_small(const void *x, const void *weight, const void *bias, void
     linear_args a = {x, weight, bias, x, out, dtype, out_dtype, m, n, k};
     float *x_f32 = NULL;
     if (reads_x_as_f32(dtype)) {
-        x_f32 = malloc((size_t)(m * k) * sizeof(float));
+        x_f32 = floats_at_64((size_t)(m * k));
         if (x_f32 == NULL) return TUILI_NO_MEMORY;
-        for (int64_t i = 0; i < m * k; i++) x_f32[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        widen_rows(x_f32, x, m, k, k);
         a.x_f32 = x_f32;
     }
     const int step = unroll(m);
