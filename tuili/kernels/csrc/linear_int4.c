@@ -68,8 +68,8 @@ typedef struct {
     const int8_t *xq_low; /* the rest, (x / sx - xq) * LOW_STEPS rounded, as x */
     const float *sx;      /* [M, groups] the scales of x / (sx * LOW_STEPS) ~ LOW_STEPS xq + xq_low */
     const int32_t *xqsum; /* [M, groups] sum of LOW_STEPS xq + xq_low over each group */
-    const void *xb;       /* AVX2 decode: xq, xq_low broadcast per quad of k (broadcast_x_avx2), or NULL */
-    const int16_t *x16;   /* AVX2, from a few rows: [M, K] LOW_STEPS xq + xq_low (tile_rows_avx2_wide), or NULL */
+    const void *xb;       /* AVX2 int4 decode: xq, xq_low broadcast per quad of k (broadcast_x_avx2), or NULL */
+    const int16_t *x16;   /* AVX2 Q8_0, or int4 from a few rows: [M, K] LOW_STEPS xq + xq_low, or NULL */
     const uint8_t *packed;
     const uint16_t *scale_zero;
     void *out;
@@ -418,36 +418,22 @@ static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int ro
 /* AVX2 (older Intel, AMD Zen 1-3): the VNNI way above, its VPDPBUSD made of VPMADDUBSW (codes x
  * int8 parts of x, pairs of k summed in int16) and VPMADDWD by ones (the pairs summed in int32):
  * the same exact integer sums and the same float32 epilogue, so the results are the VNNI path's
- * bits. Its byte permute becomes two rounds of unpacks of four tile rows. int4 codes (0..15) go
- * in as they are: |pair| <= 2 x 15 x 128, no saturation. Q8_0's u = 16h + l reaches 255, whose
- * pairs would saturate int16, so it takes llama.cpp's sign trick on q = u - 128 (a byte's top bit
- * flipped): |q| (<= 128, unsigned) times x with q's sign moved onto it, |pair| <= 2 x 128 x 127.
- * The sum of q x is the VNNI path's sum of u x less 128 x its sum of x, the same integer. The
- * plain C float32 sums are compute bound here (4.4 GB/s of int4 bytes on two 2.0 GHz cores,
- * against 20 GB/s for AVX-512), as were AVX2 intrinsics of them. At decode the loops take x's
- * parts from memory (broadcast_x_avx2) and ask for both lines of each quad, and each group's
+ * bits. int4 codes (0..15) go in as they are: |pair| <= 2 x 15 x 128, no saturation. Q8_0's
+ * u = 16h + l reaches 255, whose pairs would saturate int16: it multiplies int16 codes by x's two
+ * parts as one int16 (VPMADDWD, q8_rows_avx2), the same integer sums. The plain C float32 sums
+ * are compute bound here (4.4 GB/s of int4 bytes on two 2.0 GHz cores, against 20 GB/s for
+ * AVX-512), as were AVX2 intrinsics of them. At decode the int4 loops take x's parts from memory (broadcast_x_avx2) and ask for both lines of each quad, and each group's
  * scales, ahead: on a Zen 3 (machine C) one Q4_0 row went 4.5 -> 8.6 GB/s on one core from
  * memory (8.7 from L3 before: the prefetch was half of it), on two 7 -> 12-17 GB/s. From a few
  * rows on, int16 codes multiply x's two parts as one int16 instead (tile_rows_avx2_wide). */
 #define AVX2_DOTS 1
 /* Rows of x from which a tile is widened once (tile_rows_avx2_wide) rather than read per row
- * (tile_rows_avx2), int4 and Q8_0: measured crossovers on Zen 3 (machine C, two cores,
- * Qwen3-0.6B's shapes): int4 at 4 rows 0.39 against 0.48 ms, at 6 0.75 against 0.57; Q8_0's
- * 151936 x 1024 output matrix at 2 rows 16 against 18 ms, at 3 22 against 19. */
+ * (tile_rows_avx2, q8_rows_avx2), int4 and Q8_0: measured crossovers on Zen 3 (machine C, two
+ * cores, Qwen3-0.6B's shapes): int4 at 4 rows 0.39 against 0.48 ms, at 6 0.75 against 0.57;
+ * Q8_0's 151936 x 1024 output matrix at 4 rows 11.8 against 15.3 ms, at 7 19.5 against 20.0,
+ * at 8 even. */
 #define WIDE_MIN_ROWS_INT4 5
-#define WIDE_MIN_ROWS_Q8 3
-/* Four rows of bytes n[l] (tile rows k + l, one byte per output row) as four vectors of eight
- * 32-bit lanes, each lane four consecutive k of one row: vector v holds rows 4v .. 4v + 3 of
- * the 32 (lanes 0-3) and 16 + 4v .. 16 + 4v + 3 (lanes 4-7). */
-static inline __attribute__((always_inline)) void transpose_quad(const __m256i n[4], __m256i w[4]) {
-    const __m256i t0 = _mm256_unpacklo_epi8(n[0], n[1]), t1 = _mm256_unpackhi_epi8(n[0], n[1]);
-    const __m256i t2 = _mm256_unpacklo_epi8(n[2], n[3]), t3 = _mm256_unpackhi_epi8(n[2], n[3]);
-    w[0] = _mm256_unpacklo_epi16(t0, t2);
-    w[1] = _mm256_unpackhi_epi16(t0, t2);
-    w[2] = _mm256_unpacklo_epi16(t1, t3);
-    w[3] = _mm256_unpackhi_epi16(t1, t3);
-}
-
+#define WIDE_MIN_ROWS_Q8 8
 /* int4: the 32 codes (0..15) of one tile row for the output rows of nibble half `half`. */
 static inline __attribute__((always_inline)) __m256i int4_row_avx2(const uint8_t *row, int half) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
@@ -466,17 +452,11 @@ static inline __attribute__((always_inline)) __m256i q8_row_avx2(const uint8_t *
                                   _mm256_and_si256(lo, nibble)); /* a nibble shifted stays in its byte */
 }
 
-/* Q8_0: q = u - 128 of tile rows k .. k + 3 of nibble half `half`, as signed bytes, transposed. */
-static inline __attribute__((always_inline)) void quad_q8_avx2(const uint8_t *high, const uint8_t *low, int64_t k,
-                                                               int half, __m256i w[4]) {
-    const __m256i top = _mm256_set1_epi8((char)0x80);
-    __m256i n[4];
-    for (int l = 0; l < 4; l++) n[l] = _mm256_xor_si256(q8_row_avx2(high, low, k + l, half), top);
-    transpose_quad(n, w);
-}
-
-/* tile_rows_vnni's epilogue for one row of x and one vector of tile rows as transpose_quad lays
- * them out (`first`: the tile row of lane 0; lanes 4-7 are 16 rows further): total += scale * sx * sums
+/* The AVX2 loops' int32 sums come as "row vectors": for half h of a tile (rows 32h .. 32h + 31)
+ * vector v (0..3) holds rows 32h + 4v .. 32h + 4v + 3 in lanes 0-3 and the rows 16 further in
+ * lanes 4-7 (what unpacking tile rows k and k + 1 twice yields).
+ * tile_rows_vnni's epilogue for one row of x and one row vector (`first`: the tile row of lane 0;
+ * lanes 4-7 are 16 rows further): total += scale * sx * sums
  * + (zero - 8 scale) * sum x, or for Q8_0 scale * sx * sums, with the same fused operations in
  * the same order, lane by lane. */
 static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *sz, float *total, int first,
@@ -496,47 +476,27 @@ static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *
     _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
 }
 
-/* One vector of Q8_0 codes w (quad_q8_avx2's) times the two int8 parts of one row of x, broadcast,
- * into the int32 sums. VPMADDUBSW's first operand is unsigned: |q|, and x takes q's sign. */
-static inline __attribute__((always_inline)) void add_products_q8_avx2(__m256i w, __m256i xh, __m256i xl,
-                                                                       __m256i *acc, __m256i *rest) {
-    const __m256i ones = _mm256_set1_epi16(1), wv = _mm256_abs_epi8(w);
-    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xh, w)), ones));
-    *rest = _mm256_add_epi32(*rest, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_sign_epi8(xl, w)), ones));
-}
-
-/* x's int8 parts as VPMADDUBSW reads them at decode (below the wide path's rows), made once
+/* x's int8 parts as VPMADDUBSW reads them at int4 decode (below the wide path's rows), made once
  * per call for every tile; the loops below take them as memory operands, which leaves the 16
  * registers to codes and sums. For row i of x and the quad at k (a multiple of 4):
- *   Q8_0 (transposed quads, lanes of four k): xq's four k, then xq_low's, as 32-bit broadcasts,
- *     xb[(i kp + k) / 2 + part];
- *   int4 (pairs of k, lanes of two): (xq[k], xq[k + 1]), (xq[k + 2], xq[k + 3]), then xq_low's,
- *     as 16-bit broadcasts, xb[i kp + k + 2 part + pair]. */
-static void broadcast_x_avx2(const int8_t *xq, const int8_t *xq_low, int64_t values, const int q8, __m256i *xb) {
-    for (int64_t at = 0; at < values; at += 4) {
-        if (q8) {
-            int32_t four_high, four_low;
-            memcpy(&four_high, xq + at, sizeof four_high);
-            memcpy(&four_low, xq_low + at, sizeof four_low);
-            xb[at / 2] = _mm256_set1_epi32(four_high);
-            xb[at / 2 + 1] = _mm256_set1_epi32(four_low);
-        } else {
-            const int8_t *parts[2] = {xq, xq_low};
-            for (int part = 0; part < 2; part++)
-                for (int pair = 0; pair < 2; pair++) {
-                    int16_t two;
-                    memcpy(&two, parts[part] + at + 2 * pair, sizeof two);
-                    xb[at + 2 * part + pair] = _mm256_set1_epi16(two);
-                }
-        }
-    }
+ * (xq[k], xq[k + 1]), (xq[k + 2], xq[k + 3]), then xq_low's, as 16-bit broadcasts,
+ * xb[i kp + k + 2 part + pair]. */
+static void broadcast_x_avx2(const int8_t *xq, const int8_t *xq_low, int64_t values, __m256i *xb) {
+    const int8_t *parts[2] = {xq, xq_low};
+    for (int64_t at = 0; at < values; at += 4)
+        for (int part = 0; part < 2; part++)
+            for (int pair = 0; pair < 2; pair++) {
+                int16_t two;
+                memcpy(&two, parts[part] + at + 2 * pair, sizeof two);
+                xb[at + 2 * part + pair] = _mm256_set1_epi16(two);
+            }
 }
 
 /* k over which int4_group_avx2's int16 sums add (two pair sums per quad, each |.| <= 2 x 15 x
  * 127 = 3810): 4 quads, |sum| <= 30480 < 2^15. */
 #define PAIR_SPAN 16
 
-/* int16 sums of 16 rows (lanes) widened into the int32 sums of transpose_quad's lanes: `sums` holds
+/* int16 sums of 16 rows (lanes) widened into the int32 sums of two row vectors: `sums` holds
  * rows 0-7 | 16-23 (after VPUNPCKLBW) or 8-15 | 24-31 (VPUNPCKHBW) of the half; its low four
  * lanes of each 128 bits go to *first (rows 0-3 | 16-19, or 8-11 | 24-27), its high four to
  * *second. */
@@ -548,11 +508,10 @@ static inline __attribute__((always_inline)) void widen_rows_avx2(__m256i sums, 
 
 /* int4 codes of nibble half `half` of a tile (rows 0-31 or 32-63) against one row of x (xb: its
  * pairs at k = begin), k from begin to end (a group): the int32 sums of codes x xq into acc and of
- * codes x xq_low into rest, lanes as transpose_quad's vectors (so the epilogue is the same). No
- * transpose: one VPUNPCKL/HBW of tile rows k and k + 1 puts each output row's two codes side by
- * side (16 rows per vector), which VPMADDUBSW multiplies by (x[k], x[k + 1]); four int16 sums
- * (two row sets x two parts) take the quad, against eight for the transposed quads, and spill
- * nothing. Half 0 asks for the tile's lines PREFETCH_ROWS ahead (half 1 rereads them from L1). */
+ * codes x xq_low into rest, as row vectors. One VPUNPCKL/HBW of tile rows k and k + 1 puts each
+ * output row's two codes side by side (16 rows per vector), which VPMADDUBSW multiplies by
+ * (x[k], x[k + 1]); four int16 sums (two row sets x two parts) take the quad, against eight
+ * for quads transposed into lanes of four k, and spill nothing. Half 0 asks for the tile's lines PREFETCH_ROWS ahead (half 1 rereads them from L1). */
 static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t *codes, const __m256i *xb,
                                                                   int64_t begin, int64_t end, const int half,
                                                                   __m256i acc[4], __m256i rest[4]) {
@@ -585,51 +544,28 @@ static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t 
     }
 }
 
-/* Q8_0's codes (quad_q8_avx2) of half `half` of a tile against one row of x, as int4_group_avx2. */
-static inline __attribute__((always_inline)) void q8_group_avx2(const uint8_t *high, const uint8_t *low,
-                                                                const __m256i *xb, int64_t begin, int64_t end,
-                                                                const int half, __m256i acc[4], __m256i rest[4]) {
-    for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
-    const __m256i *x = xb;
-    for (int64_t k = begin; k < end; k += 4, x += 2) {
-        if (half == 0) {
-            prefetch_quad(high + k * HALF);
-            prefetch_quad(low + k * HALF);
-        }
-        __m256i w[4];
-        quad_q8_avx2(high, low, k, half, w);
-        for (int v = 0; v < 4; v++) add_products_q8_avx2(w[v], x[0], x[1], &acc[v], &rest[v]);
-    }
-}
-
-/* Rows i0 .. i0 + rows - 1 of x against tile `tile` (int4, or Q8_0 when q8) at decode, one row
- * of x and one nibble half at a time (each fills the registers), into total. The epilogue is
- * vectors too: at groups of 32 (Q4_0, Q8_0) a scalar one took half the time. */
-static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
-                                                                 int rows, float total[ROWS_AT_ONCE][TILE],
-                                                                 const int q8) {
-    const uint8_t *codes = a->packed + tile * (q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
+/* Rows i0 .. i0 + rows - 1 of x against int4 tile `tile` at decode, one row of x and one nibble
+ * half at a time (each fills the registers), into total. The epilogue is vectors too: at groups
+ * of 32 (Q4_0) a scalar one took half the time. */
+static void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
+    const uint8_t *codes = a->packed + tile * a->kp * HALF;
     const int64_t groups = a->kp / a->group;
     const __m256i steps = _mm256_set1_epi32(LOW_STEPS);
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
-        if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's, int4 or Q8_0 */
+        const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's */
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int i = 0; i < rows; i++) {
-            const __m256i *xb = (const __m256i *)a->xb + ((i0 + i) * a->kp + begin) / (q8 ? 2 : 1);
+            const __m256i *xb = (const __m256i *)a->xb + (i0 + i) * a->kp + begin;
             const int64_t at = (i0 + i) * groups + g;
             for (int half = 0; half < 2; half++) {
                 __m256i acc[4], rest[4];
-                if (q8)
-                    half ? q8_group_avx2(codes, low, xb, begin, end, 1, acc, rest)
-                         : q8_group_avx2(codes, low, xb, begin, end, 0, acc, rest);
-                else
-                    half ? int4_group_avx2(codes, xb, begin, end, 1, acc, rest)
-                         : int4_group_avx2(codes, xb, begin, end, 0, acc, rest);
+                half ? int4_group_avx2(codes, xb, begin, end, 1, acc, rest)
+                     : int4_group_avx2(codes, xb, begin, end, 0, acc, rest);
                 for (int v = 0; v < 4; v++) /* LOW_STEPS * (codes . xq) + codes . xq_low */
                     add_sums_avx2(sz, total[i], HALF * half + 4 * v,
                                   _mm256_add_epi32(_mm256_mullo_epi32(acc[v], steps), rest[v]), a->sx[at],
-                                  a->xsum[at], q8);
+                                  a->xsum[at], 0);
             }
         }
     }
@@ -645,7 +581,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2(const int4_args
  *
  * The buffer: for each pair of tile rows (k, k + 1) eight vectors, cache[k / 2 * 8 + 4 half + v],
  * lane l of vector v the two int16 codes (k, k + 1) of output row HALF half + 4v + l (l < 4) or
- * HALF half + 16 + 4v + l - 4: transpose_quad's rows, so add_sums_avx2 is the epilogue. Q8_0's codes
+ * HALF half + 16 + 4v + l - 4: row vectors, so add_sums_avx2 is the epilogue. Q8_0's codes
  * are q = u - 128 (signed), int4's as stored (0..15). */
 static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
     const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
@@ -708,6 +644,67 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
         }
     }
 }
+/* Q8_0 at decode (below WIDE_MIN_ROWS_Q8 rows): tile_rows_avx2_wide's products with the codes
+ * widened in registers as they are read, not through a buffer: per pair of tile rows (k, k + 1)
+ * and half, u = 16h + l of both rows side by side in int16 (four vectors of transpose_quad's
+ * rows), one VPMADDWD each by x16's pair (k, k + 1). The sums of u x16 are taken modulo 2^32
+ * (|.| can pass 2^31 for groups of 256) and 128 x16's group sum comes off once, so each equals
+ * sum q x16, the wide path's integer: the same bits. Against VPMADDUBSW on both int8 parts of x
+ * it needs no sign trick, one part and no transpose: 22 operations per 64 codes, not 32, and the
+ * accumulators fit the registers (the quads spilled four of them in every step). */
+static inline __attribute__((always_inline)) void q8_rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
+                                                               float total[ROWS_AT_ONCE][TILE], const int R) {
+    const uint8_t *high = a->packed + tile * 2 * a->kp * HALF, *low = high + a->kp * HALF;
+    const int64_t groups = a->kp / a->group;
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *sz = q8_scales(a, tile, g);
+        if (g + 2 < groups) prefetch_scales(q8_scales(a, tile, g + 2));
+        const int64_t begin = g * a->group, end = begin + a->group;
+        for (int half = 0; half < 2; half++) {
+            __m256i acc[ROWS_AT_ONCE][4];
+            for (int i = 0; i < R; i++)
+                for (int v = 0; v < 4; v++) acc[i][v] = zero;
+            for (int64_t k = begin; k < end; k += 2) {
+                if (half == 0 && (k & 3) == 0) {
+                    prefetch_quad(high + k * HALF);
+                    prefetch_quad(low + k * HALF);
+                }
+                const __m256i u0 = q8_row_avx2(high, low, k, half), u1 = q8_row_avx2(high, low, k + 1, half);
+                const __m256i pairs[2] = {_mm256_unpacklo_epi8(u0, u1), _mm256_unpackhi_epi8(u0, u1)};
+                __m256i w[4];
+                for (int p = 0; p < 2; p++) {
+                    w[2 * p] = _mm256_unpacklo_epi8(pairs[p], zero);
+                    w[2 * p + 1] = _mm256_unpackhi_epi8(pairs[p], zero);
+                }
+                for (int i = 0; i < R; i++) {
+                    int32_t two; /* x16[k], x16[k + 1] */
+                    memcpy(&two, a->x16 + (i0 + i) * a->kp + k, sizeof two);
+                    const __m256i xv = _mm256_set1_epi32(two);
+                    for (int v = 0; v < 4; v++) acc[i][v] = _mm256_add_epi32(acc[i][v], _mm256_madd_epi16(w[v], xv));
+                }
+            }
+            for (int i = 0; i < R; i++) {
+                const int64_t at = (i0 + i) * groups + g;
+                const __m256i offset = _mm256_set1_epi32((int32_t)(128u * (uint32_t)a->xqsum[at]));
+                for (int v = 0; v < 4; v++)
+                    add_sums_avx2(sz, total[i], HALF * half + 4 * v, _mm256_sub_epi32(acc[i][v], offset), a->sx[at],
+                                  a->xsum[at], 1);
+            }
+        }
+    }
+}
+#define Q8_ROWS(R)                                                                                  \
+    static void q8_rows_avx2_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE]) { \
+        q8_rows_avx2(a, t, i0, tot, R);                                                             \
+    }
+Q8_ROWS(1)
+Q8_ROWS(2)
+Q8_ROWS(3)
+Q8_ROWS(4)
+typedef void (*q8_rows_fn)(const int4_args *, int64_t, int64_t, float[ROWS_AT_ONCE][TILE]);
+static const q8_rows_fn q8_rows_table[ROWS_AT_ONCE] = {q8_rows_avx2_1, q8_rows_avx2_2, q8_rows_avx2_3, q8_rows_avx2_4};
+
 #define AVX2_WIDE(R)                                                                                        \
     static void avx2_wide_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE],    \
                               const __m256i *cache) {                                                       \
@@ -728,12 +725,14 @@ static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows
                           const void *cache) {
     (void)cache;
 #ifdef AVX2_DOTS
-    /* Not exact: a few rows have x broadcast (xb), more x16 and the widened tile (cache). */
+    /* Not exact: int4 decode rows have x broadcast (xb); Q8_0 decode rows x16; more rows x16 and
+     * the widened tile (cache). */
     if (a->xb != NULL) {
-        if (a->q8)
-            tile_rows_avx2(a, tile, i0, rows, total, 1);
-        else
-            tile_rows_avx2(a, tile, i0, rows, total, 0);
+        tile_rows_avx2(a, tile, i0, rows, total);
+        return;
+    }
+    if (a->x16 != NULL && cache == NULL) {
+        q8_rows_table[rows - 1](a, tile, i0, total);
         return;
     }
     if (a->x16 != NULL) {
@@ -773,7 +772,7 @@ typedef struct {
 
 /* Group `at` of x (row at / groups, group at % groups) into its forms. Groups are independent,
  * so the threads share them out before any tile is read. */
-static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, int exact, int q8, const x_forms *f) {
+static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, int exact, const x_forms *f) {
     float *xg = f->xf + at * group;
     for (int64_t j = 0; j < group; j++)
         xg[j] = x_dtype == TUILI_F32 ? ((const float *)x)[at * group + j]
@@ -801,11 +800,9 @@ static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, i
     f->xqsum[at] = qsum;
 #endif
 #ifdef AVX2_DOTS /* the group starts at a multiple of 4 values: whole quads of xb */
-    if (f->xb != NULL) broadcast_x_avx2(xq, xq_low, group, q8, (__m256i *)f->xb + at * group / (q8 ? 2 : 1));
+    if (f->xb != NULL) broadcast_x_avx2(xq, xq_low, group, (__m256i *)f->xb + at * group);
     if (f->x16 != NULL)
         for (int64_t j = 0; j < group; j++) f->x16[at * group + j] = (int16_t)(LOW_STEPS * xq[j] + xq_low[j]);
-#else
-    (void)q8;
 #endif
 #if !defined(VNNI) && !defined(AVX2_DOTS)
     (void)exact;
@@ -827,7 +824,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     float *xsum = xf + m * k, *sx = xsum + m * groups;
     int32_t *xqsum = (int32_t *)(sx + m * groups);
     int8_t *xq = (int8_t *)(xqsum + m * groups), *xq_low = xq + m * k;
-    void *xb = NULL;       /* decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
+    void *xb = NULL;       /* int4 decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
     int16_t *x16 = NULL;   /* the wide path on AVX2: x's parts as one int16 */
 #if defined(AVX2_DOTS)
     const int64_t cache_rows = copies == 2 ? WIDE_MIN_ROWS_Q8 : WIDE_MIN_ROWS_INT4;
@@ -838,9 +835,9 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     size_t cache_bytes = (size_t)k * TILE; /* a tile unpacked: 64 K bytes (VNNI), 128 K (AVX2) */
 #endif
 #ifdef AVX2_DOTS
-    if (!exact && m < cache_rows) {
-        xb = aligned_alloc(32, (size_t)(m * k) * (copies == 2 ? 16 : 32)); /* m k / 4 quads of 2 or 4 vectors */
-    } else if (!exact) {
+    if (!exact && m < cache_rows && copies == 1) {
+        xb = aligned_alloc(32, (size_t)(m * k) * 32); /* m k / 4 quads of 4 vectors */
+    } else if (!exact) { /* the wide path, and Q8_0 decode (q8_rows_avx2) */
         x16 = malloc((size_t)(m * k) * sizeof(int16_t));
         cache_bytes *= 2;
     }
@@ -859,7 +856,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         /* x's forms first, in one region with the tiles (a second fork costs a decode call more
          * than rounding its one row takes); the loop's barrier: all of x before any tile */
 #pragma omp for schedule(static)
-        for (int64_t at = 0; at < m * groups; at++) round_group(x, x_dtype, group, at, exact, copies == 2, &forms);
+        for (int64_t at = 0; at < m * groups; at++) round_group(x, x_dtype, group, at, exact, &forms);
         void *cache = NULL;
 #if defined(VNNI) || defined(AVX2_DOTS)
         /* Only calls of cache_rows rows or more unpack a tile once: below, writing and rereading
