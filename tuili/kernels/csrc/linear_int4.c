@@ -68,8 +68,7 @@ typedef struct {
     const int8_t *xq_low; /* the rest, (x / sx - xq) * LOW_STEPS rounded, as x */
     const float *sx;      /* [M, groups] the scales of x / (sx * LOW_STEPS) ~ LOW_STEPS xq + xq_low */
     const int32_t *xqsum; /* [M, groups] sum of LOW_STEPS xq + xq_low over each group */
-    const void *xb;       /* AVX2 int4 decode: xq, xq_low broadcast per quad of k (broadcast_x_avx2), or NULL */
-    const int16_t *x16;   /* AVX2 Q8_0, or int4 from a few rows: [M, K] LOW_STEPS xq + xq_low, or NULL */
+    const int16_t *x16;   /* AVX2: [M, K] LOW_STEPS xq + xq_low (the integer dots' x), or NULL */
     const uint8_t *packed;
     const uint16_t *scale_zero;
     void *out;
@@ -415,25 +414,28 @@ static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int ro
 }
 
 #if defined(__AVX2__)
-/* AVX2 (older Intel, AMD Zen 1-3): the VNNI way above, its VPDPBUSD made of VPMADDUBSW (codes x
- * int8 parts of x, pairs of k summed in int16) and VPMADDWD by ones (the pairs summed in int32):
- * the same exact integer sums and the same float32 epilogue, so the results are the VNNI path's
- * bits. int4 codes (0..15) go in as they are: |pair| <= 2 x 15 x 128, no saturation. Q8_0's
- * u = 16h + l reaches 255, whose pairs would saturate int16: it multiplies int16 codes by x's two
- * parts as one int16 (VPMADDWD, q8_rows_avx2), the same integer sums. The plain C float32 sums
- * are compute bound here (4.4 GB/s of int4 bytes on two 2.0 GHz cores, against 20 GB/s for
- * AVX-512), as were AVX2 intrinsics of them. At decode the int4 loops take x's parts from memory (broadcast_x_avx2) and ask for both lines of each quad, and each group's
- * scales, ahead: on a Zen 3 (machine C) one Q4_0 row went 4.5 -> 8.6 GB/s on one core from
- * memory (8.7 from L3 before: the prefetch was half of it), on two 7 -> 12-17 GB/s. From a few
- * rows on, int16 codes multiply x's two parts as one int16 instead (tile_rows_avx2_wide). */
+/* AVX2 (older Intel, AMD Zen 1-3): the VNNI way's exact integer sums, made with VPMADDWD (int16
+ * pairs multiplied and added into int32): x as x16 = LOW_STEPS xq + xq_low (|.| <= 32385, both
+ * int8 parts in one int16), the codes widened to int16, one VPMADDWD per 16 products. The int32
+ * sums are LOW_STEPS (codes . xq) + codes . xq_low, the integers the VNNI path makes, and the
+ * float32 epilogue is its operations in its order: the VNNI path's bits. At decode the codes are
+ * widened in registers as they are read (rows_avx2); from a few rows on, once per tile into a
+ * buffer that every row reads (tile_rows_avx2_wide).
+ *
+ * History, on a Zen 3 (machine C, two cores): the plain C float32 sums are compute bound here (4.4
+ * GB/s of int4 bytes on two 2.0 GHz cores, against 20 GB/s for AVX-512), as were AVX2 intrinsics
+ * of them. VPMADDUBSW over x's two int8 parts (int4 codes unsigned, int16 sums over spans of 16 k;
+ * Q8_0 by llama.cpp's sign trick on quads transposed into lanes of four k) came next; asking for
+ * both lines of each quad and each group's scales ahead took one Q4_0 row from 4.5 to 8.6 GB/s on
+ * one core. Widening in registers replaced it: int4 one row 5-10% faster, two rows 10-15%; Q8_0's
+ * 151936 x 1024 output matrix one row 6.3 -> 5.7 ms, two 11.1 -> 7.4 (it had spilled four sums in
+ * every step), one core 12.4 -> 10.2 ms. */
 #define AVX2_DOTS 1
-/* Rows of x from which a tile is widened once (tile_rows_avx2_wide) rather than read per row
- * (tile_rows_avx2, q8_rows_avx2), int4 and Q8_0: measured crossovers on Zen 3 (machine C, two
- * cores, Qwen3-0.6B's shapes): int4 at 4 rows 0.39 against 0.48 ms, at 6 0.75 against 0.57;
- * Q8_0's 151936 x 1024 output matrix at 4 rows 11.8 against 15.3 ms, at 7 19.5 against 20.0,
- * at 8 even. */
-#define WIDE_MIN_ROWS_INT4 5
-#define WIDE_MIN_ROWS_Q8 8
+/* Rows of x from which a tile is widened once (tile_rows_avx2_wide) rather than as it is read
+ * (rows_avx2): measured on Zen 3 (machine C, two cores, Qwen3-0.6B's shapes) at 8 rows even for
+ * int4 (4096 x 1024: 0.62 ms either way) and Q8_0 (151936 x 1024: 21.4 against 22.2 ms), at 12
+ * the buffer ahead (0.82 against 0.88 ms; 29 against 33 ms). */
+#define WIDE_MIN_ROWS 8
 /* int4: the 32 codes (0..15) of one tile row for the output rows of nibble half `half`. */
 static inline __attribute__((always_inline)) __m256i int4_row_avx2(const uint8_t *row, int half) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
@@ -476,108 +478,8 @@ static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *
     _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
 }
 
-/* x's int8 parts as VPMADDUBSW reads them at int4 decode (below the wide path's rows), made once
- * per call for every tile; the loops below take them as memory operands, which leaves the 16
- * registers to codes and sums. For row i of x and the quad at k (a multiple of 4):
- * (xq[k], xq[k + 1]), (xq[k + 2], xq[k + 3]), then xq_low's, as 16-bit broadcasts,
- * xb[i kp + k + 2 part + pair]. */
-static void broadcast_x_avx2(const int8_t *xq, const int8_t *xq_low, int64_t values, __m256i *xb) {
-    const int8_t *parts[2] = {xq, xq_low};
-    for (int64_t at = 0; at < values; at += 4)
-        for (int part = 0; part < 2; part++)
-            for (int pair = 0; pair < 2; pair++) {
-                int16_t two;
-                memcpy(&two, parts[part] + at + 2 * pair, sizeof two);
-                xb[at + 2 * part + pair] = _mm256_set1_epi16(two);
-            }
-}
-
-/* k over which int4_group_avx2's int16 sums add (two pair sums per quad, each |.| <= 2 x 15 x
- * 127 = 3810): 4 quads, |sum| <= 30480 < 2^15. */
-#define PAIR_SPAN 16
-
-/* int16 sums of 16 rows (lanes) widened into the int32 sums of two row vectors: `sums` holds
- * rows 0-7 | 16-23 (after VPUNPCKLBW) or 8-15 | 24-31 (VPUNPCKHBW) of the half; its low four
- * lanes of each 128 bits go to *first (rows 0-3 | 16-19, or 8-11 | 24-27), its high four to
- * *second. */
-static inline __attribute__((always_inline)) void widen_rows_avx2(__m256i sums, __m256i *first, __m256i *second) {
-    const __m256i sign = _mm256_srai_epi16(sums, 15);
-    *first = _mm256_add_epi32(*first, _mm256_unpacklo_epi16(sums, sign));
-    *second = _mm256_add_epi32(*second, _mm256_unpackhi_epi16(sums, sign));
-}
-
-/* int4 codes of nibble half `half` of a tile (rows 0-31 or 32-63) against one row of x (xb: its
- * pairs at k = begin), k from begin to end (a group): the int32 sums of codes x xq into acc and of
- * codes x xq_low into rest, as row vectors. One VPUNPCKL/HBW of tile rows k and k + 1 puts each
- * output row's two codes side by side (16 rows per vector), which VPMADDUBSW multiplies by
- * (x[k], x[k + 1]); four int16 sums (two row sets x two parts) take the quad, against eight
- * for quads transposed into lanes of four k, and spill nothing. Half 0 asks for the tile's lines PREFETCH_ROWS ahead (half 1 rereads them from L1). */
-static inline __attribute__((always_inline)) void int4_group_avx2(const uint8_t *codes, const __m256i *xb,
-                                                                  int64_t begin, int64_t end, const int half,
-                                                                  __m256i acc[4], __m256i rest[4]) {
-    for (int v = 0; v < 4; v++) acc[v] = rest[v] = _mm256_setzero_si256();
-    for (int64_t span = begin; span < end; span += PAIR_SPAN) {
-        /* rows 0-7 | 16-23 (lo) and 8-15 | 24-31 (hi), times xq (high) and xq_low (low) */
-        __m256i lo_high = _mm256_setzero_si256(), hi_high = lo_high, lo_low = lo_high, hi_low = lo_high;
-        const int64_t stop = span + PAIR_SPAN < end ? span + PAIR_SPAN : end;
-        const uint8_t *rows = codes + span * HALF;
-        const __m256i *x = xb + (span - begin);
-        for (int64_t k = span; k < stop; k += 4, rows += 4 * HALF, x += 4) {
-            if (half == 0) prefetch_quad(rows);
-            __m256i n[4];
-            for (int l = 0; l < 4; l++) n[l] = int4_row_avx2(rows + l * HALF, half);
-            const __m256i lo01 = _mm256_unpacklo_epi8(n[0], n[1]), hi01 = _mm256_unpackhi_epi8(n[0], n[1]);
-            const __m256i lo23 = _mm256_unpacklo_epi8(n[2], n[3]), hi23 = _mm256_unpackhi_epi8(n[2], n[3]);
-            lo_high = _mm256_add_epi16(lo_high, _mm256_add_epi16(_mm256_maddubs_epi16(lo01, x[0]),
-                                                                 _mm256_maddubs_epi16(lo23, x[1])));
-            hi_high = _mm256_add_epi16(hi_high, _mm256_add_epi16(_mm256_maddubs_epi16(hi01, x[0]),
-                                                                 _mm256_maddubs_epi16(hi23, x[1])));
-            lo_low = _mm256_add_epi16(lo_low, _mm256_add_epi16(_mm256_maddubs_epi16(lo01, x[2]),
-                                                               _mm256_maddubs_epi16(lo23, x[3])));
-            hi_low = _mm256_add_epi16(hi_low, _mm256_add_epi16(_mm256_maddubs_epi16(hi01, x[2]),
-                                                               _mm256_maddubs_epi16(hi23, x[3])));
-        }
-        widen_rows_avx2(lo_high, &acc[0], &acc[1]);
-        widen_rows_avx2(hi_high, &acc[2], &acc[3]);
-        widen_rows_avx2(lo_low, &rest[0], &rest[1]);
-        widen_rows_avx2(hi_low, &rest[2], &rest[3]);
-    }
-}
-
-/* Rows i0 .. i0 + rows - 1 of x against int4 tile `tile` at decode, one row of x and one nibble
- * half at a time (each fills the registers), into total. The epilogue is vectors too: at groups
- * of 32 (Q4_0) a scalar one took half the time. */
-static void tile_rows_avx2(const int4_args *a, int64_t tile, int64_t i0, int rows, float total[ROWS_AT_ONCE][TILE]) {
-    const uint8_t *codes = a->packed + tile * a->kp * HALF;
-    const int64_t groups = a->kp / a->group;
-    const __m256i steps = _mm256_set1_epi32(LOW_STEPS);
-    for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
-        if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's */
-        const int64_t begin = g * a->group, end = begin + a->group;
-        for (int i = 0; i < rows; i++) {
-            const __m256i *xb = (const __m256i *)a->xb + (i0 + i) * a->kp + begin;
-            const int64_t at = (i0 + i) * groups + g;
-            for (int half = 0; half < 2; half++) {
-                __m256i acc[4], rest[4];
-                half ? int4_group_avx2(codes, xb, begin, end, 1, acc, rest)
-                     : int4_group_avx2(codes, xb, begin, end, 0, acc, rest);
-                for (int v = 0; v < 4; v++) /* LOW_STEPS * (codes . xq) + codes . xq_low */
-                    add_sums_avx2(sz, total[i], HALF * half + 4 * v,
-                                  _mm256_add_epi32(_mm256_mullo_epi32(acc[v], steps), rest[v]), a->sx[at],
-                                  a->xsum[at], 0);
-            }
-        }
-    }
-}
-
-/* From a few rows of x on (WIDE_MIN_ROWS_*) AVX2 multiplies int16 by int16: the codes of a
- * tile widened once into a per-thread buffer, x as x16 = LOW_STEPS xq + xq_low (|.| <= 32385, one
- * int16 holding both parts), and one VPMADDWD per 16 products. Its int32 sums are LOW_STEPS (codes
- * . xq) + codes . xq_low, the integers the decode loops and the VNNI path make (|sum| <= group x
- * 255 x 32385 < 2^31 for groups up to 256), so the same bits. Against VPMADDUBSW over the two parts
- * it takes half the multiplies for Q8_0 (no VPMADDWD to widen, no sign trick) and the same for
- * int4, without the int16 spans and the final multiply by LOW_STEPS.
+/* From a few rows of x on (WIDE_MIN_ROWS) the codes of a tile are widened once into a
+ * per-thread buffer (|sum| <= group x 128 x 32385 < 2^31 for groups up to 256).
  *
  * The buffer: for each pair of tile rows (k, k + 1) eight vectors, cache[k / 2 * 8 + 4 half + v],
  * lane l of vector v the two int16 codes (k, k + 1) of output row HALF half + 4v + l (l < 4) or
@@ -644,34 +546,36 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
         }
     }
 }
-/* Q8_0 at decode (below WIDE_MIN_ROWS_Q8 rows): tile_rows_avx2_wide's products with the codes
- * widened in registers as they are read, not through a buffer: per pair of tile rows (k, k + 1)
- * and half, u = 16h + l of both rows side by side in int16 (four vectors of transpose_quad's
- * rows), one VPMADDWD each by x16's pair (k, k + 1). The sums of u x16 are taken modulo 2^32
- * (|.| can pass 2^31 for groups of 256) and 128 x16's group sum comes off once, so each equals
- * sum q x16, the wide path's integer: the same bits. Against VPMADDUBSW on both int8 parts of x
- * it needs no sign trick, one part and no transpose: 22 operations per 64 codes, not 32, and the
- * accumulators fit the registers (the quads spilled four of them in every step). */
-static inline __attribute__((always_inline)) void q8_rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
-                                                               float total[ROWS_AT_ONCE][TILE], const int R) {
-    const uint8_t *high = a->packed + tile * 2 * a->kp * HALF, *low = high + a->kp * HALF;
+/* Rows i0 .. i0 + R - 1 of x against tile `tile` at decode (below WIDE_MIN_ROWS rows), int4 or
+ * Q8_0 (q8), into total: tile_rows_avx2_wide's products with the codes widened in registers as
+ * they are read, not through a buffer. Per pair of tile rows (k, k + 1) and half, the codes of
+ * both side by side in int16 (four row vectors), one VPMADDWD each by x16's pair (k, k + 1).
+ * Q8_0's codes go in as u = 16h + l and 128 x16's group sum comes off once: the sums of u x16 are
+ * taken modulo 2^32 (|.| can pass 2^31 for groups of 256), so each is sum q x16, the wide path's
+ * integer. 22 operations per 64 codes, and the sums fit the registers. */
+static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
+                                                            float total[ROWS_AT_ONCE][TILE], const int R,
+                                                            const int q8) {
+    const uint8_t *codes = a->packed + tile * (q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
     const int64_t groups = a->kp / a->group;
     const __m256i zero = _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = q8_scales(a, tile, g);
-        if (g + 2 < groups) prefetch_scales(q8_scales(a, tile, g + 2));
+        const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's, int4 or Q8_0 */
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int half = 0; half < 2; half++) {
             __m256i acc[ROWS_AT_ONCE][4];
             for (int i = 0; i < R; i++)
                 for (int v = 0; v < 4; v++) acc[i][v] = zero;
             for (int64_t k = begin; k < end; k += 2) {
-                if (half == 0 && (k & 3) == 0) {
-                    prefetch_quad(high + k * HALF);
-                    prefetch_quad(low + k * HALF);
+                if (half == 0 && (k & 3) == 0) { /* half 1 rereads the lines from L1 */
+                    prefetch_quad(codes + k * HALF);
+                    if (q8) prefetch_quad(low + k * HALF);
                 }
-                const __m256i u0 = q8_row_avx2(high, low, k, half), u1 = q8_row_avx2(high, low, k + 1, half);
-                const __m256i pairs[2] = {_mm256_unpacklo_epi8(u0, u1), _mm256_unpackhi_epi8(u0, u1)};
+                __m256i n[2];
+                for (int l = 0; l < 2; l++)
+                    n[l] = q8 ? q8_row_avx2(codes, low, k + l, half) : int4_row_avx2(codes + (k + l) * HALF, half);
+                const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
                 __m256i w[4];
                 for (int p = 0; p < 2; p++) {
                     w[2 * p] = _mm256_unpacklo_epi8(pairs[p], zero);
@@ -686,24 +590,27 @@ static inline __attribute__((always_inline)) void q8_rows_avx2(const int4_args *
             }
             for (int i = 0; i < R; i++) {
                 const int64_t at = (i0 + i) * groups + g;
-                const __m256i offset = _mm256_set1_epi32((int32_t)(128u * (uint32_t)a->xqsum[at]));
+                const __m256i offset = _mm256_set1_epi32(q8 ? (int32_t)(128u * (uint32_t)a->xqsum[at]) : 0);
                 for (int v = 0; v < 4; v++)
                     add_sums_avx2(sz, total[i], HALF * half + 4 * v, _mm256_sub_epi32(acc[i][v], offset), a->sx[at],
-                                  a->xsum[at], 1);
+                                  a->xsum[at], q8);
             }
         }
     }
 }
-#define Q8_ROWS(R)                                                                                  \
-    static void q8_rows_avx2_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE]) { \
-        q8_rows_avx2(a, t, i0, tot, R);                                                             \
+#define AVX2_ROWS(R)                                                                                \
+    static void avx2_rows_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE]) { \
+        if (a->q8)                                                                                  \
+            rows_avx2(a, t, i0, tot, R, 1);                                                         \
+        else                                                                                        \
+            rows_avx2(a, t, i0, tot, R, 0);                                                         \
     }
-Q8_ROWS(1)
-Q8_ROWS(2)
-Q8_ROWS(3)
-Q8_ROWS(4)
-typedef void (*q8_rows_fn)(const int4_args *, int64_t, int64_t, float[ROWS_AT_ONCE][TILE]);
-static const q8_rows_fn q8_rows_table[ROWS_AT_ONCE] = {q8_rows_avx2_1, q8_rows_avx2_2, q8_rows_avx2_3, q8_rows_avx2_4};
+AVX2_ROWS(1)
+AVX2_ROWS(2)
+AVX2_ROWS(3)
+AVX2_ROWS(4)
+typedef void (*avx2_rows_fn)(const int4_args *, int64_t, int64_t, float[ROWS_AT_ONCE][TILE]);
+static const avx2_rows_fn avx2_rows_table[ROWS_AT_ONCE] = {avx2_rows_1, avx2_rows_2, avx2_rows_3, avx2_rows_4};
 
 #define AVX2_WIDE(R)                                                                                        \
     static void avx2_wide_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE],    \
@@ -725,18 +632,12 @@ static void run_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows
                           const void *cache) {
     (void)cache;
 #ifdef AVX2_DOTS
-    /* Not exact: int4 decode rows have x broadcast (xb); Q8_0 decode rows x16; more rows x16 and
-     * the widened tile (cache). */
-    if (a->xb != NULL) {
-        tile_rows_avx2(a, tile, i0, rows, total);
-        return;
-    }
-    if (a->x16 != NULL && cache == NULL) {
-        q8_rows_table[rows - 1](a, tile, i0, total);
-        return;
-    }
+    /* Not exact: x16, and from WIDE_MIN_ROWS rows the widened tile (cache). */
     if (a->x16 != NULL) {
-        avx2_wide_table[rows - 1](a, tile, i0, total, cache);
+        if (cache == NULL)
+            avx2_rows_table[rows - 1](a, tile, i0, total);
+        else
+            avx2_wide_table[rows - 1](a, tile, i0, total, cache);
         return;
     }
 #endif
@@ -761,12 +662,11 @@ static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, f
 }
 
 /* Where tuili_linear_int4 puts x's forms: float32, group sums and, for the integer dots, the
- * int8 parts and their scales and sums; on AVX2 also what the chosen loop reads (xb or x16). */
+ * int8 parts and their scales and sums; on AVX2 also both parts as one int16 (x16). */
 typedef struct {
     float *xf, *xsum, *sx;
     int32_t *xqsum;
     int8_t *xq, *xq_low;
-    void *xb;
     int16_t *x16;
 } x_forms;
 
@@ -799,8 +699,7 @@ static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, i
     f->sx[at] = largest / (127.0f * LOW_STEPS);
     f->xqsum[at] = qsum;
 #endif
-#ifdef AVX2_DOTS /* the group starts at a multiple of 4 values: whole quads of xb */
-    if (f->xb != NULL) broadcast_x_avx2(xq, xq_low, group, (__m256i *)f->xb + at * group);
+#ifdef AVX2_DOTS
     if (f->x16 != NULL)
         for (int64_t j = 0; j < group; j++) f->x16[at * group + j] = (int16_t)(LOW_STEPS * xq[j] + xq_low[j]);
 #endif
@@ -818,16 +717,21 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
                       int64_t n_out, int exact, int num_threads) {
     /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side. */
     const int64_t groups = k / group;
+#ifdef AVX2_DOTS
+    const int64_t x16_values = m * k;
+#else
+    const int64_t x16_values = 0;
+#endif
     float *xf = malloc((size_t)(m * k + 2 * m * groups) * sizeof(float) + (size_t)(m * groups) * sizeof(int32_t) +
-                       (size_t)(2 * m * k));
+                       (size_t)(2 * m * k) + (size_t)x16_values * sizeof(int16_t));
     if (xf == NULL) return TUILI_NO_MEMORY;
     float *xsum = xf + m * k, *sx = xsum + m * groups;
     int32_t *xqsum = (int32_t *)(sx + m * groups);
     int8_t *xq = (int8_t *)(xqsum + m * groups), *xq_low = xq + m * k;
-    void *xb = NULL;       /* int4 decode on AVX2: x's parts broadcast (k is a multiple of 4: groups are of 32 or more) */
-    int16_t *x16 = NULL;   /* the wide path on AVX2: x's parts as one int16 */
+    /* AVX2: x's parts as one int16 (after xq_low: an even offset, as k is a multiple of 4) */
+    int16_t *x16 = x16_values > 0 && !exact ? (int16_t *)(xq_low + m * k) : NULL;
 #if defined(AVX2_DOTS)
-    const int64_t cache_rows = copies == 2 ? WIDE_MIN_ROWS_Q8 : WIDE_MIN_ROWS_INT4;
+    const int64_t cache_rows = WIDE_MIN_ROWS;
 #elif defined(VNNI)
     const int64_t cache_rows = CACHE_MIN_ROWS;
 #endif
@@ -835,19 +739,10 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     size_t cache_bytes = (size_t)k * TILE; /* a tile unpacked: 64 K bytes (VNNI), 128 K (AVX2) */
 #endif
 #ifdef AVX2_DOTS
-    if (!exact && m < cache_rows && copies == 1) {
-        xb = aligned_alloc(32, (size_t)(m * k) * 32); /* m k / 4 quads of 4 vectors */
-    } else if (!exact) { /* the wide path, and Q8_0 decode (q8_rows_avx2) */
-        x16 = malloc((size_t)(m * k) * sizeof(int16_t));
-        cache_bytes *= 2;
-    }
-    if (!exact && xb == NULL && x16 == NULL) {
-        free(xf);
-        return TUILI_NO_MEMORY;
-    }
+    cache_bytes *= 2; /* int16 codes */
 #endif
-    const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, xb, x16};
-    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, xb, x16, packed, scale_zero, out, out_dtype, copies == 2,
+    const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, x16};
+    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, x16, packed, scale_zero, out, out_dtype, copies == 2,
                          exact != 0, m, k, group, tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
@@ -861,7 +756,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 #if defined(VNNI) || defined(AVX2_DOTS)
         /* Only calls of cache_rows rows or more unpack a tile once: below, writing and rereading
          * the buffer costs more than unpacking per pair (VNNI: measured at 4 and 8 rows on Zen 5;
-         * AVX2: WIDE_MIN_ROWS_INT4, WIDE_MIN_ROWS_Q8). */
+         * AVX2: WIDE_MIN_ROWS). */
         if (!exact && m >= cache_rows) {
             cache = aligned_alloc(64, cache_bytes);
             failed = cache == NULL;
@@ -884,8 +779,6 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         }
         free(cache);
     }
-    free(x16);
-    free(xb);
     free(xf);
     return failed ? TUILI_NO_MEMORY : TUILI_OK;
 }
