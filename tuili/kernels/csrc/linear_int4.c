@@ -25,8 +25,8 @@
  *   perplexity 1.4% over float32 sums, the two parts keep it within the tests' 1%. The second
  *   part doubles the dot products, which a decode row never waits for (it waits for memory);
  *   four rows at once pay ~20% (two accumulator sets fill the registers at two rows).
- * - AVX2 CPUs: the same two int8 parts and exact integer sums, VPDPBUSD made of VPMADDUBSW and
- *   VPMADDWD (below, "AVX2"; Q8_0 by llama.cpp's sign trick): the VNNI path's bits.
+ * - AVX2 CPUs: the same two int8 parts as one int16 and the same exact integer sums, made by
+ *   VPMADDWD on int16 codes (below, "AVX2"): the VNNI path's bits.
  * - other AVX-512 CPUs: float32 throughout, exact up to float32 rounding: each
  *   k broadcasts x[k] into 16-lane multiply-adds, a code becoming q - 8 by one permute from a
  *   16-entry table (AVX2 and plain C: by widening).
@@ -43,7 +43,7 @@
  * the registers); a tile, 32 K' bytes, is still in L2 for the next four. On VNNI CPUs a call of
  * CACHE_MIN_ROWS rows or more (a prompt) unpacks each tile's codes once into a per-thread buffer of 64 K
  * bytes that every pair of rows then reads, instead of permuting and masking the packed bytes
- * again for each pair (on AVX2, from a few rows on: widens them to int16, 128 K bytes,
+ * again for each pair (on AVX2, from WIDE_MIN_ROWS rows on: widens them to int16, 128 K bytes,
  * tile_rows_avx2_wide); the integer sums, hence the bits, are the same either way. */
 #include <omp.h>
 #include <stdlib.h>
