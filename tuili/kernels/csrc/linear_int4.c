@@ -553,41 +553,59 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
  * Q8_0's codes go in as u = 16h + l and 128 x16's group sum comes off once: the sums of u x16 are
  * taken modulo 2^32 (|.| can pass 2^31 for groups of 256), so each is sum q x16, the wide path's
  * integer. 22 operations per 64 codes, and the sums fit the registers. */
+/* One half (`half`, rows 32 half .. 32 half + 31) of a tile, k from begin to end (a group, a
+ * multiple of 4), against R rows of x (xr: each row's x16): the int32 sums into acc as row vectors.
+ * Half 0 asks for the quads' lines ahead; half 1 rereads them from L1. */
+static inline __attribute__((always_inline)) void group_half_avx2(const uint8_t *codes, const uint8_t *low,
+                                                                  int64_t begin, int64_t end,
+                                                                  const int16_t *const *xr,
+                                                                  __m256i acc[ROWS_AT_ONCE][4], const int R,
+                                                                  const int q8, const int half) {
+    const __m256i zero = _mm256_setzero_si256();
+    for (int i = 0; i < R; i++)
+        for (int v = 0; v < 4; v++) acc[i][v] = zero;
+    for (int64_t quad = begin; quad < end; quad += 4) {
+        if (half == 0) {
+            prefetch_quad(codes + quad * HALF);
+            if (q8) prefetch_quad(low + quad * HALF);
+        }
+        for (int64_t k = quad; k < quad + 4; k += 2) {
+            __m256i n[2];
+            for (int l = 0; l < 2; l++)
+                n[l] = q8 ? q8_row_avx2(codes, low, k + l, half) : int4_row_avx2(codes + (k + l) * HALF, half);
+            const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
+            __m256i w[4];
+            for (int p = 0; p < 2; p++) {
+                w[2 * p] = _mm256_unpacklo_epi8(pairs[p], zero);
+                w[2 * p + 1] = _mm256_unpackhi_epi8(pairs[p], zero);
+            }
+            for (int i = 0; i < R; i++) {
+                int32_t two; /* x16[k], x16[k + 1] */
+                memcpy(&two, xr[i] + k, sizeof two);
+                const __m256i xv = _mm256_set1_epi32(two);
+                for (int v = 0; v < 4; v++) acc[i][v] = _mm256_add_epi32(acc[i][v], _mm256_madd_epi16(w[v], xv));
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
                                                             float total[ROWS_AT_ONCE][TILE], const int R,
                                                             const int q8) {
     const uint8_t *codes = a->packed + tile * (q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
     const int64_t groups = a->kp / a->group;
-    const __m256i zero = _mm256_setzero_si256();
+    const int16_t *xr[ROWS_AT_ONCE];
+    for (int i = 0; i < R; i++) xr[i] = a->x16 + (i0 + i) * a->kp;
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
         if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's, int4 or Q8_0 */
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int half = 0; half < 2; half++) {
             __m256i acc[ROWS_AT_ONCE][4];
-            for (int i = 0; i < R; i++)
-                for (int v = 0; v < 4; v++) acc[i][v] = zero;
-            for (int64_t k = begin; k < end; k += 2) {
-                if (half == 0 && (k & 3) == 0) { /* half 1 rereads the lines from L1 */
-                    prefetch_quad(codes + k * HALF);
-                    if (q8) prefetch_quad(low + k * HALF);
-                }
-                __m256i n[2];
-                for (int l = 0; l < 2; l++)
-                    n[l] = q8 ? q8_row_avx2(codes, low, k + l, half) : int4_row_avx2(codes + (k + l) * HALF, half);
-                const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
-                __m256i w[4];
-                for (int p = 0; p < 2; p++) {
-                    w[2 * p] = _mm256_unpacklo_epi8(pairs[p], zero);
-                    w[2 * p + 1] = _mm256_unpackhi_epi8(pairs[p], zero);
-                }
-                for (int i = 0; i < R; i++) {
-                    int32_t two; /* x16[k], x16[k + 1] */
-                    memcpy(&two, a->x16 + (i0 + i) * a->kp + k, sizeof two);
-                    const __m256i xv = _mm256_set1_epi32(two);
-                    for (int v = 0; v < 4; v++) acc[i][v] = _mm256_add_epi32(acc[i][v], _mm256_madd_epi16(w[v], xv));
-                }
-            }
+            if (half == 0)
+                group_half_avx2(codes, low, begin, end, xr, acc, R, q8, 0);
+            else
+                group_half_avx2(codes, low, begin, end, xr, acc, R, q8, 1);
             for (int i = 0; i < R; i++) {
                 const int64_t at = (i0 + i) * groups + g;
                 const __m256i offset = _mm256_set1_epi32(q8 ? (int32_t)(128u * (uint32_t)a->xqsum[at]) : 0);
