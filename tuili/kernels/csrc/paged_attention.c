@@ -286,10 +286,37 @@ static inline __attribute__((always_inline)) void score_tile(const float *q, int
         }
 }
 
-/* acc[0 .. PV_BLOCK) += sum over t < keys of p[t] * vrow[t][d ..], the block held in registers. */
+/* acc[0 .. PV_BLOCK) += sum over t < keys of p[t] * vrow[t][d ..], the block held in registers.
+ * A bfloat16 row is read as 32-bit pairs of values: the even element is the pair shifted left by
+ * 16, the odd one the pair with its low half cleared, so the block is held as its even and its
+ * odd elements (one shift and one AND per 16 values, where widening in order took two
+ * lane-crossing VPMOVZXWD and two shifts, and bound the loop on Zen 3's two shuffle pipes).
+ * Each element still adds the same products in the same order: the same bits. */
 static inline __attribute__((always_inline)) void accumulate_block(float *restrict acc, const float *restrict p,
                                                                    const void *const *restrict vrow,
                                                                    int64_t keys, int64_t d, const int bf16) {
+    if (bf16) {
+        float even[PV_BLOCK / 2], odd[PV_BLOCK / 2];
+        for (int l = 0; l < PV_BLOCK / 2; l++) {
+            even[l] = acc[2 * l];
+            odd[l] = acc[2 * l + 1];
+        }
+        for (int64_t t = 0; t < keys; t++) {
+            const float weight = p[t];
+            const uint16_t *row = (const uint16_t *)vrow[t] + d;
+            for (int l = 0; l < PV_BLOCK / 2; l++) {
+                uint32_t pair;
+                memcpy(&pair, row + 2 * l, sizeof pair);
+                even[l] = MADD(weight, bits_to_f32(pair << 16), even[l]);
+                odd[l] = MADD(weight, bits_to_f32(pair & 0xFFFF0000u), odd[l]);
+            }
+        }
+        for (int l = 0; l < PV_BLOCK / 2; l++) {
+            acc[2 * l] = even[l];
+            acc[2 * l + 1] = odd[l];
+        }
+        return;
+    }
     float sum[PV_BLOCK];
     for (int l = 0; l < PV_BLOCK; l++) sum[l] = acc[l];
     for (int64_t t = 0; t < keys; t++) {
