@@ -242,7 +242,7 @@ static void unpack_tile(const int4_args *a, int64_t tile, __m512i *cache) {
 /* Rows i0 .. i0 + R - 1 of x against tile `tile`, all groups, into total; the codes come from
  * `cache` (unpack_tile's) when it is not NULL. Int4 weights add (zero - 8 scale) * sum x per group;
  * Q8_0 subtracts 128 * sum xq, exact in int32 (sum xq * q = sum xq * u - 128 sum xq). */
-KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE],
+KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[][TILE],
                       const __m512i *cache, const int R) {
     const int64_t groups = a->kp / a->group;
     const __m512i low_half = _mm512_set1_epi32(0xFFFF);
