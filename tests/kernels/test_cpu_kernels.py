@@ -403,7 +403,7 @@ platform = Platform.detect("cpu")
 modules = {f"int4 {group}": Int4Linear(quantize_int4(torch.randn(200, 512), group), platform=platform)
            for group in (32, 128)}
 q = torch.randint(-128, 128, (200, 512), dtype=torch.int8)
-q[:, :32] = -128  # the sign trick's edge: |q| = 128
+q[:, :32] = -128  # the codes' edge: u = q + 128 = 0, |q| = 128
 modules["q8_0"] = Int8GroupLinear(Int8GroupWeight(q, torch.rand(200, 16) / 50, 32), platform=platform)
 for name, module in modules.items():
     for rows in (1, 3, 7, 17):  # 17: a prompt's rows, each tile unpacked once
@@ -527,8 +527,8 @@ def test_code_paths_of_other_x86_cpus(fresh_processes, flags):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
 def test_the_avx2_build_gives_the_vnni_builds_bits(fresh_processes):
     """(Its name matches none of X86_VARIANTS' selections: a variant run must not start variants.)
-    On AVX2 linear_int4 makes VPDPBUSD of VPMADDUBSW and VPMADDWD (Q8_0 by the sign trick): the
-    same exact integer sums of the same two int8 parts of x, the same float32 epilogue, so the AVX2
+    On AVX2 linear_int4 multiplies int16 codes by x's two int8 parts held as one int16 (VPMADDWD):
+    the same exact integer sums of the same parts of x, the same float32 epilogue, so the AVX2
     build's outputs are the VNNI build's bits, int4 and Q8_0. Compared where this CPU has
     AVX512-VNNI and VBMI (the native build then takes the VNNI path)."""
     flags = Path("/proc/cpuinfo").read_text().split()
