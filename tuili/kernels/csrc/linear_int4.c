@@ -86,6 +86,12 @@ static inline const uint16_t *q8_scales(const int4_args *a, int64_t tile, int64_
     return a->scale_zero + ((a->kp / a->group + g) * a->n_pad + tile * TILE) * 2;
 }
 
+/* The (scale, zero) pairs the integer-dot kernels read for group g of a tile: Q8_0's l half's, or
+ * the int4 group's. */
+static inline const uint16_t *group_pairs(const int4_args *a, int64_t tile, int64_t g, const int q8) {
+    return q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+}
+
 /* Asks for the two lines of the quad PREFETCH_ROWS tile rows after `quad` (its four rows of 32
  * bytes), into L2. */
 static inline void prefetch_quad(const uint8_t *quad) {
@@ -250,9 +256,8 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
     UNROLLED for (int i = 0; i < R; i++)
         UNROLLED for (int v = 0; v < 4; v++) sum[i][v] = _mm512_loadu_ps(total[i] + v * 16);
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = a->q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
-        if (g + 2 < groups)
-            prefetch_scales(a->q8 ? q8_scales(a, tile, g + 2) : a->scale_zero + ((g + 2) * a->n_pad + tile * TILE) * 2);
+        const uint16_t *sz = group_pairs(a, tile, g, a->q8);
+        if (g + 2 < groups) prefetch_scales(group_pairs(a, tile, g + 2, a->q8));
         __m512i acc[VNNI_ROWS][4], rest[VNNI_ROWS][4]; /* sums of codes x xq and x xq_low */
         UNROLLED for (int i = 0; i < R; i++)
             UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = rest[i][v] = _mm512_setzero_si512();
@@ -478,6 +483,24 @@ static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *
     _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
 }
 
+/* The codes of tile rows k and k + 1 for the output rows of nibble half `half`, in int16 as four
+ * row vectors, each lane the pair (k, k + 1) of one output row: int4 codes as stored (0..15),
+ * Q8_0's as u = 16h + l (0..255). */
+static inline __attribute__((always_inline)) void widen_pair_avx2(const uint8_t *codes, const uint8_t *low,
+                                                                  int64_t k, const int half, const int q8,
+                                                                  __m256i w[4]) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i n[2];
+    for (int l = 0; l < 2; l++)
+        n[l] = q8 ? q8_row_avx2(codes, low, k + l, half) : int4_row_avx2(codes + (k + l) * HALF, half);
+    /* rows 0-7 | 16-23 and 8-15 | 24-31 of the half, k and k + 1 side by side */
+    const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
+    for (int p = 0; p < 2; p++) {
+        w[2 * p] = _mm256_unpacklo_epi8(pairs[p], zero);
+        w[2 * p + 1] = _mm256_unpackhi_epi8(pairs[p], zero);
+    }
+}
+
 /* From a few rows of x on (WIDE_MIN_ROWS) the codes of a tile are widened once into a
  * per-thread buffer (|sum| <= group x 128 x 32385 < 2^31 for groups up to 256).
  *
@@ -487,24 +510,12 @@ static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *
  * are q = u - 128 (signed), int4's as stored (0..15). */
 static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
     const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
-    const __m256i zero = _mm256_setzero_si256(), offset = _mm256_set1_epi16(a->q8 ? 128 : 0);
+    const __m256i offset = _mm256_set1_epi16(a->q8 ? 128 : 0);
     for (int64_t k = 0; k < a->kp; k += 2)
         for (int half = 0; half < 2; half++) {
-            __m256i n[2];
-            for (int l = 0; l < 2; l++) {
-                if (a->q8) {
-                    n[l] = q8_row_avx2(codes, low, k + l, half);
-                } else {
-                    n[l] = int4_row_avx2(codes + (k + l) * HALF, half);
-                }
-            }
-            /* rows 0-7 | 16-23 and 8-15 | 24-31 of the half, k and k + 1 side by side */
-            const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
-            __m256i *w = cache + k / 2 * 8 + 4 * half;
-            for (int p = 0; p < 2; p++) {
-                w[2 * p] = _mm256_sub_epi16(_mm256_unpacklo_epi8(pairs[p], zero), offset);
-                w[2 * p + 1] = _mm256_sub_epi16(_mm256_unpackhi_epi8(pairs[p], zero), offset);
-            }
+            __m256i w[4], *to = cache + k / 2 * 8 + 4 * half;
+            widen_pair_avx2(codes, low, k, half, a->q8, w);
+            for (int v = 0; v < 4; v++) to[v] = _mm256_sub_epi16(w[v], offset);
         }
 }
 
@@ -521,7 +532,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
     const int16_t *x[ROWS_AT_ONCE];
     for (int i = 0; i < R; i++) x[i] = a->x16 + (i0 + i) * a->kp;
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        const uint16_t *sz = group_pairs(a, tile, g, q8);
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int vec = 0; vec < 8; vec += 2) {
             __m256i acc[ROWS_AT_ONCE][2];
@@ -546,13 +557,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
         }
     }
 }
-/* Rows i0 .. i0 + R - 1 of x against tile `tile` at decode (below WIDE_MIN_ROWS rows), int4 or
- * Q8_0 (q8), into total: tile_rows_avx2_wide's products with the codes widened in registers as
- * they are read, not through a buffer. Per pair of tile rows (k, k + 1) and half, the codes of
- * both side by side in int16 (four row vectors), one VPMADDWD each by x16's pair (k, k + 1).
- * Q8_0's codes go in as u = 16h + l and 128 x16's group sum comes off once: the sums of u x16 are
- * taken modulo 2^32 (|.| can pass 2^31 for groups of 256), so each is sum q x16, the wide path's
- * integer. 22 operations per 64 codes, and the sums fit the registers. */
+
 /* One half (`half`, rows 32 half .. 32 half + 31) of a tile, k from begin to end (a group, a
  * multiple of 4), against R rows of x (xr: each row's x16): the int32 sums into acc as row vectors.
  * Half 0 asks for the quads' lines ahead; half 1 rereads them from L1. */
@@ -570,15 +575,8 @@ static inline __attribute__((always_inline)) void group_half_avx2(const uint8_t 
             if (q8) prefetch_quad(low + quad * HALF);
         }
         for (int64_t k = quad; k < quad + 4; k += 2) {
-            __m256i n[2];
-            for (int l = 0; l < 2; l++)
-                n[l] = q8 ? q8_row_avx2(codes, low, k + l, half) : int4_row_avx2(codes + (k + l) * HALF, half);
-            const __m256i pairs[2] = {_mm256_unpacklo_epi8(n[0], n[1]), _mm256_unpackhi_epi8(n[0], n[1])};
             __m256i w[4];
-            for (int p = 0; p < 2; p++) {
-                w[2 * p] = _mm256_unpacklo_epi8(pairs[p], zero);
-                w[2 * p + 1] = _mm256_unpackhi_epi8(pairs[p], zero);
-            }
+            widen_pair_avx2(codes, low, k, half, q8, w);
             for (int i = 0; i < R; i++) {
                 int32_t two; /* x16[k], x16[k + 1] */
                 memcpy(&two, xr[i] + k, sizeof two);
@@ -589,6 +587,13 @@ static inline __attribute__((always_inline)) void group_half_avx2(const uint8_t 
     }
 }
 
+/* Rows i0 .. i0 + R - 1 of x against tile `tile` at decode (below WIDE_MIN_ROWS rows), int4 or
+ * Q8_0 (q8), into total: tile_rows_avx2_wide's products with the codes widened in registers as
+ * they are read, not through a buffer. Per pair of tile rows (k, k + 1) and half, the codes of
+ * both side by side in int16 (four row vectors), one VPMADDWD each by x16's pair (k, k + 1).
+ * Q8_0's codes go in as u = 16h + l and 128 x16's group sum comes off once: the sums of u x16 are
+ * taken modulo 2^32 (|.| can pass 2^31 for groups of 256), so each is sum q x16, the wide path's
+ * integer. 22 operations per 64 codes, and the sums fit the registers. */
 static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, int64_t tile, int64_t i0,
                                                             float total[ROWS_AT_ONCE][TILE], const int R,
                                                             const int q8) {
@@ -597,7 +602,7 @@ static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, 
     const int16_t *xr[ROWS_AT_ONCE];
     for (int i = 0; i < R; i++) xr[i] = a->x16 + (i0 + i) * a->kp;
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        const uint16_t *sz = group_pairs(a, tile, g, q8);
         if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's, int4 or Q8_0 */
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int half = 0; half < 2; half++) {

@@ -321,7 +321,8 @@ static inline __attribute__((always_inline)) void accumulate_block(float *restri
     for (int l = 0; l < PV_BLOCK; l++) sum[l] = acc[l];
     for (int64_t t = 0; t < keys; t++) {
         const float weight = p[t];
-        for (int l = 0; l < PV_BLOCK; l++) sum[l] = MADD(weight, cache_value(vrow[t], d + l, bf16), sum[l]);
+        const float *v = (const float *)vrow[t] + d;
+        for (int l = 0; l < PV_BLOCK; l++) sum[l] = MADD(weight, v[l], sum[l]);
     }
     for (int l = 0; l < PV_BLOCK; l++) acc[l] = sum[l];
 }
