@@ -18,8 +18,10 @@
  * (independent lanes that GCC and Clang vectorize) for other CPUs. */
 #include <omp.h>
 #include <stdlib.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef __AVX__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AVX512 1
 #endif
 
@@ -234,78 +236,128 @@ static rows_fn kernel_for(const linear_args *a, int R) {
  * (one AVX2 register each): in a pass, I x R = 10 accumulators, R weight vectors and one x vector
  * take 13 of the 16 AVX2 registers, and each load serves R or I products (7 loads per 10
  * multiply-adds, where whole 16-lane sums leave no register for x: 16 per 12). 4 x 3 fills all 16
- * registers, and GCC then reads the weight vectors again from memory (15 loads per 12): 3-5%
- * slower on a Zen 3; 6 x 2 and 3 x 4 spill, at half the speed. K goes in chunks
+ * registers: no faster on a Zen 3; 6 x 2 and 3 x 4 spill, at half the speed. K goes in chunks
  * of K_CHUNK floats, the lanes carried in memory from one to the next, so that a block of x's
- * rows stays in L1 while the tile's rows pass it. Each lane's chain and the final sum over lanes
+ * rows stays in L1 while the tile's rows pass it (chunks of 512 or 256: slower, each chunk costs
+ * its accumulators' loads and stores). Each lane's chain and the final sum over lanes
  * 0 .. LANES-1 are dot_portable's.
  *
  * The float32 copies (x's rows, each thread's tile) start at 64 bytes and their rows lie
  * padded_stride(k) floats apart: a vector load never splits a cache line, and the seven rows one
  * step reads do not all fall in one L1 set, as rows 4 KiB apart (k = 1024) do. On a Zen 3
- * (machine C) the two took 512 x 1024 x 3072 from 66-70 to 97 GFLOP/s on two cores (PyTorch's
- * float32 matmul, with no fixed order to keep: 150-170). */
+ * (machine C) the two took 512 x 1024 x 3072 from 66-70 to 97 GFLOP/s on two cores; the AVX2
+ * pass below (each vector loaded once: GCC's own vectorization folded each x load into both
+ * multiply-adds, 12 loads per 10) and the lanes summed eight sums at a time (sum_lanes: GCC's
+ * scalar sums ran two chains at a time, a fifth of the time) took it to 125-130 (PyTorch's
+ * float32 matmul, with no fixed order to keep: 150-170), and 16 rows (decode at batch 16) from 78
+ * to 105. */
 #define TILE_X 5
 #define TILE_W 2
 #define HALF (LANES / 2)
 #define K_CHUNK 1024 /* TILE_X rows of it: 20 KB */
-typedef float tile_lanes[TILE_X][TILE_W][LANES]; /* the partial sums of one (x block, weight rows) pair */
 
 /* Floats from one row of a float32 copy to the next: whole cache lines, plus one. */
 static inline int64_t padded_stride(int64_t k) { return (k + LANES - 1) / LANES * LANES + LANES; }
 
-/* Lanes half .. half + HALF - 1 over the whole steps at j0 .. j1 - 1, carried in acc. */
+/* Lanes half .. half + HALF - 1 of the sums of x row i and weight row r, over the whole steps at
+ * j0 .. j1 - 1, carried in acc[i * acc_stride + r] (started at zero when j0 is 0). */
 static inline __attribute__((always_inline)) void dot_half(const float *restrict x, const float *restrict w,
                                                            int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
-                                                           int R, int half, tile_lanes acc) {
-    float part[TILE_X][TILE_W][HALF];
-    for (int i = 0; i < I; i++) /* the first chunk starts the chains at zero */
+                                                           int R, int half, float (*acc)[LANES],
+                                                           int64_t acc_stride) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 part[TILE_X][TILE_W];
+    for (int i = 0; i < I; i++)
         for (int r = 0; r < R; r++)
-            for (int l = 0; l < HALF; l++) part[i][r][l] = j0 == 0 ? 0.0f : acc[i][r][half + l];
+            part[i][r] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(&acc[i * acc_stride + r][half]);
+    for (int64_t j = j0 + half; j < j1; j += LANES) {
+        __m256 wv[TILE_W];
+        /* float32 x and weights are read in place, unaligned. Each vector is pinned to a register
+         * (the empty asm): GCC would otherwise fold its load into every multiply-add that uses it */
+        for (int r = 0; r < R; r++) {
+            wv[r] = _mm256_loadu_ps(w + r * wk + j);
+            __asm__("" : "+x"(wv[r]));
+        }
+        for (int i = 0; i < I; i++) {
+            __m256 xv = _mm256_loadu_ps(x + i * xk + j);
+            __asm__("" : "+x"(xv));
+            for (int r = 0; r < R; r++) part[i][r] = _mm256_fmadd_ps(xv, wv[r], part[i][r]);
+        }
+    }
+    for (int i = 0; i < I; i++)
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(&acc[i * acc_stride + r][half], part[i][r]);
+#else
+    float part[TILE_X][TILE_W][HALF];
+    for (int i = 0; i < I; i++)
+        for (int r = 0; r < R; r++)
+            for (int l = 0; l < HALF; l++) part[i][r][l] = j0 == 0 ? 0.0f : acc[i * acc_stride + r][half + l];
     for (int64_t j = j0 + half; j < j1; j += LANES)
-        _Pragma("GCC unroll 4") for (int i = 0; i < I; i++) /* hints: 5 and 2 measured 4% slower */
+        _Pragma("GCC unroll 4") for (int i = 0; i < I; i++)
             _Pragma("GCC unroll 3") for (int r = 0; r < R; r++)
                 for (int l = 0; l < HALF; l++) part[i][r][l] = MADD(x[i * xk + j + l], w[r * wk + j + l], part[i][r][l]);
     for (int i = 0; i < I; i++)
         for (int r = 0; r < R; r++)
-            for (int l = 0; l < HALF; l++) acc[i][r][half + l] = part[i][r][l];
+            for (int l = 0; l < HALF; l++) acc[i * acc_stride + r][half + l] = part[i][r][l];
+#endif
 }
 
 /* Both halves over one chunk; one specialised copy per (I, R), so that the loops unroll into
- * registers. */
+ * registers (with I or R unknown, GCC keeps the accumulators on the stack). I is 3, 4 or 5:
+ * tuili_linear_rows splits m >= 9 rows into blocks of floor or ceil of m / ceil(m / 5) rows. */
 static void dot_chunk(const float *x, const float *w, int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
-                      int R, tile_lanes acc) {
-#define DOT_CHUNK(I_, R_)                                          \
-    do {                                                           \
-        dot_half(x, w, xk, wk, j0, j1, I_, R_, 0, acc);    \
-        dot_half(x, w, xk, wk, j0, j1, I_, R_, HALF, acc); \
+                      int R, float (*acc)[LANES], int64_t acc_stride) {
+#define DOT_CHUNK(I_, R_)                                              \
+    do {                                                               \
+        dot_half(x, w, xk, wk, j0, j1, I_, R_, 0, acc, acc_stride);    \
+        dot_half(x, w, xk, wk, j0, j1, I_, R_, HALF, acc, acc_stride); \
+        return;                                                        \
     } while (0)
-    if (I == TILE_X && R == TILE_W)
-        DOT_CHUNK(TILE_X, TILE_W);
-    else if (I == TILE_X)
-        DOT_CHUNK(TILE_X, 1);
-    else if (R == TILE_W)
-        DOT_CHUNK(I, TILE_W);
-    else
-        DOT_CHUNK(I, 1);
+#define DOT_CHUNK_I(I_)                         \
+    case I_:                                    \
+        if (R == TILE_W) DOT_CHUNK(I_, TILE_W); \
+        DOT_CHUNK(I_, 1)
+    switch (I) {
+        DOT_CHUNK_I(3);
+        DOT_CHUNK_I(4);
+        DOT_CHUNK_I(5);
+    }
+#undef DOT_CHUNK_I
 #undef DOT_CHUNK
 }
 
-/* After the last chunk (none ran when K < LANES): the tail of K (from `whole`) to lane 0, then
- * the sum over the lanes into sums[i * R + r]. The I x R sums advance side by side, lane by lane,
- * each in dot_portable's order: independent chains, where one sum at a time waits on each add. */
-static void finish_tile(const float *x, const float *w, int64_t xk, int64_t wk, int64_t k, int64_t whole, int I,
-                        int R, tile_lanes acc, float *sums) {
-    if (whole == 0) memset(acc, 0, sizeof(tile_lanes));
-    for (int64_t j = whole; j < k; j++)
-        for (int i = 0; i < I; i++)
-            for (int r = 0; r < R; r++) acc[i][r][0] = MADD(x[i * xk + j], w[r * wk + j], acc[i][r][0]);
-    float total[TILE_X][TILE_W] = {{0}};
-    for (int l = 0; l < LANES; l++)
-        for (int i = 0; i < I; i++)
-            for (int r = 0; r < R; r++) total[i][r] += acc[i][r][l];
-    for (int i = 0; i < I; i++)
-        for (int r = 0; r < R; r++) sums[i * R + r] = total[i][r];
+/* totals[o] = lanes[o][0] + lanes[o][1] + ... + lanes[o][LANES - 1], added from 0 in that order
+ * (dot_portable's), for o < count. With AVX, eight sums side by side, one per lane of a vector,
+ * after an 8 x 8 transpose of their lanes: one sum at a time waits on each add. */
+static void sum_lanes(const float (*lanes)[LANES], int64_t count, float *totals) {
+    int64_t o = 0;
+#ifdef __AVX__
+    for (; o + 8 <= count; o += 8) {
+        __m256 total = _mm256_setzero_ps();
+        for (int h = 0; h < LANES; h += 8) {
+            __m256 row[8], pair[8], quad[8];
+            for (int q = 0; q < 8; q++) row[q] = _mm256_loadu_ps(&lanes[o + q][h]);
+            for (int q = 0; q < 8; q += 2) {
+                pair[q] = _mm256_unpacklo_ps(row[q], row[q + 1]);
+                pair[q + 1] = _mm256_unpackhi_ps(row[q], row[q + 1]);
+            }
+            for (int q = 0; q < 8; q += 4) {
+                quad[q] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0x44);
+                quad[q + 1] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0xEE);
+                quad[q + 2] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0x44);
+                quad[q + 3] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0xEE);
+            }
+            /* quad[q] holds lanes h + q (low half) and h + q + 4 (high half) of sums 0-3 | 4-7 */
+            for (int q = 0; q < 4; q++) total = _mm256_add_ps(total, _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x20));
+            for (int q = 0; q < 4; q++) total = _mm256_add_ps(total, _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x31));
+        }
+        _mm256_storeu_ps(totals + o, total);
+    }
+#endif
+    for (; o < count; o++) {
+        float total = 0.0f;
+        for (int l = 0; l < LANES; l++) total += lanes[o][l];
+        totals[o] = total;
+    }
 }
 #endif
 
@@ -444,15 +496,16 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
 #else
     /* a tile: about 128 KB of float32 */
     const int64_t tile = tile_rows(n, k, sizeof(float), 128 * 1024, TILE_W, num_threads);
-    /* each thread's partial sums for a block of x against its tile: a group per TILE_W rows,
-     * and per row left over */
-    const int64_t groups = tile / TILE_W + TILE_W;
-    tile_lanes *lanes = malloc((size_t)(num_threads * groups) * sizeof *lanes);
+    /* each thread's partial sums for a block of x against its tile: those of x row i and tile
+     * row c at [i * tile + c], and the totals of one x row */
+    float(*lanes)[LANES] = malloc((size_t)(num_threads * TILE_X * tile) * sizeof *lanes);
+    float *totals = malloc((size_t)(num_threads * tile) * sizeof *totals);
     const int64_t wk = dtype == TUILI_BF16 ? padded_stride(k) : k; /* float32 weights are read in place */
     float *tiles = NULL;
     if (dtype == TUILI_BF16) tiles = floats_at_64((size_t)(num_threads * tile * wk));
-    if (lanes == NULL || (dtype == TUILI_BF16 && tiles == NULL)) {
+    if (lanes == NULL || totals == NULL || (dtype == TUILI_BF16 && tiles == NULL)) {
         free(lanes);
+        free(totals);
         free(tiles);
         if (x_f32 != x) free(x_f32);
         return TUILI_NO_MEMORY;
@@ -467,31 +520,40 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
             widen_rows(own, (const uint16_t *)weight + row0 * k, rows, k, wk);
             w = own;
         }
-        tile_lanes *acc = lanes + (size_t)omp_get_thread_num() * groups;
+        float(*acc)[LANES] = lanes + (size_t)omp_get_thread_num() * TILE_X * tile;
+        float *row_totals = totals + (size_t)omp_get_thread_num() * tile;
         const int64_t whole = k - k % LANES;
-        float sums[TILE_X * TILE_W];
-        for (int64_t i0 = 0; i0 < m; i0 += TILE_X) {
-            const int I = m - i0 < TILE_X ? (int)(m - i0) : TILE_X;
+        /* x in blocks of at most TILE_X rows, their sizes a row apart at most: a block of 1 or 2
+         * rows does 2 or 4 multiply-adds per 3 or 4 loads (m = 16: 4 x 4 rows, not 5 + 5 + 5 + 1) */
+        const int64_t blocks = (m + TILE_X - 1) / TILE_X;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t i0 = b * m / blocks;
+            const int I = (int)((b + 1) * m / blocks - i0);
             const float *xs = x_f32 + i0 * xk;
             for (int64_t j0 = 0; j0 < whole; j0 += K_CHUNK) {
                 const int64_t j1 = whole - j0 < K_CHUNK ? whole : j0 + K_CHUNK;
-                for (int64_t r0 = 0, g = 0; r0 < rows; g++) {
-                    const int R = rows - r0 < TILE_W ? 1 : TILE_W; /* the rows left over one at a time */
-                    dot_chunk(xs, w + r0 * wk, xk, wk, j0, j1, I, R, acc[g]);
-                    r0 += R;
+                for (int64_t c = 0; c < rows;) {
+                    const int R = rows - c < TILE_W ? 1 : TILE_W; /* the rows left over one at a time */
+                    dot_chunk(xs, w + c * wk, xk, wk, j0, j1, I, R, acc + c, tile);
+                    c += R;
                 }
             }
-            const linear_args a = {NULL, weight, bias, NULL, (char *)out + i0 * n * out_size, dtype, out_dtype, I, n, k};
-            for (int64_t r0 = 0, g = 0; r0 < rows; g++) {
-                const int R = rows - r0 < TILE_W ? 1 : TILE_W;
-                finish_tile(xs, w + r0 * wk, xk, wk, k, whole, I, R, acc[g], sums);
-                store_rows(&a, row0 + r0, R, sums);
-                r0 += R;
+            for (int i = 0; i < I; i++) {
+                float(*row_lanes)[LANES] = acc + i * tile;
+                if (whole == 0) memset(row_lanes, 0, (size_t)rows * sizeof *row_lanes); /* no chunk ran */
+                for (int64_t c = 0; c < rows; c++) /* the tail of K to lane 0 */
+                    for (int64_t j = whole; j < k; j++)
+                        row_lanes[c][0] = MADD(xs[i * xk + j], w[c * wk + j], row_lanes[c][0]);
+                sum_lanes((const float(*)[LANES])row_lanes, rows, row_totals);
+                const linear_args a = {NULL, weight, bias, NULL, (char *)out + (i0 + i) * n * out_size,
+                                       dtype, out_dtype, 1, n, k};
+                store_rows(&a, row0, (int)rows, row_totals);
             }
         }
     }
     free(tiles);
     free(lanes);
+    free(totals);
 #endif
     if (x_f32 != x) free(x_f32);
     return TUILI_OK;
