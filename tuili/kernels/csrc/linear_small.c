@@ -231,10 +231,10 @@ static rows_fn kernel_for(const linear_args *a, int R) {
 }
 
 /* Prompts (tuili_linear_rows): dot_portable's sums, element for element, for I rows of x (row
- * stride xk) against R rows of a float32 weight tile w (row stride wk). A sum's LANES lanes are
- * independent chains (lane l takes the j = l mod LANES), so they run as two passes of HALF lanes
- * (one AVX2 register each): in a pass, I x R = 10 accumulators, R weight vectors and one x vector
- * take 13 of the 16 AVX2 registers, and each load serves R or I products (7 loads per 10
+ * stride xk) against R rows of a weight tile w (row stride wk, read in place). A sum's LANES lanes
+ * are independent chains (lane l takes the j = l mod LANES), so they run as two passes of HALF
+ * lanes (one AVX2 register each): in a pass, I x R = 10 accumulators, R weight vectors and one x
+ * vector take 13 of the 16 AVX2 registers, and each load serves R or I products (7 loads per 10
  * multiply-adds, where whole 16-lane sums leave no register for x: 16 per 12). 4 x 3 fills all 16
  * registers: no faster on a Zen 3; 6 x 2 and 3 x 4 spill, at half the speed. K goes in chunks
  * of K_CHUNK floats, the lanes carried in memory from one to the next, so that a block of x's
@@ -242,44 +242,64 @@ static rows_fn kernel_for(const linear_args *a, int R) {
  * its accumulators' loads and stores). Each lane's chain and the final sum over lanes
  * 0 .. LANES-1 are dot_portable's.
  *
- * The float32 copies (x's rows, each thread's tile) start at 64 bytes and their rows lie
- * padded_stride(k) floats apart: a vector load never splits a cache line, and the seven rows one
- * step reads do not all fall in one L1 set, as rows 4 KiB apart (k = 1024) do. On a Zen 3
- * (machine C) the two took 512 x 1024 x 3072 from 66-70 to 97 GFLOP/s on two cores; the AVX2
- * pass below (each vector loaded once: GCC's own vectorization folded each x load into both
- * multiply-adds, 12 loads per 10) and the lanes summed eight sums at a time (sum_lanes: GCC's
- * scalar sums ran two chains at a time, a fifth of the time) took it to 125-130 (PyTorch's
- * float32 matmul, with no fixed order to keep: 150-170), and 16 rows (decode at batch 16) from 78
- * to 105. */
+ * A bf16 weight is widened in registers, one shift or AND per 8 values, as pairs of elements
+ * (pass_element): the passes take the even and the odd elements of each step, and x's float32
+ * copy is split the same way. (A float32 copy of each tile, widened once, had the first block of
+ * x wait on memory while it was made: 16 rows from memory 78-90 -> 90-103 GFLOP/s without it.)
+ * x's copy starts at 64 bytes and its rows lie padded_stride(k) floats apart: a vector load never
+ * splits a cache line, and the rows one step reads do not all fall in one L1 set, as rows 4 KiB
+ * apart (k = 1024) do. On a Zen 3 (machine C) that took 512 x 1024 x 3072 from 66-70 to 97
+ * GFLOP/s on two cores; each vector loaded once (GCC's own vectorization folded each x load into
+ * both multiply-adds, 12 loads per 10) and the lanes summed eight sums at a time (sum_lanes: GCC's
+ * scalar sums ran two chains at a time, a fifth of the time) took it to 125-130 (PyTorch's float32
+ * matmul, with no fixed order to keep: 150-170), and 16 rows (decode at batch 16) from 78 to 105
+ * (weights in L3). */
 #define TILE_X 5
 #define TILE_W 2
 #define HALF (LANES / 2)
 #define K_CHUNK 1024 /* TILE_X rows of it: 20 KB */
 
-/* Floats from one row of a float32 copy to the next: whole cache lines, plus one. */
+/* Floats from one row of x's float32 copy to the next: whole cache lines, plus one. */
 static inline int64_t padded_stride(int64_t k) { return (k + LANES - 1) / LANES * LANES + LANES; }
 
-/* Lanes half .. half + HALF - 1 of the sums of x row i and weight row r, over the whole steps at
- * j0 .. j1 - 1, carried in acc[i * acc_stride + r] (started at zero when j0 is 0). */
-static inline __attribute__((always_inline)) void dot_half(const float *restrict x, const float *restrict w,
+/* Element `l` of a pass over one step of LANES: lane half + l's. A bf16 weight is read in place
+ * as 32-bit pairs, so a pass takes the even elements (half 0: the pair shifted left, no shuffle)
+ * or the odd ones (half HALF: the pair with its low element cleared); x's copy is laid out to
+ * match (split_rows), and the lanes hold the chains of elements 0, 2, .., 14 | 1, 3, .., 15. */
+static inline int64_t pass_element(int l, int half, int bf16) { return bf16 ? 2 * l + half / HALF : half + l; }
+
+/* Weight element `at` (row-major, in place) as float32. */
+static inline float weight_at(const void *w, int64_t at, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)w)[at]) : ((const float *)w)[at];
+}
+
+/* One pass (half 0 or HALF) of the sums of x row i and weight row r over the whole steps at
+ * j0 .. j1 - 1, carried in acc[i * acc_stride + r][half ..] (started at zero when j0 is 0). */
+static inline __attribute__((always_inline)) void dot_half(const float *restrict x, const void *restrict w,
                                                            int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
-                                                           int R, int half, float (*acc)[LANES],
+                                                           int R, int half, int bf16, float (*acc)[LANES],
                                                            int64_t acc_stride) {
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 part[TILE_X][TILE_W];
     for (int i = 0; i < I; i++)
         for (int r = 0; r < R; r++)
             part[i][r] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(&acc[i * acc_stride + r][half]);
-    for (int64_t j = j0 + half; j < j1; j += LANES) {
+    for (int64_t j = j0; j < j1; j += LANES) {
+        /* x and the weight are read in place, unaligned. Each vector is pinned to a register (the
+         * empty asm): GCC would otherwise fold its load into every multiply-add that uses it */
         __m256 wv[TILE_W];
-        /* float32 x and weights are read in place, unaligned. Each vector is pinned to a register
-         * (the empty asm): GCC would otherwise fold its load into every multiply-add that uses it */
         for (int r = 0; r < R; r++) {
-            wv[r] = _mm256_loadu_ps(w + r * wk + j);
+            if (bf16) {
+                const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + r * wk + j));
+                wv[r] = _mm256_castsi256_ps(half ? _mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u))
+                                                 : _mm256_slli_epi32(pairs, 16));
+            } else {
+                wv[r] = _mm256_loadu_ps((const float *)w + r * wk + j + half);
+            }
             __asm__("" : "+x"(wv[r]));
         }
         for (int i = 0; i < I; i++) {
-            __m256 xv = _mm256_loadu_ps(x + i * xk + j);
+            __m256 xv = _mm256_loadu_ps(x + i * xk + j + half);
             __asm__("" : "+x"(xv));
             for (int r = 0; r < R; r++) part[i][r] = _mm256_fmadd_ps(xv, wv[r], part[i][r]);
         }
@@ -291,71 +311,92 @@ static inline __attribute__((always_inline)) void dot_half(const float *restrict
     for (int i = 0; i < I; i++)
         for (int r = 0; r < R; r++)
             for (int l = 0; l < HALF; l++) part[i][r][l] = j0 == 0 ? 0.0f : acc[i * acc_stride + r][half + l];
-    for (int64_t j = j0 + half; j < j1; j += LANES)
+    for (int64_t j = j0; j < j1; j += LANES)
         _Pragma("GCC unroll 4") for (int i = 0; i < I; i++)
             _Pragma("GCC unroll 3") for (int r = 0; r < R; r++)
-                for (int l = 0; l < HALF; l++) part[i][r][l] = MADD(x[i * xk + j + l], w[r * wk + j + l], part[i][r][l]);
+                for (int l = 0; l < HALF; l++)
+                    part[i][r][l] = MADD(x[i * xk + j + half + l], weight_at(w, r * wk + j + pass_element(l, half, bf16), bf16),
+                                         part[i][r][l]);
     for (int i = 0; i < I; i++)
         for (int r = 0; r < R; r++)
             for (int l = 0; l < HALF; l++) acc[i * acc_stride + r][half + l] = part[i][r][l];
 #endif
 }
 
-/* Both halves over one chunk; one specialised copy per (I, R), so that the loops unroll into
- * registers (with I or R unknown, GCC keeps the accumulators on the stack). I is 3, 4 or 5:
+/* Both passes over one chunk; one specialised copy per (I, R, bf16), so that the loops unroll
+ * into registers (with I or R unknown, GCC keeps the accumulators on the stack). I is 3, 4 or 5:
  * tuili_linear_rows splits m >= 9 rows into blocks of floor or ceil of m / ceil(m / 5) rows. */
-static void dot_chunk(const float *x, const float *w, int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
-                      int R, float (*acc)[LANES], int64_t acc_stride) {
-#define DOT_CHUNK(I_, R_)                                              \
-    do {                                                               \
-        dot_half(x, w, xk, wk, j0, j1, I_, R_, 0, acc, acc_stride);    \
-        dot_half(x, w, xk, wk, j0, j1, I_, R_, HALF, acc, acc_stride); \
-        return;                                                        \
+static void dot_chunk(const float *x, const void *w, int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
+                      int R, int bf16, float (*acc)[LANES], int64_t acc_stride) {
+#define DOT_CHUNK(I_, R_, BF16_)                                                     \
+    do {                                                                             \
+        dot_half(x, w, xk, wk, j0, j1, I_, R_, 0, BF16_, acc, acc_stride);    \
+        dot_half(x, w, xk, wk, j0, j1, I_, R_, HALF, BF16_, acc, acc_stride); \
+        return;                                                                      \
     } while (0)
-#define DOT_CHUNK_I(I_)                         \
-    case I_:                                    \
-        if (R == TILE_W) DOT_CHUNK(I_, TILE_W); \
-        DOT_CHUNK(I_, 1)
+#define DOT_CHUNK_R(I_, BF16_)                         \
+    do {                                               \
+        if (R == TILE_W) DOT_CHUNK(I_, TILE_W, BF16_); \
+        DOT_CHUNK(I_, 1, BF16_);                       \
+    } while (0)
+#define DOT_CHUNK_I(I_)                  \
+    case I_:                             \
+        if (bf16) DOT_CHUNK_R(I_, 1);    \
+        DOT_CHUNK_R(I_, 0)
     switch (I) {
         DOT_CHUNK_I(3);
         DOT_CHUNK_I(4);
         DOT_CHUNK_I(5);
     }
 #undef DOT_CHUNK_I
+#undef DOT_CHUNK_R
 #undef DOT_CHUNK
 }
 
-/* totals[o] = lanes[o][0] + lanes[o][1] + ... + lanes[o][LANES - 1], added from 0 in that order
- * (dot_portable's), for o < count. With AVX, eight sums side by side, one per lane of a vector,
- * after an 8 x 8 transpose of their lanes: one sum at a time waits on each add. */
-static void sum_lanes(const float (*lanes)[LANES], int64_t count, float *totals) {
+#ifdef __AVX__
+/* out[l] = slot h + l of sums o .. o + 7 (lane q of out[l] is sum o + q's): an 8 x 8 transpose. */
+static inline void transpose_slots(const float (*lanes)[LANES], int64_t o, int h, __m256 out[8]) {
+    __m256 row[8], pair[8], quad[8];
+    for (int q = 0; q < 8; q++) row[q] = _mm256_loadu_ps(&lanes[o + q][h]);
+    for (int q = 0; q < 8; q += 2) {
+        pair[q] = _mm256_unpacklo_ps(row[q], row[q + 1]);
+        pair[q + 1] = _mm256_unpackhi_ps(row[q], row[q + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {
+        quad[q] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0x44);
+        quad[q + 1] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0xEE);
+        quad[q + 2] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0x44);
+        quad[q + 3] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0xEE);
+    }
+    /* quad[q] holds slots h + q (low half) and h + q + 4 (high half) of sums 0-3 | 4-7 */
+    for (int q = 0; q < 4; q++) {
+        out[q] = _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x20);
+        out[q + 4] = _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x31);
+    }
+}
+#endif
+
+/* totals[o] = the sum of lanes 0, 1, .., LANES - 1 of lanes[o], added from 0 in that order
+ * (dot_portable's), for o < count; lane l is in slot pass_element's inverse (bf16: the even
+ * lanes in slots 0-7, the odd ones in 8-15). With AVX, eight sums side by side, one per lane of
+ * a vector, after a transpose of their slots: one sum at a time waits on each add. */
+static void sum_lanes(const float (*lanes)[LANES], int64_t count, int bf16, float *totals) {
     int64_t o = 0;
 #ifdef __AVX__
     for (; o + 8 <= count; o += 8) {
-        __m256 total = _mm256_setzero_ps();
-        for (int h = 0; h < LANES; h += 8) {
-            __m256 row[8], pair[8], quad[8];
-            for (int q = 0; q < 8; q++) row[q] = _mm256_loadu_ps(&lanes[o + q][h]);
-            for (int q = 0; q < 8; q += 2) {
-                pair[q] = _mm256_unpacklo_ps(row[q], row[q + 1]);
-                pair[q + 1] = _mm256_unpackhi_ps(row[q], row[q + 1]);
-            }
-            for (int q = 0; q < 8; q += 4) {
-                quad[q] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0x44);
-                quad[q + 1] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0xEE);
-                quad[q + 2] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0x44);
-                quad[q + 3] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0xEE);
-            }
-            /* quad[q] holds lanes h + q (low half) and h + q + 4 (high half) of sums 0-3 | 4-7 */
-            for (int q = 0; q < 4; q++) total = _mm256_add_ps(total, _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x20));
-            for (int q = 0; q < 4; q++) total = _mm256_add_ps(total, _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x31));
+        __m256 low[8], high[8], total = _mm256_setzero_ps();
+        transpose_slots(lanes, o, 0, low);
+        transpose_slots(lanes, o, HALF, high);
+        for (int l = 0; l < LANES; l++) {
+            const int slot = bf16 ? (l % 2) * HALF + l / 2 : l;
+            total = _mm256_add_ps(total, slot < HALF ? low[slot] : high[slot - HALF]);
         }
         _mm256_storeu_ps(totals + o, total);
     }
 #endif
     for (; o < count; o++) {
         float total = 0.0f;
-        for (int l = 0; l < LANES; l++) total += lanes[o][l];
+        for (int l = 0; l < LANES; l++) total += lanes[o][bf16 ? (l % 2) * HALF + l / 2 : l];
         totals[o] = total;
     }
 }
@@ -388,6 +429,19 @@ static void widen_rows(float *dst, const uint16_t *src, int64_t rows, int64_t k,
     for (int64_t i = 0; i < rows; i++)
         for (int64_t j = 0; j < k; j++) dst[i * stride + j] = bf16_to_f32(src[i * k + j]);
 }
+
+#ifndef AVX512
+/* widen_rows for tuili_linear_rows' bf16 passes: each whole step of LANES values as its even
+ * elements, then its odd ones (pass_element), the tail of K as it is. */
+static void split_rows(float *dst, const uint16_t *src, int64_t rows, int64_t k, int64_t stride) {
+    const int64_t whole = k - k % LANES;
+    for (int64_t i = 0; i < rows; i++) {
+        for (int64_t j = 0; j < whole; j += LANES)
+            for (int l = 0; l < LANES; l++) dst[i * stride + j + l] = bf16_to_f32(src[i * k + j + pass_element(l % HALF, l / HALF * HALF, 1)]);
+        for (int64_t j = whole; j < k; j++) dst[i * stride + j] = bf16_to_f32(src[i * k + j]);
+    }
+}
+#endif
 
 /* Whether the kernels read x as float32 (all but vdpbf16ps), so a bfloat16 x needs a copy. */
 static int reads_x_as_f32(int dtype) {
@@ -459,11 +513,11 @@ static int64_t tile_rows(int64_t n, int64_t k, size_t row_size, int64_t bytes, i
  * rows in its call). The weight goes in tiles of rows that stay in L2, each thread a tile at a
  * time against every row of x, so the weight streams from memory once (blocks of 8 rows through
  * tuili_linear_small would stream it once per block). With AVX-512 the tile runs through
- * linear_small's own register kernels, MAX_M rows of x at a time; elsewhere each thread widens
- * its tile to float32 once and runs TILE_X rows of x by TILE_W weight rows (dot_chunk). */
+ * linear_small's own register kernels, MAX_M rows of x at a time; elsewhere each thread runs
+ * blocks of up to TILE_X rows of x by TILE_W weight rows (dot_chunk), the weight read in place. */
 int tuili_linear_rows(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                       int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (m <= MAX_M) /* a tile's worth of reuse would not pay for widening it */
+    if (m <= MAX_M) /* linear_small reads each weight row once for all of them; the blocks below take 3 to TILE_X rows */
         return tuili_linear_small(x, weight, bias, out, dtype, out_dtype, m, n, k, num_threads);
     const size_t out_size = out_dtype == TUILI_BF16 ? 2 : 4;
     if (num_threads < 1) num_threads = 1;
@@ -476,7 +530,11 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
     if (dtype == TUILI_BF16 && reads_x_as_f32(dtype)) {
         x_f32 = floats_at_64((size_t)(m * xk));
         if (x_f32 == NULL) return TUILI_NO_MEMORY;
+#ifdef AVX512
         widen_rows(x_f32, x, m, k, xk);
+#else
+        split_rows(x_f32, x, m, k, xk);
+#endif
     }
 #ifdef AVX512
     const size_t size = dtype == TUILI_BF16 ? 2 : 4;
@@ -494,32 +552,25 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
         }
     }
 #else
-    /* a tile: about 128 KB of float32 */
-    const int64_t tile = tile_rows(n, k, sizeof(float), 128 * 1024, TILE_W, num_threads);
+    /* a tile: about 128 KB of the weight, read in place */
+    const int bf16 = dtype == TUILI_BF16;
+    const int64_t tile = tile_rows(n, k, bf16 ? 2 : 4, 128 * 1024, TILE_W, num_threads);
     /* each thread's partial sums for a block of x against its tile: those of x row i and tile
      * row c at [i * tile + c], and the totals of one x row */
     float(*lanes)[LANES] = malloc((size_t)(num_threads * TILE_X * tile) * sizeof *lanes);
     float *totals = malloc((size_t)(num_threads * tile) * sizeof *totals);
-    const int64_t wk = dtype == TUILI_BF16 ? padded_stride(k) : k; /* float32 weights are read in place */
-    float *tiles = NULL;
-    if (dtype == TUILI_BF16) tiles = floats_at_64((size_t)(num_threads * tile * wk));
-    if (lanes == NULL || totals == NULL || (dtype == TUILI_BF16 && tiles == NULL)) {
+    if (lanes == NULL || totals == NULL) {
         free(lanes);
         free(totals);
-        free(tiles);
         if (x_f32 != x) free(x_f32);
         return TUILI_NO_MEMORY;
     }
+    const size_t size = bf16 ? 2 : 4;
     const int64_t num_tiles = (n + tile - 1) / tile;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tiles; t++) {
         const int64_t row0 = t * tile, rows = n - row0 < tile ? n - row0 : tile;
-        const float *w = (const float *)weight + row0 * k;
-        if (dtype == TUILI_BF16) {
-            float *own = tiles + (size_t)omp_get_thread_num() * tile * wk;
-            widen_rows(own, (const uint16_t *)weight + row0 * k, rows, k, wk);
-            w = own;
-        }
+        const char *w = (const char *)weight + row0 * k * size;
         float(*acc)[LANES] = lanes + (size_t)omp_get_thread_num() * TILE_X * tile;
         float *row_totals = totals + (size_t)omp_get_thread_num() * tile;
         const int64_t whole = k - k % LANES;
@@ -534,7 +585,10 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
                 const int64_t j1 = whole - j0 < K_CHUNK ? whole : j0 + K_CHUNK;
                 for (int64_t c = 0; c < rows;) {
                     const int R = rows - c < TILE_W ? 1 : TILE_W; /* the rows left over one at a time */
-                    dot_chunk(xs, w + c * wk, xk, wk, j0, j1, I, R, acc + c, tile);
+                    if (b == 0) /* the first block reads the tile from memory: ask for the next rows' chunk */
+                        for (int64_t r = c + PREFETCH_STEPS * TILE_W; r < c + (PREFETCH_STEPS + 1) * TILE_W; r++)
+                            for (int64_t j = j0; j < j1; j += 64 / (int64_t)size) prefetch_ahead(w, r * k + j, size);
+                    dot_chunk(xs, w + c * k * size, xk, k, j0, j1, I, R, bf16, acc + c, tile);
                     c += R;
                 }
             }
@@ -543,15 +597,14 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
                 if (whole == 0) memset(row_lanes, 0, (size_t)rows * sizeof *row_lanes); /* no chunk ran */
                 for (int64_t c = 0; c < rows; c++) /* the tail of K to lane 0 */
                     for (int64_t j = whole; j < k; j++)
-                        row_lanes[c][0] = MADD(xs[i * xk + j], w[c * wk + j], row_lanes[c][0]);
-                sum_lanes((const float(*)[LANES])row_lanes, rows, row_totals);
+                        row_lanes[c][0] = MADD(xs[i * xk + j], weight_at(w, c * k + j, bf16), row_lanes[c][0]);
+                sum_lanes((const float(*)[LANES])row_lanes, rows, bf16, row_totals);
                 const linear_args a = {NULL, weight, bias, NULL, (char *)out + (i0 + i) * n * out_size,
                                        dtype, out_dtype, 1, n, k};
                 store_rows(&a, row0, (int)rows, row_totals);
             }
         }
     }
-    free(tiles);
     free(lanes);
     free(totals);
 #endif
