@@ -379,8 +379,10 @@ static inline void transpose_slots(const float (*lanes)[LANES], int64_t o, int h
 /* totals[o] = the sum of lanes 0, 1, .., LANES - 1 of lanes[o], added from 0 in that order
  * (dot_portable's), for o < count; lane l is in slot pass_element's inverse (bf16: the even
  * lanes in slots 0-7, the odd ones in 8-15). With AVX, eight sums side by side, one per lane of
- * a vector, after a transpose of their slots: one sum at a time waits on each add. */
-static void sum_lanes(const float (*lanes)[LANES], int64_t count, int bf16, float *totals) {
+ * a vector, after a transpose of their slots: one sum at a time waits on each add. Inlined once
+ * per layout (bf16), so that the slot order is fixed at compile time. */
+static inline __attribute__((always_inline)) void sum_lanes(const float (*lanes)[LANES], int64_t count,
+                                                            const int bf16, float *totals) {
     int64_t o = 0;
 #ifdef __AVX__
     for (; o + 8 <= count; o += 8) {
@@ -598,7 +600,10 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
                 for (int64_t c = 0; c < rows; c++) /* the tail of K to lane 0 */
                     for (int64_t j = whole; j < k; j++)
                         row_lanes[c][0] = MADD(xs[i * xk + j], weight_at(w, c * k + j, bf16), row_lanes[c][0]);
-                sum_lanes((const float(*)[LANES])row_lanes, rows, bf16, row_totals);
+                if (bf16)
+                    sum_lanes((const float(*)[LANES])row_lanes, rows, 1, row_totals);
+                else
+                    sum_lanes((const float(*)[LANES])row_lanes, rows, 0, row_totals);
                 const linear_args a = {NULL, weight, bias, NULL, (char *)out + (i0 + i) * n * out_size,
                                        dtype, out_dtype, 1, n, k};
                 store_rows(&a, row0, (int)rows, row_totals);
