@@ -262,10 +262,10 @@ static rows_fn kernel_for(const linear_args *a, int R) {
 /* Floats from one row of x's float32 copy to the next: whole cache lines, plus one. */
 static inline int64_t padded_stride(int64_t k) { return (k + LANES - 1) / LANES * LANES + LANES; }
 
-/* Element `l` of a pass over one step of LANES: lane half + l's. A bf16 weight is read in place
- * as 32-bit pairs, so a pass takes the even elements (half 0: the pair shifted left, no shuffle)
- * or the odd ones (half HALF: the pair with its low element cleared); x's copy is laid out to
- * match (split_rows), and the lanes hold the chains of elements 0, 2, .., 14 | 1, 3, .., 15. */
+/* The element of a step of LANES that slot half + l of a pass multiplies. A bf16 weight is read
+ * in place as 32-bit pairs, so a pass takes the even elements (half 0: the pair shifted left, no
+ * shuffle) or the odd ones (half HALF: the pair with its low element cleared); x's copy is laid
+ * out to match (split_rows), and slots 0-15 hold the chains of elements 0, 2, .., 14, 1, 3, .., 15. */
 static inline int64_t pass_element(int l, int half, int bf16) { return bf16 ? 2 * l + half / HALF : half + l; }
 
 /* Weight element `at` (row-major, in place) as float32. */
@@ -285,8 +285,9 @@ static inline __attribute__((always_inline)) void dot_half(const float *restrict
         for (int r = 0; r < R; r++)
             part[i][r] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(&acc[i * acc_stride + r][half]);
     for (int64_t j = j0; j < j1; j += LANES) {
-        /* x and the weight are read in place, unaligned. Each vector is pinned to a register (the
-         * empty asm): GCC would otherwise fold its load into every multiply-add that uses it */
+        /* unaligned loads: a float32 x and any weight are read in place. Each vector is pinned to a
+         * register (the empty asm): GCC would otherwise fold its load into every multiply-add
+         * that uses it */
         __m256 wv[TILE_W];
         for (int r = 0; r < R; r++) {
             if (bf16) {
@@ -314,9 +315,10 @@ static inline __attribute__((always_inline)) void dot_half(const float *restrict
     for (int64_t j = j0; j < j1; j += LANES)
         _Pragma("GCC unroll 4") for (int i = 0; i < I; i++)
             _Pragma("GCC unroll 3") for (int r = 0; r < R; r++)
-                for (int l = 0; l < HALF; l++)
-                    part[i][r][l] = MADD(x[i * xk + j + half + l], weight_at(w, r * wk + j + pass_element(l, half, bf16), bf16),
-                                         part[i][r][l]);
+                for (int l = 0; l < HALF; l++) {
+                    const float wv = weight_at(w, r * wk + j + pass_element(l, half, bf16), bf16);
+                    part[i][r][l] = MADD(x[i * xk + j + half + l], wv, part[i][r][l]);
+                }
     for (int i = 0; i < I; i++)
         for (int r = 0; r < R; r++)
             for (int l = 0; l < HALF; l++) acc[i * acc_stride + r][half + l] = part[i][r][l];
@@ -439,7 +441,8 @@ static void split_rows(float *dst, const uint16_t *src, int64_t rows, int64_t k,
     const int64_t whole = k - k % LANES;
     for (int64_t i = 0; i < rows; i++) {
         for (int64_t j = 0; j < whole; j += LANES)
-            for (int l = 0; l < LANES; l++) dst[i * stride + j + l] = bf16_to_f32(src[i * k + j + pass_element(l % HALF, l / HALF * HALF, 1)]);
+            for (int l = 0; l < LANES; l++)
+                dst[i * stride + j + l] = bf16_to_f32(src[i * k + j + pass_element(l % HALF, l / HALF * HALF, 1)]);
         for (int64_t j = whole; j < k; j++) dst[i * stride + j] = bf16_to_f32(src[i * k + j]);
     }
 }
@@ -519,7 +522,7 @@ static int64_t tile_rows(int64_t n, int64_t k, size_t row_size, int64_t bytes, i
  * blocks of up to TILE_X rows of x by TILE_W weight rows (dot_chunk), the weight read in place. */
 int tuili_linear_rows(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                       int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (m <= MAX_M) /* linear_small reads each weight row once for all of them; the blocks below take 3 to TILE_X rows */
+    if (m <= MAX_M) /* linear_small reads each weight row once for all m rows */
         return tuili_linear_small(x, weight, bias, out, dtype, out_dtype, m, n, k, num_threads);
     const size_t out_size = out_dtype == TUILI_BF16 ? 2 : 4;
     if (num_threads < 1) num_threads = 1;
