@@ -91,12 +91,13 @@ def test_linear_small_splits_rows_across_threads(threads):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_linear_rows_gives_each_row_linear_smalls_bits(dtype, threads):
-    # Row counts past one 8-row block, some not multiples of the tiled path's 5 rows; N past its tiles
-    # of weight rows (32 at K = 1000) and odd; float32 and bf16 outputs, with and without bias.
+    # Row counts from 8 (the tiled path's first without AVX-512) past one 8-row block, some not
+    # multiples of the tiled path's 5 rows; N past its tiles of weight rows (32 at K = 1000) and
+    # odd; float32 and bf16 outputs, with and without bias.
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for m, (n, k) in zip((9, 17, 40, 100, 10, 11, 12), SHAPES, strict=True):
+        for m, (n, k) in zip((8, 17, 40, 100, 9, 11, 12), SHAPES, strict=True):
             for with_bias in (True, False):
                 x, weight, bias = make_inputs(m, n, k, dtype, with_bias, seed=m * n + k)
                 for out_dtype in {dtype, torch.float32}:

@@ -31,6 +31,7 @@
 #define MAX_M 8
 #define MAX_UNROLL 4
 #define LANES 16 /* float32 lanes of the plain C path: one AVX-512 register, two AVX2 ones */
+#define HALF (LANES / 2) /* one AVX2 register */
 
 typedef struct {
     const void *x, *weight, *bias;
@@ -44,10 +45,15 @@ typedef struct {
 /* Weight rows per step: M x unroll accumulators, unroll weight vectors and one x vector must fit
  * in the 32 AVX-512 registers (M = 8: 16 + 2 + 1). */
 static inline int unroll(int64_t m) { return m <= 4 ? 4 : 2; }
+#define SMALL_ROWS MAX_M /* the most rows tuili_linear_rows hands to linear_small */
 #else
 /* Weight rows per step: M x unroll 16-lane sums are 2 M unroll AVX2 registers, at most 8 of the
- * 16 (from 5 rows they spill whatever the unroll). */
+ * 16 below 5 rows (from 7 rows they spill whatever the unroll). */
 static inline int unroll(int64_t m) { return m == 1 ? 4 : m == 2 ? 2 : 1; }
+/* The most rows tuili_linear_rows hands to linear_small: 8 rows ran 1.1-1.3x faster as its two
+ * blocks of 4 than in linear_small, where their 16 sums spill (Zen 3, two cores; 7 rows: the
+ * same either way; 6: linear_small 1.2x faster). */
+#define SMALL_ROWS 7
 #endif
 
 /* Asks for element `index` of the weight w into L2. The kernels ask, at every 64 bytes of a
@@ -165,15 +171,61 @@ static rows_fn kernel_for(const linear_args *a, int R) {
 
 #else /* no AVX-512 */
 
-/* LANES independent partial sums per (x row, weight row), which the compiler vectorizes without
- * reassociating anything; the tail of K goes to lane 0. Inlined into one function per constant
- * (M, R, dtype) (PORTABLE), so that the loops unroll and the sums stay in registers. */
-static inline __attribute__((always_inline)) void dot_portable(const linear_args *a, int64_t row, float *sums,
-                                                               const int M, const int R, const int bf16) {
+/* LANES independent partial sums per (x row, weight row): lane l takes the j = l mod LANES of
+ * K's whole steps, in order. Fills acc[i][r] for x rows i < M and weight rows r < R, and returns
+ * the first j past the whole steps. */
+static inline __attribute__((always_inline)) int64_t dot_steps(const linear_args *a, int64_t row,
+                                                               float (*acc)[MAX_UNROLL][LANES], const int M,
+                                                               const int R, const int bf16) {
     const float *x = a->x_f32;
     const int64_t k = a->k;
-    float acc[MAX_M][MAX_UNROLL][LANES] = {{{0}}};
     int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    /* Each sum as two AVX2 registers (lanes 0-7, 8-15). Written out because GCC's vectorization
+     * of the plain C loop below built x's upper lanes from eight scalar loads at every step and
+     * zeroed all of acc (2 KiB) per call: from 3 rows of x on, the loop was compute bound (a Zen 3,
+     * 6144 x 1024 bf16, two cores: 3 rows 37 -> 68 GFLOP/s, 6 rows 54 -> 100, 8 rows 54 -> 78).
+     * x's vectors are pinned to registers when one serves several weight rows (as in dot_half).
+     * (7 and 8 rows spill; two sweeps of 4 rows over K, the second reading the weight rows again
+     * from L1, were no faster.) */
+    __m256 lo[MAX_M][MAX_UNROLL], hi[MAX_M][MAX_UNROLL];
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
+    for (; j + LANES <= k; j += LANES) {
+        if (!bf16 || j % 32 == 0) /* at every 64 bytes of each row, as the AVX-512 kernels ask */
+            for (int r = 0; r < R; r++)
+                prefetch_ahead(a->weight, (row + PREFETCH_STEPS * R + r) * k + j, bf16 ? 2 : 4);
+        for (int i = 0; i < M; i++) {
+            __m256 x_lo = _mm256_loadu_ps(x + i * k + j), x_hi = _mm256_loadu_ps(x + i * k + j + HALF);
+            if (R > 1) __asm__("" : "+x"(x_lo), "+x"(x_hi));
+            for (int r = 0; r < R; r++) {
+                __m256 w_lo, w_hi;
+                if (bf16) {
+                    const uint16_t *src = (const uint16_t *)a->weight + (row + r) * k + j;
+                    w_lo = _mm256_castsi256_ps(
+                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+                    w_hi = _mm256_castsi256_ps(
+                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + HALF))), 16));
+                } else {
+                    const float *src = (const float *)a->weight + (row + r) * k + j;
+                    w_lo = _mm256_loadu_ps(src);
+                    w_hi = _mm256_loadu_ps(src + HALF);
+                }
+                lo[i][r] = _mm256_fmadd_ps(x_lo, w_lo, lo[i][r]);
+                hi[i][r] = _mm256_fmadd_ps(x_hi, w_hi, hi[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(acc[i][r], lo[i][r]);
+            _mm256_storeu_ps(acc[i][r] + HALF, hi[i][r]);
+        }
+#else
+    /* Independent lanes, which the compiler vectorizes without reassociating anything. */
+    for (int i = 0; i < M; i++)
+        for (int r = 0; r < R; r++)
+            for (int l = 0; l < LANES; l++) acc[i][r][l] = 0.0f;
     for (; j + LANES <= k; j += LANES) {
         float w[MAX_UNROLL][LANES];
         if (!bf16 || j % 32 == 0) /* at every 64 bytes of each row, as the AVX-512 kernels ask */
@@ -192,7 +244,19 @@ static inline __attribute__((always_inline)) void dot_portable(const linear_args
             for (int r = 0; r < R; r++)
                 for (int l = 0; l < LANES; l++) acc[i][r][l] = MADD(x[i * k + j + l], w[r][l], acc[i][r][l]);
     }
-    for (; j < k; j++) {
+#endif
+    return j;
+}
+
+/* dot_steps, then the tail of K into lane 0 and each sum over lanes 0 .. LANES-1 in order.
+ * Inlined into one function per constant (M, R, dtype) (PORTABLE), so that the loops unroll and
+ * the sums stay in registers. */
+static inline __attribute__((always_inline)) void dot_portable(const linear_args *a, int64_t row, float *sums,
+                                                               const int M, const int R, const int bf16) {
+    const float *x = a->x_f32;
+    const int64_t k = a->k;
+    float acc[MAX_M][MAX_UNROLL][LANES];
+    for (int64_t j = dot_steps(a, row, acc, M, R, bf16); j < k; j++) {
         for (int r = 0; r < R; r++) {
             const int64_t at = (row + r) * k + j;
             const float wv = bf16 ? bf16_to_f32(((const uint16_t *)a->weight)[at]) : ((const float *)a->weight)[at];
@@ -256,7 +320,6 @@ static rows_fn kernel_for(const linear_args *a, int R) {
  * (weights in L3). */
 #define TILE_X 5
 #define TILE_W 2
-#define HALF (LANES / 2)
 #define K_CHUNK 1024 /* TILE_X rows of it: 20 KB */
 
 /* Floats from one row of x's float32 copy to the next: whole cache lines, plus one. */
@@ -522,7 +585,7 @@ static int64_t tile_rows(int64_t n, int64_t k, size_t row_size, int64_t bytes, i
  * blocks of up to TILE_X rows of x by TILE_W weight rows (dot_chunk), the weight read in place. */
 int tuili_linear_rows(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                       int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (m <= MAX_M) /* linear_small reads each weight row once for all m rows */
+    if (m <= SMALL_ROWS) /* linear_small reads each weight row once for all m rows */
         return tuili_linear_small(x, weight, bias, out, dtype, out_dtype, m, n, k, num_threads);
     const size_t out_size = out_dtype == TUILI_BF16 ? 2 : 4;
     if (num_threads < 1) num_threads = 1;
