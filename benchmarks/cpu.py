@@ -15,7 +15,8 @@ Models (--models):
 
 Rows, all in tokens/s with `--threads` threads per engine:
   prefill 512   one prompt of 512 random token ids
-  decode bB     B sequences decoding at once after 128-token prompts (64 steps timed)
+  decode bB     B sequences decoding at once after 128-token prompts (64 steps timed); B is 1,
+                16 and 32, or those named by --rows (b2, b4 and b8 run only when named)
 The columns of one precision run in lockstep: tuili and vLLM stay loaded side by side, each in
 a process of its own running benchmarks/cpu_worker.py (the same script for both), and each of
 the `repeat` repetitions of a row takes one sample of every column in turn, so that all of them
@@ -123,10 +124,12 @@ class Sizes:
         return [self.prefill_row] * self.with_prefill + [self.decode_row(b) for b in self.batches]
 
     def only(self, rows: list[str] | None) -> Sizes:
-        """These sizes with only the rows named ("prefill", "b1", "b16", ...), all if None."""
+        """These sizes with only the rows named ("prefill", "b1", "b16", ...), all if None; a
+        batch not run by default ("b4", "b8") is added."""
         if rows is None:
             return self
-        return replace(self, with_prefill="prefill" in rows, batches=tuple(b for b in self.batches if f"b{b}" in rows))
+        batches = sorted({int(row[1:]) for row in rows if row != "prefill"})
+        return replace(self, with_prefill="prefill" in rows, batches=tuple(batches))
 
 
 @dataclass(frozen=True)
@@ -715,8 +718,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(DEFAULT_MODELS),
                         help=f"default: {' '.join(DEFAULT_MODELS)}")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and one repetition: a smoke run")
-    parser.add_argument("--rows", nargs="+", choices=("prefill", "b1", "b16", "b32"),
-                        help="run only these rows (default: all)")
+    parser.add_argument("--rows", nargs="+", choices=("prefill", "b1", "b2", "b4", "b8", "b16", "b32"),
+                        help="run only these rows (default: prefill b1 b16 b32; b2, b4 and b8 only when named)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-eager", action="store_true", help="also run vLLM-CPU with enforce_eager")
     parser.add_argument("--hardware", help="spec file or preset for MBU/MFU (default: the rates read around each sample)")

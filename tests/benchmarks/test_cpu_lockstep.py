@@ -101,3 +101,10 @@ def test_a_target_against_transformers_is_judged_against_the_transformers_column
     targets = {(t.row, t.peer, t.factor) for t in cpu.hybrid_targets(cpu.Sizes(512, 128, 64, 1, 1))
                if t.label == "tuili bf16"}
     assert ("prefill 512", "transformers", 3.0) in targets and ("decode b16", "llama", 1.5) in targets
+
+
+def test_rows_pick_the_batches_run_including_ones_not_run_by_default(cpu):
+    sizes = cpu.Sizes(512, 128, 64, 4, 8)
+    assert sizes.only(None).rows() == ["prefill 512", "decode b1", "decode b16", "decode b32"]
+    assert sizes.only(["b8", "b4"]).rows() == ["decode b4", "decode b8"]
+    assert sizes.only(["prefill", "b16"]).rows() == ["prefill 512", "decode b16"]

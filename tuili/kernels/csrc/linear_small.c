@@ -50,9 +50,9 @@ static inline int unroll(int64_t m) { return m <= 4 ? 4 : 2; }
 /* Weight rows per step: M x unroll 16-lane sums are 2 M unroll AVX2 registers, at most 8 of the
  * 16 below 5 rows (from 7 rows they spill whatever the unroll). */
 static inline int unroll(int64_t m) { return m == 1 ? 4 : m == 2 ? 2 : 1; }
-/* The most rows tuili_linear_rows hands to linear_small: 8 rows ran 1.1-1.3x faster as its two
- * blocks of 4 than in linear_small, where their 16 sums spill (Zen 3, two cores; 7 rows: the
- * same either way; 6: linear_small 1.2x faster). */
+/* The most rows tuili_linear_rows hands to linear_small: 8 rows ran up to 1.3x faster as its two
+ * blocks of 4 than in linear_small, where their 16 sums spill; 7 and 6 rows slower (docs/kernels.md,
+ * Measured crossovers). */
 #define SMALL_ROWS 7
 #endif
 
