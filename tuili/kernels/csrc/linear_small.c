@@ -331,6 +331,9 @@ static inline int64_t padded_stride(int64_t k) { return (k + LANES - 1) / LANES 
  * out to match (split_rows), and slots 0-15 hold the chains of elements 0, 2, .., 14, 1, 3, .., 15. */
 static inline int64_t pass_element(int l, int half, int bf16) { return bf16 ? 2 * l + half / HALF : half + l; }
 
+/* The slot that holds element l's chain (0 <= l < LANES): pass_element's inverse. */
+static inline int lane_slot(int l, int bf16) { return bf16 ? (l % 2) * HALF + l / 2 : l; }
+
 /* Weight element `at` (row-major, in place) as float32. */
 static inline float weight_at(const void *w, int64_t at, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)w)[at]) : ((const float *)w)[at];
@@ -442,8 +445,8 @@ static inline void transpose_slots(const float (*lanes)[LANES], int64_t o, int h
 #endif
 
 /* totals[o] = the sum of lanes 0, 1, .., LANES - 1 of lanes[o], added from 0 in that order
- * (dot_portable's), for o < count; lane l is in slot pass_element's inverse (bf16: the even
- * lanes in slots 0-7, the odd ones in 8-15). With AVX, eight sums side by side, one per lane of
+ * (dot_portable's), for o < count; lane l is in slot lane_slot(l) (bf16: the even lanes in
+ * slots 0-7, the odd ones in 8-15). With AVX, eight sums side by side, one per lane of
  * a vector, after a transpose of their slots: one sum at a time waits on each add. Inlined once
  * per layout (bf16), so that the slot order is fixed at compile time. */
 static inline __attribute__((always_inline)) void sum_lanes(const float (*lanes)[LANES], int64_t count,
@@ -455,7 +458,7 @@ static inline __attribute__((always_inline)) void sum_lanes(const float (*lanes)
         transpose_slots(lanes, o, 0, low);
         transpose_slots(lanes, o, HALF, high);
         for (int l = 0; l < LANES; l++) {
-            const int slot = bf16 ? (l % 2) * HALF + l / 2 : l;
+            const int slot = lane_slot(l, bf16);
             total = _mm256_add_ps(total, slot < HALF ? low[slot] : high[slot - HALF]);
         }
         _mm256_storeu_ps(totals + o, total);
@@ -463,7 +466,7 @@ static inline __attribute__((always_inline)) void sum_lanes(const float (*lanes)
 #endif
     for (; o < count; o++) {
         float total = 0.0f;
-        for (int l = 0; l < LANES; l++) total += lanes[o][bf16 ? (l % 2) * HALF + l / 2 : l];
+        for (int l = 0; l < LANES; l++) total += lanes[o][lane_slot(l, bf16)];
         totals[o] = total;
     }
 }
