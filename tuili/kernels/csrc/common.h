@@ -65,8 +65,34 @@ static inline uint16_t f32_to_bf16(float f) {
     return (f != f) ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)rounded;
 }
 
-#ifdef __AVX512F__
+#ifdef __AVX__
 #include <immintrin.h>
+
+/* An 8 x 8 transpose: lane q of out[l] = first[q * stride + l], for eight rows of eight floats
+ * `stride` floats apart (sums of eight outputs side by side, one per lane, so that their lanes
+ * are added one vector at a time rather than one output at a time, each waiting on its adds). */
+static inline void transpose8(const float *first, int64_t stride, __m256 out[8]) {
+    __m256 row[8], pair[8], quad[8];
+    for (int q = 0; q < 8; q++) row[q] = _mm256_loadu_ps(first + q * stride);
+    for (int q = 0; q < 8; q += 2) {
+        pair[q] = _mm256_unpacklo_ps(row[q], row[q + 1]);
+        pair[q + 1] = _mm256_unpackhi_ps(row[q], row[q + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {
+        quad[q] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0x44);
+        quad[q + 1] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0xEE);
+        quad[q + 2] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0x44);
+        quad[q + 3] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0xEE);
+    }
+    /* quad[q] holds elements q (low half) and q + 4 (high half) of rows 0-3 | 4-7 */
+    for (int q = 0; q < 4; q++) {
+        out[q] = _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x20);
+        out[q + 4] = _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x31);
+    }
+}
+#endif
+
+#ifdef __AVX512F__
 
 /* Sixteen bf16 values at p, exactly, as float32 lanes. */
 static inline __m512 widen_bf16(const uint16_t *p) {

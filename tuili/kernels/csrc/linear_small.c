@@ -421,28 +421,6 @@ static void dot_chunk(const float *x, const void *w, int64_t xk, int64_t wk, int
 #undef DOT_CHUNK
 }
 
-#ifdef __AVX__
-/* out[l] = slot h + l of sums o .. o + 7 (lane q of out[l] is sum o + q's): an 8 x 8 transpose. */
-static inline void transpose_slots(const float (*lanes)[LANES], int64_t o, int h, __m256 out[8]) {
-    __m256 row[8], pair[8], quad[8];
-    for (int q = 0; q < 8; q++) row[q] = _mm256_loadu_ps(&lanes[o + q][h]);
-    for (int q = 0; q < 8; q += 2) {
-        pair[q] = _mm256_unpacklo_ps(row[q], row[q + 1]);
-        pair[q + 1] = _mm256_unpackhi_ps(row[q], row[q + 1]);
-    }
-    for (int q = 0; q < 8; q += 4) {
-        quad[q] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0x44);
-        quad[q + 1] = _mm256_shuffle_ps(pair[q], pair[q + 2], 0xEE);
-        quad[q + 2] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0x44);
-        quad[q + 3] = _mm256_shuffle_ps(pair[q + 1], pair[q + 3], 0xEE);
-    }
-    /* quad[q] holds slots h + q (low half) and h + q + 4 (high half) of sums 0-3 | 4-7 */
-    for (int q = 0; q < 4; q++) {
-        out[q] = _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x20);
-        out[q + 4] = _mm256_permute2f128_ps(quad[q], quad[q + 4], 0x31);
-    }
-}
-#endif
 
 /* totals[o] = the sum of lanes 0, 1, .., LANES - 1 of lanes[o], added from 0 in that order
  * (dot_portable's), for o < count; lane l is in slot lane_slot(l) (bf16: the even lanes in
@@ -455,8 +433,8 @@ static inline __attribute__((always_inline)) void sum_lanes(const float (*lanes)
 #ifdef __AVX__
     for (; o + 8 <= count; o += 8) {
         __m256 low[8], high[8], total = _mm256_setzero_ps();
-        transpose_slots(lanes, o, 0, low);
-        transpose_slots(lanes, o, HALF, high);
+        transpose8(lanes[o], LANES, low); /* low[l]: slot l of sums o .. o + 7 */
+        transpose8(lanes[o] + HALF, LANES, high);
         for (int l = 0; l < LANES; l++) {
             const int slot = lane_slot(l, bf16);
             total = _mm256_add_ps(total, slot < HALF ? low[slot] : high[slot - HALF]);

@@ -255,10 +255,12 @@ static inline __attribute__((always_inline)) float cache_value(const void *row, 
     return bf16 ? bf16_to_f32(((const uint16_t *)row)[d]) : ((const float *)row)[d];
 }
 
-/* Lanes half .. half + 7 of dot_lanes16 for I rows of q (row stride D) by SCORE_KEYS keys. */
+/* Lanes half .. half + 7 of dot_lanes16 for I rows of q (row stride D) by SCORE_KEYS keys, into
+ * lanes[i][t0 + t]. */
 static inline __attribute__((always_inline)) void score_half(const float *restrict q, int64_t D, int64_t whole,
                                                              const void *const *restrict k, int I, int half,
-                                                             float lanes[SCORE_ROWS][SCORE_KEYS][16], const int bf16) {
+                                                             float lanes[SCORE_ROWS][KEY_CHUNK][16], int t0,
+                                                             const int bf16) {
     float part[SCORE_ROWS][SCORE_KEYS][8] = {{{0}}};
     for (int64_t d = half; d < whole; d += 16)
         _Pragma("GCC unroll 3") for (int i = 0; i < I; i++)
@@ -267,23 +269,43 @@ static inline __attribute__((always_inline)) void score_half(const float *restri
                     part[i][t][l] = MADD(q[i * D + d + l], cache_value(k[t], d + l, bf16), part[i][t][l]);
     for (int i = 0; i < I; i++)
         for (int t = 0; t < SCORE_KEYS; t++)
-            for (int l = 0; l < 8; l++) lanes[i][t][half + l] = part[i][t][l];
+            for (int l = 0; l < 8; l++) lanes[i][t0 + t][half + l] = part[i][t][l];
 }
 
-/* scores[i * KEY_CHUNK + t] = dot_lanes16(q row i, k[t], D), I <= SCORE_ROWS rows, SCORE_KEYS keys. */
+/* dot_lanes16(q row i, k[t], D) for I <= SCORE_ROWS rows and SCORE_KEYS keys, in two parts: its
+ * 16 lanes into lanes[i][t0 + t], its tail (the d past D's whole steps, summed from 0) into
+ * scores[i * KEY_CHUNK + t0 + t]; add_lanes finishes it. */
 static inline __attribute__((always_inline)) void score_tile(const float *q, int64_t D, const void *const *k,
-                                                             int I, float *scores, const int bf16) {
-    float lanes[SCORE_ROWS][SCORE_KEYS][16];
+                                                             int I, float lanes[SCORE_ROWS][KEY_CHUNK][16],
+                                                             int t0, float *scores, const int bf16) {
     const int64_t whole = D - D % 16;
-    score_half(q, D, whole, k, I, 0, lanes, bf16);
-    score_half(q, D, whole, k, I, 8, lanes, bf16);
+    score_half(q, D, whole, k, I, 0, lanes, t0, bf16);
+    score_half(q, D, whole, k, I, 8, lanes, t0, bf16);
     for (int i = 0; i < I; i++)
         for (int t = 0; t < SCORE_KEYS; t++) {
             float total = 0.0f;
             for (int64_t d = whole; d < D; d++) total = MADD(q[i * D + d], cache_value(k[t], d, bf16), total);
-            for (int l = 0; l < 16; l++) total += lanes[i][t][l];
-            scores[i * KEY_CHUNK + t] = total;
+            scores[i * KEY_CHUNK + t0 + t] = total;
         }
+}
+
+/* scores[t] += lanes[t][0] + lanes[t][1] + .. + lanes[t][15], added in that order (dot_lanes16's),
+ * for the KEY_CHUNK keys of one row of q. With AVX, eight keys side by side after a transpose:
+ * one key at a time, each waits on its 16 adds (a fifth of a prompt's attention on a Zen 3). */
+static inline void add_lanes(const float lanes[KEY_CHUNK][16], float *scores) {
+    int t = 0;
+#ifdef __AVX__
+    for (; t + 8 <= KEY_CHUNK; t += 8) {
+        __m256 low[8], high[8], total = _mm256_loadu_ps(scores + t);
+        transpose8(lanes[t], 16, low); /* low[l]: lane l of keys t .. t + 7 */
+        transpose8(lanes[t] + 8, 16, high);
+        for (int l = 0; l < 8; l++) total = _mm256_add_ps(total, low[l]);
+        for (int l = 0; l < 8; l++) total = _mm256_add_ps(total, high[l]);
+        _mm256_storeu_ps(scores + t, total);
+    }
+#endif
+    for (; t < KEY_CHUNK; t++)
+        for (int l = 0; l < 16; l++) scores[t] += lanes[t][l];
 }
 
 /* acc[0 .. PV_BLOCK) += sum over t < keys of p[t] * vrow[t][d ..], the block held in registers.
@@ -334,17 +356,18 @@ static inline __attribute__((always_inline)) void portable_chunk(rows_t *st, int
                                                                  int64_t n, const void *const *krow,
                                                                  const void *const *vrow, const int bf16) {
     const int64_t D = st->head_dim;
-    float scores[SCORE_ROWS * KEY_CHUNK];
+    float scores[SCORE_ROWS * KEY_CHUNK], lanes[SCORE_ROWS][KEY_CHUNK][16];
     for (int64_t r0 = first; r0 < end; r0 += SCORE_ROWS) {
         const int I = end - r0 < SCORE_ROWS ? (int)(end - r0) : SCORE_ROWS;
         for (int t0 = 0; t0 < KEY_CHUNK; t0 += SCORE_KEYS) { /* every key: rows past n score zeros */
             if (I == SCORE_ROWS)
-                score_tile(st->q + r0 * D, D, krow + t0, SCORE_ROWS, scores + t0, bf16);
+                score_tile(st->q + r0 * D, D, krow + t0, SCORE_ROWS, lanes, t0, scores, bf16);
             else if (I == 2)
-                score_tile(st->q + r0 * D, D, krow + t0, 2, scores + t0, bf16);
+                score_tile(st->q + r0 * D, D, krow + t0, 2, lanes, t0, scores, bf16);
             else
-                score_tile(st->q + r0 * D, D, krow + t0, 1, scores + t0, bf16);
+                score_tile(st->q + r0 * D, D, krow + t0, 1, lanes, t0, scores, bf16);
         }
+        for (int i = 0; i < I; i++) add_lanes((const float(*)[16])lanes[i], scores + i * KEY_CHUNK);
         for (int i = 0; i < I; i++) {
             const int64_t r = r0 + i, keys = visible_keys(st, r, c, n);
             if (keys == 0) continue;
