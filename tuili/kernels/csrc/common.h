@@ -68,6 +68,13 @@ static inline uint16_t f32_to_bf16(float f) {
 #ifdef __AVX__
 #include <immintrin.h>
 
+#ifdef __AVX2__
+/* Eight bf16 values at p, exactly, as float32 lanes. */
+static inline __m256 widen_bf16_8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
 /* An 8 x 8 transpose: lane q of out[l] = first[q * stride + l], for eight rows of eight floats
  * `stride` floats apart (sums of eight outputs side by side, one per lane, so that their lanes
  * are added one vector at a time rather than one output at a time, each waiting on its adds). */

@@ -171,6 +171,19 @@ static rows_fn kernel_for(const linear_args *a, int R) {
 
 #else /* no AVX-512 */
 
+/* Weight element `at` (row-major, in place) as float32. */
+static inline float weight_at(const void *w, int64_t at, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)w)[at]) : ((const float *)w)[at];
+}
+
+/* The step at j of weight rows row .. row + R - 1 asks, once per 64 bytes of each row (as the
+ * AVX-512 kernels ask), for the same place PREFETCH_STEPS steps ahead. */
+static inline __attribute__((always_inline)) void ask_ahead(const linear_args *a, int64_t row, int R, int64_t j,
+                                                            int bf16) {
+    if (!bf16 || j % 32 == 0)
+        for (int r = 0; r < R; r++) prefetch_ahead(a->weight, (row + PREFETCH_STEPS * R + r) * a->k + j, bf16 ? 2 : 4);
+}
+
 /* LANES independent partial sums per (x row, weight row): lane l takes the j = l mod LANES of
  * K's whole steps, in order. Fills acc[i][r] for x rows i < M and weight rows r < R, and returns
  * the first j past the whole steps. */
@@ -192,9 +205,7 @@ static inline __attribute__((always_inline)) int64_t dot_steps(const linear_args
     for (int i = 0; i < M; i++)
         for (int r = 0; r < R; r++) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
     for (; j + LANES <= k; j += LANES) {
-        if (!bf16 || j % 32 == 0) /* at every 64 bytes of each row, as the AVX-512 kernels ask */
-            for (int r = 0; r < R; r++)
-                prefetch_ahead(a->weight, (row + PREFETCH_STEPS * R + r) * k + j, bf16 ? 2 : 4);
+        ask_ahead(a, row, R, j, bf16);
         for (int i = 0; i < M; i++) {
             __m256 x_lo = _mm256_loadu_ps(x + i * k + j), x_hi = _mm256_loadu_ps(x + i * k + j + HALF);
             if (R > 1) __asm__("" : "+x"(x_lo), "+x"(x_hi));
@@ -202,10 +213,8 @@ static inline __attribute__((always_inline)) int64_t dot_steps(const linear_args
                 __m256 w_lo, w_hi;
                 if (bf16) {
                     const uint16_t *src = (const uint16_t *)a->weight + (row + r) * k + j;
-                    w_lo = _mm256_castsi256_ps(
-                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
-                    w_hi = _mm256_castsi256_ps(
-                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + HALF))), 16));
+                    w_lo = widen_bf16_8(src);
+                    w_hi = widen_bf16_8(src + HALF);
                 } else {
                     const float *src = (const float *)a->weight + (row + r) * k + j;
                     w_lo = _mm256_loadu_ps(src);
@@ -228,9 +237,7 @@ static inline __attribute__((always_inline)) int64_t dot_steps(const linear_args
             for (int l = 0; l < LANES; l++) acc[i][r][l] = 0.0f;
     for (; j + LANES <= k; j += LANES) {
         float w[MAX_UNROLL][LANES];
-        if (!bf16 || j % 32 == 0) /* at every 64 bytes of each row, as the AVX-512 kernels ask */
-            for (int r = 0; r < R; r++)
-                prefetch_ahead(a->weight, (row + PREFETCH_STEPS * R + r) * k + j, bf16 ? 2 : 4);
+        ask_ahead(a, row, R, j, bf16);
         for (int r = 0; r < R; r++) {
             if (bf16) {
                 const uint16_t *src = (const uint16_t *)a->weight + (row + r) * k + j;
@@ -258,8 +265,7 @@ static inline __attribute__((always_inline)) void dot_portable(const linear_args
     float acc[MAX_M][MAX_UNROLL][LANES];
     for (int64_t j = dot_steps(a, row, acc, M, R, bf16); j < k; j++) {
         for (int r = 0; r < R; r++) {
-            const int64_t at = (row + r) * k + j;
-            const float wv = bf16 ? bf16_to_f32(((const uint16_t *)a->weight)[at]) : ((const float *)a->weight)[at];
+            const float wv = weight_at(a->weight, (row + r) * k + j, bf16);
             for (int i = 0; i < M; i++) acc[i][r][0] = MADD(x[i * k + j], wv, acc[i][r][0]);
         }
     }
@@ -333,11 +339,6 @@ static inline int64_t pass_element(int l, int half, int bf16) { return bf16 ? 2 
 
 /* The slot that holds element l's chain (0 <= l < LANES): pass_element's inverse. */
 static inline int lane_slot(int l, int bf16) { return bf16 ? (l % 2) * HALF + l / 2 : l; }
-
-/* Weight element `at` (row-major, in place) as float32. */
-static inline float weight_at(const void *w, int64_t at, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)w)[at]) : ((const float *)w)[at];
-}
 
 /* One pass (half 0 or HALF) of the sums of x row i and weight row r over the whole steps at
  * j0 .. j1 - 1, carried in acc[i * acc_stride + r][half ..] (started at zero when j0 is 0). */
@@ -420,7 +421,6 @@ static void dot_chunk(const float *x, const void *w, int64_t xk, int64_t wk, int
 #undef DOT_CHUNK_R
 #undef DOT_CHUNK
 }
-
 
 /* totals[o] = the sum of lanes 0, 1, .., LANES - 1 of lanes[o], added from 0 in that order
  * (dot_portable's), for o < count; lane l is in slot lane_slot(l) (bf16: the even lanes in
