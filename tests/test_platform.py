@@ -16,8 +16,8 @@ _REPORT = "from tuili.platform import Platform; print(Platform.detect('cpu').bf1
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="ATEN_CPU_CAPABILITY's x86 levels")
 def test_pytorch_held_to_avx2_means_no_bf16_arithmetic():
     """With PyTorch's kernels held to AVX2 (as on an AVX2 CPU) tuili does not take bf16 dot
-    products for granted, whatever the CPU itself has: quantized weights then compute in float32,
-    as they would on that CPU."""
+    products for granted, whatever the CPU itself has: every bf16 product then stays in tuili's
+    own kernels, as it would on that CPU."""
     held = subprocess.run([sys.executable, "-c", _REPORT], capture_output=True, text=True, check=True,
                           env=os.environ | {"ATEN_CPU_CAPABILITY": "avx2"})
     assert held.stdout.split() == ["False"], held.stdout + held.stderr

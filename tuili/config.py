@@ -360,8 +360,10 @@ def packed_compute_dtype(requested: str | torch.dtype | None, device: torch.devi
 
 def resolve_dtype(dtype: str | torch.dtype | None, platform: Platform) -> torch.dtype:
     """The working dtype. "auto": fp16 on GPUs without bf16 (V100), bf16 on newer GPUs; on a CPU
-    bf16 where it has bf16 arithmetic (AVX512-BF16 or AMX) and tuili's kernels run, else fp32
-    (PyTorch's own bf16 linear reads weights at decode shapes slower than fp32: docs/kernels.md)."""
+    bf16 where tuili's kernels run, else fp32. The kernels read bf16 in place on every CPU (widened
+    to float32 in registers where there is no bf16 arithmetic), so bf16 halves the bytes a decode
+    step reads; PyTorch's own bf16 products are slower than its fp32 ones on CPUs without
+    AVX512-BF16 or AMX (docs/engine.md, Configuration)."""
     device = platform.device
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -370,7 +372,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, platform: Platform) -> torch.
     if dtype in (None, "auto"):
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if platform.bf16_arithmetic else torch.float32
+        return torch.bfloat16 if platform.native_kernels else torch.float32
     if dtype not in _DTYPES:
         raise TuiliError(f"dtype={dtype!r} is not supported: expected auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]

@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None,
                        help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="working dtype (auto: bf16 on CPUs with AVX512-BF16/AMX and tuili's kernels, else float32; bf16/fp16 on GPU)")
+                       help="working dtype (auto: bf16 on CPUs where tuili's kernels run, else float32; bf16/fp16 on GPU)")
     group.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when present)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     group.add_argument("--max-num-batched-tokens", type=int, default=512,

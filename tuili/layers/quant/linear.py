@@ -112,16 +112,22 @@ class QuantizedLinear(nn.Module):
         if device.type != "cpu" or self.compute_dtype != torch.bfloat16 or rows < 1:
             return "tiled"
         invariant = self.platform.batch_invariant  # one kernel at every row count
-        if (invariant or rows <= self.max_gemv_rows) and self.max_gemv_rows and self.platform.native_kernels:
+        # Without bf16 arithmetic PyTorch's bf16 products (the op, the tiled matmul) run at a
+        # fraction of the native kernel's speed: ~20 GFLOP/s on a Zen 3, where its fp32 runs ~150.
+        gemv_rows = invariant or rows <= self.max_gemv_rows or not self.platform.bf16_arithmetic
+        if gemv_rows and self.max_gemv_rows and self.platform.native_kernels:
             return "gemv"
         return "op" if self._op_fits and (invariant or rows <= self.max_op_rows) else "tiled"
 
     def _block_rows(self, kernel: str, rows: int) -> int:
-        """Rows per call of `kernel`: all of them, except in the batch-invariant mode, where the
-        gemv and the op run blocks of the sizes they were measured and checked at."""
+        """Rows per call of `kernel`: the gemv's most (it takes no more), the tiled kernel all of
+        them, the op all of them except in the batch-invariant mode, where it runs blocks of the
+        size it was measured and checked at."""
+        if kernel == "gemv":
+            return kernels.LINEAR_INT4_MAX_ROWS
         if not self.platform.batch_invariant or kernel == "tiled":
             return max(rows, 1)
-        return kernels.LINEAR_INT4_MAX_ROWS if kernel == "gemv" else self.max_op_rows
+        return self.max_op_rows
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T + b in x's dtype, or in `out_dtype` (float32 logits: the gemv kernel then skips
