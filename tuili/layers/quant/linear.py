@@ -114,8 +114,8 @@ class QuantizedLinear(nn.Module):
         invariant = self.platform.batch_invariant  # one kernel at every row count
         # Without bf16 arithmetic PyTorch's bf16 products (the op, the tiled matmul) run at a
         # fraction of the native kernel's speed: ~20 GFLOP/s on a Zen 3, where its fp32 runs ~150.
-        gemv_rows = invariant or rows <= self.max_gemv_rows or not self.platform.bf16_arithmetic
-        if gemv_rows and self.max_gemv_rows and self.platform.native_kernels:
+        takes_gemv = invariant or rows <= self.max_gemv_rows or not self.platform.bf16_arithmetic
+        if takes_gemv and self.max_gemv_rows and self.platform.native_kernels:
             return "gemv"
         return "op" if self._op_fits and (invariant or rows <= self.max_op_rows) else "tiled"
 
