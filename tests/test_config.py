@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
 
+from tuili import LLM
 from tuili.config import resolve_dtype
 from tuili.errors import TuiliError
 from tuili.platform import Platform
@@ -40,10 +42,6 @@ def test_an_explicit_dtype_is_kept_and_a_bad_one_named():
 
 def test_the_engine_on_this_machine_follows_its_platform(tmp_path):
     """The engine's own choice, on this CPU: bf16 where the native kernels built and run."""
-    import transformers
-
-    from tuili import LLM
-
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)

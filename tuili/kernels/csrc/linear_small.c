@@ -176,11 +176,15 @@ static inline float weight_at(const void *w, int64_t at, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)w)[at]) : ((const float *)w)[at];
 }
 
-/* The step at j of weight rows row .. row + R - 1 asks, once per 64 bytes of each row (as the
- * AVX-512 kernels ask), for the same place PREFETCH_STEPS steps ahead. */
+/* Whether the step at element j (a multiple of LANES) starts a new 64 bytes of a weight row: the
+ * prefetches ask once per 64 bytes of each row, as the AVX-512 kernels ask. */
+static inline int starts_line(int64_t j, int bf16) { return j * (bf16 ? 2 : 4) % 64 == 0; }
+
+/* The step at j of weight rows row .. row + R - 1 asks for the same place PREFETCH_STEPS steps
+ * ahead. */
 static inline __attribute__((always_inline)) void ask_ahead(const linear_args *a, int64_t row, int R, int64_t j,
                                                             int bf16) {
-    if (!bf16 || j % 32 == 0)
+    if (starts_line(j, bf16))
         for (int r = 0; r < R; r++) prefetch_ahead(a->weight, (row + PREFETCH_STEPS * R + r) * a->k + j, bf16 ? 2 : 4);
 }
 
@@ -340,19 +344,18 @@ static inline int64_t pass_element(int l, int half, int bf16) { return bf16 ? 2 
 /* The slot that holds element l's chain (0 <= l < LANES): pass_element's inverse. */
 static inline int lane_slot(int l, int bf16) { return bf16 ? (l % 2) * HALF + l / 2 : l; }
 
-/* At step j of the second pass, asks for the lines of the same step in the R weight rows at
- * `ahead` (the next call's rows, NULL for none; row stride wk) into L1, once per 64 bytes. The
- * second pass reads its rows from L1, so the cache's link to L2 and memory is free for them. */
+/* At step j, asks for the same step of the R weight rows at `ahead` (the next call's rows, NULL
+ * for none; row stride wk) into L1. dot_chunk hands `ahead` to its second pass only: that pass
+ * reads its rows from L1, so the cache's link to L2 and memory is free for them. */
 static inline __attribute__((always_inline)) void ask_next_rows(const char *ahead, int64_t wk, int64_t j, int R,
-                                                                int half, int bf16) {
-    const int64_t size = bf16 ? 2 : 4;
-    if (half && ahead != NULL && j * size % 64 == 0)
-        for (int r = 0; r < R; r++) __builtin_prefetch(ahead + (r * wk + j) * size, 0, 3);
+                                                                int bf16) {
+    if (ahead != NULL && starts_line(j, bf16))
+        for (int r = 0; r < R; r++) __builtin_prefetch(ahead + (r * wk + j) * (bf16 ? 2 : 4), 0, 3);
 }
 
 /* One pass (half 0 or HALF) of the sums of x row i and weight row r over the whole steps at
- * j0 .. j1 - 1, carried in acc[i * acc_stride + r][half ..] (started at zero when j0 is 0); the
- * second pass asks for the rows at `ahead` (ask_next_rows). */
+ * j0 .. j1 - 1, carried in acc[i * acc_stride + r][half ..] (started at zero when j0 is 0),
+ * asking for the rows at `ahead` (ask_next_rows). */
 static inline __attribute__((always_inline)) void dot_half(const float *restrict x, const void *restrict w,
                                                            int64_t xk, int64_t wk, int64_t j0, int64_t j1, int I,
                                                            int R, int half, int bf16, float (*acc)[LANES],
@@ -367,7 +370,7 @@ static inline __attribute__((always_inline)) void dot_half(const float *restrict
          * register (the empty asm): GCC would otherwise fold its load into every multiply-add
          * that uses it */
         __m256 wv[TILE_W];
-        ask_next_rows(ahead, wk, j, R, half, bf16);
+        ask_next_rows(ahead, wk, j, R, bf16);
         for (int r = 0; r < R; r++) {
             if (bf16) {
                 const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + r * wk + j));
@@ -392,7 +395,7 @@ static inline __attribute__((always_inline)) void dot_half(const float *restrict
         for (int r = 0; r < R; r++)
             for (int l = 0; l < HALF; l++) part[i][r][l] = j0 == 0 ? 0.0f : acc[i * acc_stride + r][half + l];
     for (int64_t j = j0; j < j1; j += LANES) {
-        ask_next_rows(ahead, wk, j, R, half, bf16);
+        ask_next_rows(ahead, wk, j, R, bf16);
         _Pragma("GCC unroll 4") for (int i = 0; i < I; i++)
             _Pragma("GCC unroll 3") for (int r = 0; r < R; r++)
                 for (int l = 0; l < HALF; l++) {
