@@ -10,6 +10,7 @@ import torch
 
 from tuili.cli import main
 from tuili.errors import TuiliError
+from tuili.layers.quant import make_linear, quantize_int4
 from tuili.perf.hardware import (
     ENGINE_ATTENTION_TOKENS,
     LINKS,
@@ -21,6 +22,7 @@ from tuili.perf.hardware import (
     probe_path,
     save_probe,
 )
+from tuili.perf.overhead import PACKED_OP_MAX_ROWS
 from tuili.perf.resolve import current_hardware
 from tuili.platform import Platform
 
@@ -144,8 +146,12 @@ def test_probe_quick_measures_saves_and_is_used(capsys):
     assert {"decode_step", "decode_layer", "prefill_step", "prefill_layer"} <= set(spec.host_overhead_seconds)
     assert all(0 <= s < 1 for s in spec.host_overhead_seconds.values()) and spec.host_overhead_seconds["decode_layer"]
     assert "host overhead decode_layer" in out
-    # this CPU runs packed int4 linears
-    assert spec.int4_kernel_seconds_per_value > 0 and spec.int4_dequant_seconds_per_value > 0
+    # this CPU runs packed int4 linears; many rows either go through their kernel too or are
+    # dequantized, as the engine's module chooses here: exactly that one is measured
+    assert spec.int4_kernel_seconds_per_value > 0
+    module = make_linear(quantize_int4(torch.randn(64, 64), 32), platform=Platform.detect("cpu"))
+    kernel_rows = module.kernel_for(PACKED_OP_MAX_ROWS + 1, torch.device("cpu")) == "gemv"
+    assert (spec.int4_rows_seconds_per_value > 0, spec.int4_dequant_seconds_per_value > 0) == (kernel_rows, not kernel_rows)
     # the engine's causal prompt attention, per prompt length, in the dtype --quick measures
     assert set(spec.attention_flops_by_tokens["fp32"]) == set(ENGINE_ATTENTION_TOKENS)
     assert "engine attention fp32 1024 tokens" in out

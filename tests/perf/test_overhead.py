@@ -114,6 +114,23 @@ def test_packed_prefills_dequantize_every_layer_weight_once():
     assert plan(SMOLLM2, spec)["prefill_dequant_seconds"] == 0
 
 
+def test_where_many_rows_run_the_int4_kernel_a_prefill_pays_it_per_row_and_dequantizes_nothing():
+    """A machine whose probe found many rows going through the weight-only kernel (the
+    batch-invariant mode with native kernels): a packed prompt of T tokens takes values x T x the many-row rate when
+    that is the ceiling, grows with T, and has no dequantization or tiled-matmul term; the decode
+    step keeps the one-row rate."""
+    rate = 4e-10  # slow enough to be the packed linears' ceiling
+    spec = HardwareSpec(**{**CPU.to_dict(), "int4_rows_seconds_per_value": rate,
+                           "int4_dequant_seconds_per_value": 2e-9})
+    doubled = HardwareSpec(**{**spec.to_dict(), "int4_rows_seconds_per_value": 2 * rate})
+    for prompt in (256, 512):
+        p, q = (plan(SMOLLM2, s, prompt=prompt, packed_linears=True) for s in (spec, doubled))
+        assert p["prefill_dequant_seconds"] == 0 == p["prefill_kernels_seconds"]
+        assert q["ttft_seconds"] - p["ttft_seconds"] == pytest.approx(SMOLLM2_LAYER_VALUES * prompt * rate, rel=1e-9)
+    assert packed_plan(spec, 1)["decode_step_seconds"] == packed_plan(doubled, 1)["decode_step_seconds"]
+    assert packed_plan(spec, 1)["decode_step_seconds"] == packed_plan(CPU, 1)["decode_step_seconds"]
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_int4_kernel_unpacks_every_weight_for_every_row(batch):
     """A kernel slow enough to be the packed linears' ceiling: the decode step takes their
@@ -138,11 +155,13 @@ def private_cache(tmp_path, monkeypatch):
 def test_a_saved_spec_round_trips_its_overheads(private_cache):
     spec = HardwareSpec(name="box (probed)", peak_flops={"fp32": 1e11}, memory_bandwidth=2e10, memory_bytes=2**34,
                         origin="probe", host_overhead_seconds={"decode_layer": 2.5e-4, "decode_step": 1.25e-4},
-                        int4_kernel_seconds_per_value=1.5e-10, int4_dequant_seconds_per_value=2.5e-9)
+                        int4_kernel_seconds_per_value=1.5e-10, int4_dequant_seconds_per_value=2.5e-9,
+                        int4_rows_seconds_per_value=3.5e-11)
     save_probe(spec, "cpu")
     loaded = current_hardware("cpu")
     assert loaded == spec and loaded.host_overhead_seconds == {"decode_layer": 2.5e-4, "decode_step": 1.25e-4}
-    assert (loaded.int4_kernel_seconds_per_value, loaded.int4_dequant_seconds_per_value) == (1.5e-10, 2.5e-9)
+    assert (loaded.int4_kernel_seconds_per_value, loaded.int4_dequant_seconds_per_value,
+            loaded.int4_rows_seconds_per_value) == (1.5e-10, 2.5e-9, 3.5e-11)
 
 
 def test_a_spec_saved_before_overheads_still_loads(tmp_path):
@@ -152,7 +171,7 @@ def test_a_spec_saved_before_overheads_still_loads(tmp_path):
         "origin": "probe", "measurements": {"memory read": 2e10},
     }))
     old = load_spec_file(path)
-    assert old.host_overhead_seconds == {} and old.int4_dequant_seconds_per_value == 0
+    assert old.host_overhead_seconds == {} and old.int4_dequant_seconds_per_value == 0 == old.int4_rows_seconds_per_value
     p = plan(SMOLLM2, old)
     assert p["decode_step_overhead_seconds"] == 0 and p["decode_step_seconds"] == p["decode_step_roofline_seconds"]
 

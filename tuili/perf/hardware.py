@@ -26,6 +26,8 @@ GiB = 2**30
 T = 1e12
 G = 1e9
 
+# The packed int4 linears' measured times per weight value (HardwareSpec, below).
+INT4_FIELDS = ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value", "int4_rows_seconds_per_value")
 # Dtypes a peak_flops table may list ("tf32": fp32 inputs on tensor cores; "fp32": plain FP32).
 PEAK_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp4", "int4")
 
@@ -65,6 +67,10 @@ class HardwareSpec:
     ``int4_kernel_seconds_per_value`` and ``int4_dequant_seconds_per_value``: the time tuili's
     packed int4 linears (a CPU's) take per weight value in their weight-only kernel (per row) and
     to dequantize it for a many-row matmul; 0 where not measured.
+    ``int4_rows_seconds_per_value``: where a many-row step runs that kernel rather than
+    dequantizing (the batch-invariant mode wherever tuili's native kernels run: it takes 64
+    rows per call, its cost grows with them), its time per weight value and row at many rows;
+    ``int4_dequant_seconds_per_value`` is then 0. 0 where a many-row step dequantizes.
     ``linear_stream_bandwidth`` and ``linear_prefill_flops``, per dtype: the bytes/s at which
     tuili's own dense linear layers (tuili/layers/linear.py, with whatever native kernels run
     here) stream a weight matrix from memory at one row, and their FLOP/s at a 512-row product
@@ -94,6 +100,7 @@ class HardwareSpec:
     host_overhead_seconds: dict[str, float] = field(default_factory=dict)
     int4_kernel_seconds_per_value: float = 0.0
     int4_dequant_seconds_per_value: float = 0.0
+    int4_rows_seconds_per_value: float = 0.0
     linear_stream_bandwidth: dict[str, float] = field(default_factory=dict)
     linear_prefill_flops: dict[str, float] = field(default_factory=dict)
     linear_flops_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -122,7 +129,7 @@ class HardwareSpec:
                     f"host_overhead_seconds[{key!r}] of {self.name!r}={seconds!r} is invalid: expected "
                     f"seconds, >= 0 and well under 1"
                 )
-        for name in ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value"):
+        for name in INT4_FIELDS:
             if not 0 <= getattr(self, name) < 1e-3:
                 raise TuiliError(
                     f"{name} of {self.name!r}={getattr(self, name)!r} is invalid: expected seconds per weight "
@@ -225,7 +232,7 @@ class HardwareSpec:
                 for k, v in _mapping(where, "host_overhead_seconds", data.get("host_overhead_seconds")).items()
             },
             **{name: _number(f"{where} {name}", data.get(name, 0.0))
-               for name in ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value")},
+               for name in INT4_FIELDS},
             **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
                       for k, v in _mapping(where, name, data.get(name)).items()}
                for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops")},

@@ -25,7 +25,7 @@ from tuili.errors import TuiliError
 from tuili.perf.checkpoint import ModelSource
 from tuili.perf.cost import CheckpointBytes, ModelCost
 from tuili.perf.formats import canonical_dtype, weight_format
-from tuili.perf.hardware import ENGINE_PREFILL_ROWS, HardwareSpec, link
+from tuili.perf.hardware import ENGINE_PREFILL_ROWS, INT4_FIELDS, HardwareSpec, link
 from tuili.perf.harness import StepLog, build_engine
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline, SpeculativeStepCost, StepCost, allreduce_seconds
@@ -296,9 +296,12 @@ def _measure(
                      f"+{kernels * 1e3:.2f} ms per decode step, +{prefill.kernels * 1e3:.2f} ms in the prefill "
                      f"above the roofline")
     if inputs.packed_linears:
-        notes.append(f"packed int4 linears: their kernel at {machine.int4_kernel_seconds_per_value * 1e9:.2f} ns "
-                     f"per weight value and row; the prefill dequantizes them, {prefill.dequant * 1e3:.2f} ms at "
+        many_rows = (f"the prefill runs it too, at {machine.int4_rows_seconds_per_value * 1e9:.3f} ns per value and "
+                     f"row at many rows" if machine.int4_rows_seconds_per_value else
+                     f"the prefill dequantizes them, {prefill.dequant * 1e3:.2f} ms at "
                      f"{machine.int4_dequant_seconds_per_value * 1e9:.2f} ns per value")
+        notes.append(f"packed int4 linears: their kernel at {machine.int4_kernel_seconds_per_value * 1e9:.2f} ns "
+                     f"per weight value and row; {many_rows}")
     return MeasureReport(
         model=str(source.path), device=str(engine.device), dtype=working, hardware=hardware.name,
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
@@ -319,8 +322,7 @@ def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
     return replace(
         machine, name=f"{machine.name}, 1/{ranks} per rank", peak_flops=each(machine.peak_flops),
         memory_bandwidth=machine.memory_bandwidth / ranks, memory_bytes=machine.memory_bytes // ranks,
-        int4_kernel_seconds_per_value=machine.int4_kernel_seconds_per_value * ranks,
-        int4_dequant_seconds_per_value=machine.int4_dequant_seconds_per_value * ranks,
+        **{name: getattr(machine, name) * ranks for name in INT4_FIELDS},
         linear_stream_bandwidth=each(machine.linear_stream_bandwidth),
         linear_prefill_flops=each(machine.linear_prefill_flops), linear_flops_by_rows=each(machine.linear_flops_by_rows),
         attention_flops_by_tokens=each(machine.attention_flops_by_tokens),

@@ -9,9 +9,10 @@ overlap. Where `tuili probe` timed tuili's own linears (weight streaming at one 
 prompt size), a step takes at least what those rates allow: the difference to the roofline is
 the step's `kernels` term. Packed int4 linears (plan --measure of an engine that holds them) run kernels of their
 own: their time is a roofline of its own with their measured unpacking rate as a third ceiling,
-and a many-row step first dequantizes them. A speculating engine's decode step is the target's
-verification of k proposals per sequence plus the proposer's forwards (tuili/perf/speculation.py).
-docs/ruler.md states each formula and the reserve assumed.
+and a many-row step first dequantizes them, or, where the probe found many rows running the same
+kernel (the batch-invariant mode with native kernels), unpacks them for every row at its many-row
+rate. A speculating engine's decode step is the target's verification of k proposals per
+sequence plus the proposer's forwards (tuili/perf/speculation.py). docs/ruler.md states each formula and the reserve assumed.
 """
 
 from __future__ import annotations
@@ -263,8 +264,15 @@ class Roofline:
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
         hw = self.hardware
         packed_flops = 2 * step.tokens * packed.values
+        if packed.dequantized and hw.int4_rows_seconds_per_value:
+            # this machine runs many rows through the weight-only kernel too (hardware.py):
+            # nothing is dequantized, every value is unpacked and multiplied for every row
+            packed = PackedWork(packed.values, packed.values * step.tokens, 0)
+            kernel_rate = hw.int4_rows_seconds_per_value
+        else:
+            kernel_rate = hw.int4_kernel_seconds_per_value
         roofline = self._roofline(flops - packed_flops, nbytes - self.packed_bytes) + max(
-            self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * hw.int4_kernel_seconds_per_value
+            self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * kernel_rate
         )
         dequant = packed.dequantized * hw.int4_dequant_seconds_per_value
         # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the

@@ -33,6 +33,7 @@ from tuili.perf.hardware import (
     ENGINE_ATTENTION_TOKENS,
     ENGINE_LINEAR_ROWS,
     ENGINE_PREFILL_ROWS,
+    INT4_FIELDS,
     HardwareSpec,
 )
 from tuili.perf.harness import build_engine
@@ -195,8 +196,7 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
         linear_prefill_flops=mean(a.linear_prefill_flops, b.linear_prefill_flops),
         **{name: {dtype: mean(curve, getattr(b, name).get(dtype, {})) for dtype, curve in getattr(a, name).items()}
            for name in CURVES},
-        int4_kernel_seconds_per_value=(a.int4_kernel_seconds_per_value + b.int4_kernel_seconds_per_value) / 2,
-        int4_dequant_seconds_per_value=(a.int4_dequant_seconds_per_value + b.int4_dequant_seconds_per_value) / 2,
+        **{name: (getattr(a, name) + getattr(b, name)) / 2 for name in INT4_FIELDS},
     )
 
 
@@ -356,12 +356,15 @@ def fit_gemv(measurements: dict[str, float], dtype: str) -> tuple[float, float] 
 
 INT4_KERNEL = "int4 kernel seconds per value"
 INT4_DEQUANT = "int4 dequantization seconds per value"
+INT4_ROWS = "int4 kernel seconds per value and row at many rows"
 
 
 def _packed_int4(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> list[Measurement]:
     """Where tuili packs int4 linears (a CPU): the time per weight value of their weight-only
     kernel at one row, and of dequantizing a weight when a matmul has more rows than that kernel
-    takes. Timed through the engine's module (tuili/layers/quant.py) on 4096 x 1024 weights; at
+    takes, or, where the module runs those rows through the same kernel (the batch-invariant
+    mode with native kernels), that kernel's time per value and row there. Timed through the
+    engine's module (tuili/layers/quant.py) on 4096 x 1024 weights; at
     one row, copies of the module are cycled through, together larger than the caches, as a
     model's layers follow each other (one weight alone stays in cache and ran twice as fast as a
     model's decode step reads its packed weights). The many-row product's time at the measured
@@ -387,6 +390,11 @@ def _packed_int4(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> l
                 m(x)
 
         seconds = _time(layers, dev, sizes.seconds_per_item) / len(modules)
+        if rows > 1 and module.kernel_for(rows, dev) == "gemv":
+            # many rows run the weight-only kernel too (the batch-invariant mode with native
+            # kernels): nothing is dequantized, the time grows with the rows
+            out.append(Measurement(INT4_ROWS, seconds / (k * n * rows), "s", seconds))
+            continue
         product = 0.0 if rows == 1 else 2 * rows * k * n / max(peaks["bf16"], peaks.get("fp32", 0.0))
         out.append(Measurement(name, max(0.0, seconds - product) / (k * n), "s", seconds))
     return out
@@ -507,7 +515,8 @@ def _attention_fields(attention: list[Measurement]) -> dict[str, dict]:
 def _int4_fields(results: list[Measurement]) -> dict[str, float]:
     values = {m.name: m.value for m in results}
     return {"int4_kernel_seconds_per_value": values.get(INT4_KERNEL, 0.0),
-            "int4_dequant_seconds_per_value": values.get(INT4_DEQUANT, 0.0)}
+            "int4_dequant_seconds_per_value": values.get(INT4_DEQUANT, 0.0),
+            "int4_rows_seconds_per_value": values.get(INT4_ROWS, 0.0)}
 
 
 HOST_PREFIX = "host overhead "
