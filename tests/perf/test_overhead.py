@@ -116,9 +116,9 @@ def test_packed_prefills_dequantize_every_layer_weight_once():
 
 def test_where_many_rows_run_the_int4_kernel_a_prefill_pays_it_per_row_and_dequantizes_nothing():
     """A machine whose probe found many rows going through the weight-only kernel (the
-    batch-invariant mode with native kernels): a packed prompt of T tokens takes values x T x the many-row rate when
-    that is the ceiling, grows with T, and has no dequantization or tiled-matmul term; the decode
-    step keeps the one-row rate."""
+    batch-invariant mode with native kernels): a packed prompt of T tokens takes values x T x the
+    many-row rate when that is the ceiling, grows with T, and has no dequantization or tiled-matmul
+    term; the decode step keeps the one-row rate."""
     rate = 4e-10  # slow enough to be the packed linears' ceiling
     spec = HardwareSpec(**{**CPU.to_dict(), "int4_rows_seconds_per_value": rate,
                            "int4_dequant_seconds_per_value": 2e-9})

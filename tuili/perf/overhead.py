@@ -84,8 +84,10 @@ class PackedWork:
     dequantized: int  # values dequantized into tiles; 0 when the kernel runs
 
 
-def packed_work(shape: ModelShape, step: Step) -> PackedWork | None:
-    """None unless the step's linears are packed."""
+def packed_work(shape: ModelShape, step: Step, kernel_takes_many_rows: bool = False) -> PackedWork | None:
+    """None unless the step's linears are packed. ``kernel_takes_many_rows``: the engine runs
+    steps of more than PACKED_OP_MAX_ROWS rows through the weight-only kernel too (the
+    batch-invariant mode with native kernels), so nothing is dequantized."""
     if not step.packed:
         return None
     values = 0
@@ -94,7 +96,7 @@ def packed_work(shape: ModelShape, step: Step) -> PackedWork | None:
             continue  # the engine runs neither: their linears are not packed
         for out_features, in_features in _layer_linears(shape):
             values += math.ceil(out_features / PACKED_BLOCK_ROWS) * PACKED_BLOCK_ROWS * in_features
-    if step.tokens <= PACKED_OP_MAX_ROWS:
+    if step.tokens <= PACKED_OP_MAX_ROWS or kernel_takes_many_rows:
         return PackedWork(values, values * step.tokens, 0)
     return PackedWork(values, 0, values)
 

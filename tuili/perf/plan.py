@@ -25,7 +25,7 @@ from tuili.errors import TuiliError
 from tuili.perf.cost import CheckpointBytes, ModelCost, WeightStorage
 from tuili.perf.formats import WeightFormat, dtype_bytes
 from tuili.perf.hardware import HardwareSpec, LinkSpec, link
-from tuili.perf.overhead import HOST_KEYS, PackedWork, Step, host_seconds, packed_work
+from tuili.perf.overhead import HOST_KEYS, PACKED_OP_MAX_ROWS, PackedWork, Step, host_seconds, packed_work
 from tuili.perf.speculation import Speculation
 
 # Share of each device's memory kept back for activations, the CUDA context, allocator slack and
@@ -205,7 +205,8 @@ class Roofline:
     def _packed_work(self, step: Step) -> PackedWork | None:
         step = replace(step, packed=self.inputs.packed_linears)
         if step not in self._packed:  # a plan asks for a few step shapes, many times
-            self._packed[step] = packed_work(self.cost.shape, step)
+            # a probe that found many rows running the weight-only kernel gave its rate there
+            self._packed[step] = packed_work(self.cost.shape, step, self.hardware.int4_rows_seconds_per_value > 0)
         return self._packed[step]
 
     def _roofline(self, flops: float, nbytes: float) -> float:
@@ -264,13 +265,9 @@ class Roofline:
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
         hw = self.hardware
         packed_flops = 2 * step.tokens * packed.values
-        if packed.dequantized and hw.int4_rows_seconds_per_value:
-            # this machine runs many rows through the weight-only kernel too (hardware.py):
-            # nothing is dequantized, every value is unpacked and multiplied for every row
-            packed = PackedWork(packed.values, packed.values * step.tokens, 0)
-            kernel_rate = hw.int4_rows_seconds_per_value
-        else:
-            kernel_rate = hw.int4_kernel_seconds_per_value
+        # the kernel's time per value and row: at one row, or at many where it runs them
+        many = step.tokens > PACKED_OP_MAX_ROWS
+        kernel_rate = hw.int4_rows_seconds_per_value if many else hw.int4_kernel_seconds_per_value
         roofline = self._roofline(flops - packed_flops, nbytes - self.packed_bytes) + max(
             self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * kernel_rate
         )
