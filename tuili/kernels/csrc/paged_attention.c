@@ -176,17 +176,25 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
         UNROLLED for (int b = 0; b < (blocks); b++) _mm512_storeu_ps(acc + d + 16 * b, sum[b]);   \
     }
 
-/* Row r's scores for a chunk (lanes >= keys ignored) folded into its online softmax, and the
- * chunk's values into its accumulator. vrow[t] for t >= keys may point anywhere readable. */
-static inline void absorb_scores(rows_t *st, int64_t r, __m512 raw, int64_t keys, const float *const *vrow) {
-    const int64_t D = st->head_dim;
+/* Row r's scores for a chunk (lanes >= keys ignored) folded into its online softmax: its running
+ * maximum and sum, its accumulator rescaled to a new maximum, p[t] the weight of key t (0 from
+ * `keys` on). */
+static inline void softmax_chunk(rows_t *st, int64_t r, __m512 raw, int64_t keys, float p[16]) {
     const __mmask16 valid = (__mmask16)((1u << keys) - 1u);
     __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), raw);
     raise_max(st, r, _mm512_reduce_max_ps(scores));
     __m512 weights = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(st->m[r]))));
     st->l[r] += _mm512_reduce_add_ps(weights);
-    float p[16];
     _mm512_storeu_ps(p, weights);
+}
+
+/* Row r's scores for a chunk (lanes >= keys ignored) folded into its online softmax
+ * (softmax_chunk: p, the weights of the keys), and the chunk's values into its accumulator.
+ * vrow[t] for t >= keys may point anywhere readable. */
+static inline void absorb_scores(rows_t *st, int64_t r, __m512 raw, int64_t keys, const float *const *vrow) {
+    const int64_t D = st->head_dim;
+    float p[16];
+    softmax_chunk(st, r, raw, keys, p);
     float *acc = st->acc + r * D;
     int64_t d = 0; /* eight chains where the head has room: two FMA ports of 4-cycle latency */
     ACCUMULATE(8)
@@ -219,21 +227,93 @@ static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t 
  * the cache (exact products, summed in pairs in float32) and the sum is scaled afterwards, so the
  * keys are never converted, half the instructions of the float32 dot products. Needs D % 32 == 0;
  * krow[t] for t >= n point at zeros. */
+static inline __m512 scores_bf16(const rows_t *st, float scale, int64_t r, const uint16_t *const *krow) {
+    const int64_t D = st->head_dim;
+    const uint16_t *q = st->q_bf16[r];
+    __m512 dots[16];
+    UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
+        UNROLLED for (int t = 0; t < 16; t++)
+            dots[t] = _mm512_dpbf16_ps(dots[t], qd, (__m512bh)_mm512_loadu_si512(krow[t] + d));
+    }
+    return _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
+}
+
 static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
                               const uint16_t *const *krow, const float *const *vrow) {
-    const int64_t D = st->head_dim;
     for (int64_t r = first; r < end; r++) {
         const int64_t keys = visible_keys(st, r, c, n);
-        if (keys == 0) continue;
-        const uint16_t *q = st->q_bf16[r];
-        __m512 dots[16];
-        UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 32) {
-            const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
-            UNROLLED for (int t = 0; t < 16; t++)
-                dots[t] = _mm512_dpbf16_ps(dots[t], qd, (__m512bh)_mm512_loadu_si512(krow[t] + d));
+        if (keys != 0) absorb_scores(st, r, scores_bf16(st, scale, r, krow), keys, vrow);
+    }
+}
+
+/* acc[i][d] += sum over t < keys of p[i][t] * vrow[t][d] for R rows at once, the bf16 values read
+ * in place: a 32-bit lane of a value row holds its elements 2j and 2j + 1, the even one the lane
+ * shifted left by 16 and the odd one the lane with its low half cleared (exact widenings, one
+ * operation per 16 values, where widening in order took two and a copy to memory). Each 32
+ * floats of an accumulator are taken apart into their even and odd elements for the chunk and
+ * put back after it. Every element adds p[t] * v[t][d] in the order of t with one rounding, as
+ * ACCUMULATE does: the same bits. */
+static inline __attribute__((always_inline)) void accumulate_pairs(float *const *acc, const float (*p)[16],
+                                                                   int64_t keys, const uint16_t *const *vrow,
+                                                                   int64_t D, const int R) {
+    const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd_index = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i low_index = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i high_index = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t d = 0; d < D; d += 32) {
+        __m512 even[IN_PLACE_MAX_ROWS], odd[IN_PLACE_MAX_ROWS];
+        UNROLLED for (int i = 0; i < R; i++) {
+            const __m512 low = _mm512_loadu_ps(acc[i] + d), high = _mm512_loadu_ps(acc[i] + d + 16);
+            even[i] = _mm512_permutex2var_ps(low, even_index, high);
+            odd[i] = _mm512_permutex2var_ps(low, odd_index, high);
         }
-        absorb_scores(st, r, _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)), keys, vrow);
+        for (int64_t t = 0; t < keys; t++) {
+            const __m512i pairs = _mm512_loadu_si512(vrow[t] + d);
+            const __m512 v_even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 v_odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+            UNROLLED for (int i = 0; i < R; i++) {
+                const __m512 weight = _mm512_set1_ps(p[i][t]);
+                even[i] = _mm512_fmadd_ps(weight, v_even, even[i]);
+                odd[i] = _mm512_fmadd_ps(weight, v_odd, odd[i]);
+            }
+        }
+        UNROLLED for (int i = 0; i < R; i++) {
+            _mm512_storeu_ps(acc[i] + d, _mm512_permutex2var_ps(even[i], low_index, odd[i]));
+            _mm512_storeu_ps(acc[i] + d + 16, _mm512_permutex2var_ps(even[i], high_index, odd[i]));
+        }
+    }
+}
+
+/* attend_chunk_bf16 for at most IN_PLACE_MAX_ROWS rows of one KV head (decodes) with its values
+ * read in place too: every row's scores and softmax first, then the values for all rows that see
+ * the same keys at once (accumulate_pairs), each value loaded and widened once for all of them.
+ * A row's arithmetic is attend_chunk_bf16's, in its order. */
+static void attend_chunk_bf16_in_place(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
+                                       const uint16_t *const *krow, const uint16_t *const *vrow) {
+    float p[IN_PLACE_MAX_ROWS][16], *acc[IN_PLACE_MAX_ROWS];
+    int64_t keys[IN_PLACE_MAX_ROWS];
+    int rows = 0, same = 1;
+    for (int64_t r = first; r < end; r++) {
+        keys[rows] = visible_keys(st, r, c, n);
+        if (keys[rows] == 0) continue;
+        softmax_chunk(st, r, scores_bf16(st, scale, r, krow), keys[rows], p[rows]);
+        acc[rows] = st->acc + r * st->head_dim;
+        same &= keys[rows] == keys[0];
+        rows++;
+    }
+    if (!same) { /* rows of a prompt chunk end at different keys: one at a time */
+        for (int i = 0; i < rows; i++) accumulate_pairs(acc + i, p + i, keys[i], vrow, st->head_dim, 1);
+        return;
+    }
+    switch (rows) {
+    case 1: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 1); break;
+    case 2: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 2); break;
+    case 3: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 3); break;
+    case 4: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 4); break;
+    default: break;
     }
 }
 #endif
@@ -466,6 +546,8 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
 #endif
     /* decodes on the portable chunk read a bf16 cache in place */
     const int bf16_in_place = portable && !bf16_scores && a->cache_dtype == TUILI_BF16 && head_rows <= IN_PLACE_MAX_ROWS;
+    /* decodes with bf16 scores read the values in place too */
+    const int bf16_values_in_place = bf16_scores && head_rows <= IN_PLACE_MAX_ROWS;
     const int64_t first_token = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq);
     const int64_t first_pos = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq + 2);
     const size_t q_size = element_size(a->q_dtype), row_bytes = (size_t)D * element_size(a->cache_dtype);
@@ -506,8 +588,8 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
         for (int64_t h = 0; h < u->heads; h++) {
             for (int64_t t = 0; t < next_n; t++)
                 for (size_t line = 0; line < row_bytes; line += 64) {
-                    __builtin_prefetch(k_cache + next_offsets[t] + h * row_bytes + line, 0, 3);
-                    __builtin_prefetch(v_cache + next_offsets[t] + h * row_bytes + line, 0, 3);
+                    __builtin_prefetch(k_cache + next_offsets[t] + h * row_bytes + line, 0, 2);
+                    __builtin_prefetch(v_cache + next_offsets[t] + h * row_bytes + line, 0, 2);
                 }
             for (int64_t t = 0; t < KEY_CHUNK; t++) {
                 const char *k = k_cache + offsets[t] + h * row_bytes, *v = v_cache + offsets[t] + h * row_bytes;
@@ -515,6 +597,9 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                     krow[t] = vrow[t] = zeros;
                     krow_bf16[t] = vrow_bf16[t] = (const uint16_t *)zeros; /* zero bytes: bf16 zeros too */
                 } else if (bf16_in_place) {
+                    krow_bf16[t] = (const uint16_t *)k;
+                    vrow_bf16[t] = (const uint16_t *)v;
+                } else if (bf16_values_in_place) {
                     krow_bf16[t] = (const uint16_t *)k;
                     vrow_bf16[t] = (const uint16_t *)v;
                 } else if (bf16_scores) { /* keys read in place as bf16, values converted */
@@ -532,6 +617,10 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                 }
             }
 #ifdef HAVE_BF16_SCORES
+            if (bf16_values_in_place) {
+                attend_chunk_bf16_in_place(&st, a->scale, h * head_rows, (h + 1) * head_rows, c, n, krow_bf16, vrow_bf16);
+                continue;
+            }
             if (bf16_scores) {
                 attend_chunk_bf16(&st, a->scale, h * head_rows, (h + 1) * head_rows, c, n, krow_bf16, vrow);
                 continue;
