@@ -145,8 +145,9 @@ def assert_matches_reference(batch: Batch, out: torch.Tensor) -> None:
 
 # (n query rows, first position): a decode at context 1, a decode whose context is not a multiple
 # of any block size, a prompt chunk continuing at position 11, an empty sequence, a fresh prompt
-# chunk, a longer decode.
-MIXED = [(1, 0), (1, 16 * 3), (5, 11), (0, 3), (7, 0), (1, 69)]
+# chunk, a longer decode, a two-token chunk (with one or two query heads per KV head its rows, at
+# two different contexts, take the decodes' path: at most four rows per KV head).
+MIXED = [(1, 0), (1, 16 * 3), (5, 11), (0, 3), (7, 0), (1, 69), (2, 30)]
 
 PRECISIONS = {  # q dtype, cache dtype
     "fp32": (torch.float32, torch.float32),
@@ -158,7 +159,7 @@ PRECISIONS = {  # q dtype, cache dtype
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("per_kv", [1, 2, 4, 8])
+@pytest.mark.parametrize("per_kv", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_paged_attention_matches_sdpa(precision, per_kv, block_size, head_dim):
     q_dtype, cache_dtype = PRECISIONS[precision]

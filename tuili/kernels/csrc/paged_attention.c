@@ -15,8 +15,9 @@
  * of keys. A decode's unit takes as many KV heads as fit in ROW_TILE rows (usually all), so it
  * reads whole cache rows [Hkv, D] front to back, a pattern the hardware prefetchers follow; a
  * prompt chunk's unit takes one KV head and a tile of ROW_TILE rows. A unit streams its keys
- * KEY_CHUNK at a time, converting them to float32 once for all its rows, with an online softmax
- * in float32. When units are too few to keep every thread busy (decode at small batch), each
+ * KEY_CHUNK at a time, converting them to float32 once for all its rows (bf16 queries over a
+ * bf16 cache on AVX512-BF16: keys read in place, and for decodes the values too), with an online
+ * softmax in float32. When units are too few to keep every thread busy (decode at small batch), each
  * one's keys are split among several units whose partial results (max, sum, weighted values)
  * are merged afterwards (flash-decoding).
  *
@@ -41,9 +42,9 @@
 #define ROW_TILE 32       /* query rows per unit, over all its KV heads */
 #define MIN_SPLIT_KEYS 64 /* fewer keys per unit than this is not worth a merge */
 #define UNITS_PER_THREAD 4
-/* float32 keys and values (and bf16 ones on the portable chunk) are read in place when a head has
- * at most this many rows (decodes); more rows (prompt chunks) reuse each key often enough that a
- * compact float32 copy in L1 pays (docs/kernels.md, Measured crossovers). */
+/* float32 keys and values (and bf16 ones on the portable chunk and with bf16 scores) are read in
+ * place when a head has at most this many rows (decodes); more rows (prompt chunks) reuse each key
+ * often enough that a compact float32 copy in L1 pays (docs/kernels.md, Measured crossovers). */
 #define IN_PLACE_MAX_ROWS 4
 
 typedef struct {
@@ -223,10 +224,7 @@ static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t 
 
 #ifdef __AVX512BF16__
 #define HAVE_BF16_SCORES 1
-/* attend_chunk_avx512 for bf16 queries and keys: VDPBF16PS takes 32 of each straight from q and
- * the cache (exact products, summed in pairs in float32) and the sum is scaled afterwards, so the
- * keys are never converted, half the instructions of the float32 dot products. Needs D % 32 == 0;
- * krow[t] for t >= n point at zeros. */
+/* Row r's scaled scores against a chunk's 16 bf16 keys (attend_chunk_bf16). */
 static inline __m512 scores_bf16(const rows_t *st, float scale, int64_t r, const uint16_t *const *krow) {
     const int64_t D = st->head_dim;
     const uint16_t *q = st->q_bf16[r];
@@ -240,6 +238,10 @@ static inline __m512 scores_bf16(const rows_t *st, float scale, int64_t r, const
     return _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
 }
 
+/* attend_chunk_avx512 for bf16 queries and keys: VDPBF16PS takes 32 of each straight from q and
+ * the cache (exact products, summed in pairs in float32) and the sum is scaled afterwards, so the
+ * keys are never converted, half the instructions of the float32 dot products. Needs D % 32 == 0;
+ * krow[t] for t >= n point at zeros. */
 static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
                               const uint16_t *const *krow, const float *const *vrow) {
     for (int64_t r = first; r < end; r++) {
