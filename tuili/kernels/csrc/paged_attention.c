@@ -581,7 +581,8 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
         memcpy(offsets, next_offsets, sizeof offsets);
         /* The next chunk's cache rows are asked for while this one is computed, one head's
          * share per head below: its blocks lie anywhere in the pool, and the hardware
-         * prefetchers stop at every 4 KiB page, so alone they find each block late. */
+         * prefetchers stop at every 4 KiB page, so alone they find each block late. Into L2:
+         * faster than into L1 on Zen 4 (docs/kernels.md, Measured crossovers). */
         next_n = (u->key_end - c - KEY_CHUNK < KEY_CHUNK) ? u->key_end - c - KEY_CHUNK : KEY_CHUNK;
         if (next_n > 0) chunk_offsets(a, u->seq, u->first_head, c + KEY_CHUNK, next_n, next_offsets);
         /* Head by head: a chunk of one head's keys and values (float32, in L1) serves its rows.
