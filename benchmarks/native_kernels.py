@@ -168,7 +168,7 @@ def bench_dequant(args: argparse.Namespace) -> None:
         ):
             tiles = max(1, (1 << 19) // k // 64)  # as Int4Linear._tiled: ~1 MiB of bf16
             out = torch.empty(k, tiles * 64, dtype=torch.bfloat16)
-            t_kernel = best_time(partial(function, module.packed, module.scale_zero, 0, out), args.budget)
+            t_kernel = best_time(partial(function, module.packed, module.kernel_scales, 0, out), args.budget)
             t_torch = best_time(partial(torch_tile, module, tiles, name == "q8_0"), args.budget)
             per_weight = t_kernel * 1e3 * threads / out.numel()
             print(
@@ -189,7 +189,7 @@ def torch_tile(module: torch.nn.Module, tiles: int, q8_0: bool) -> torch.Tensor:
         high, low = packed[:k], packed[k:]
         u = torch.stack([((high & 0x0F) << 4) | (low & 0x0F), (high & 0xF0) | (low >> 4)], dim=2)
         q = (u ^ 0x80).view(torch.int8)
-        scale = module.scale_zero[groups:, cols, 0].contiguous()[:, None]
+        scale = module.scale[:, cols].contiguous()[:, None]
         return (q.view(groups, group_size, -1).to(torch.bfloat16) * scale).view(k, -1)
     k = module.packed.shape[1]
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).view(torch.int8).sub_(8)

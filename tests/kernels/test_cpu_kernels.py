@@ -331,7 +331,7 @@ def test_int8_group_tiles_rebuild_q8_0_exactly(compute_dtype):
         assert torch.equal(module.dequantize(), expected)
     for out_dtype in (torch.float32, torch.bfloat16):
         w_t = kernels.dequantize_int8_group_tiles(
-            module.packed, module.scale_zero, 0, torch.empty(96, 192, dtype=out_dtype)
+            module.packed, module.scale, 0, torch.empty(96, 192, dtype=out_dtype)
         )
         assert torch.equal(w_t.t()[:130], expected.to(out_dtype))
         assert not w_t[:, 130:].any()
@@ -410,7 +410,7 @@ for name, module in modules.items():
     for rows in (1, 3, 7, 17):  # 17: a prompt's rows, each tile unpacked once
         x = torch.randn(rows, 512)
         out = torch.empty(rows, 200)
-        kernels.linear_int4(x, module.packed, module.scale_zero, out, module._input_copies, False)
+        kernels.linear_int4(x, module.packed, module.kernel_scales, out, module._input_copies, False)
         print("bits", name, rows, hashlib.sha256(out.numpy().tobytes()).hexdigest())
 """
 

@@ -51,7 +51,7 @@ def copies(module: Int4Linear) -> int:
 
 def run(module: Int4Linear, x: torch.Tensor, out_dtype: torch.dtype, exact: bool = False) -> torch.Tensor:
     out = torch.full((x.shape[0], module.out_features), float("nan"), dtype=out_dtype)
-    assert kernels.linear_int4(x, module.packed, module.scale_zero, out, copies(module), exact) is out
+    assert kernels.linear_int4(x, module.packed, module.kernel_scales, out, copies(module), exact) is out
     return out
 
 
@@ -147,12 +147,17 @@ def test_module_takes_the_kernel_for_few_rows(monkeypatch):
 def test_linear_int4_rejects_bad_input_naming_the_argument():
     module = int4_module(64, 64, 32, seed=5)
     x, packed, scale_zero = torch.randn(2, 64), module.packed, module.scale_zero
+    q8 = q8_module(64, 32, seed=5)  # packed [1, 64, 32]: two halves of 32 inputs; scales [1, 64]
     out = torch.empty(2, 64)
     bad = [
         (r"x has 0 rows; linear_int4 takes 1 to 64", (x[:0], packed, scale_zero, out)),
         (r"x has dtype torch\.float16", (x.half(), packed, scale_zero, out)),
         (r"packed has 64 inputs; expected 1 x 32", (x[:, :32].contiguous(), packed, scale_zero, out)),
-        (r"packed has 64 inputs; expected 2 x 64", (x, packed, scale_zero, out, 2)),
+        (r"scales has shape \[2, 64, 2\]; expected 2 dimensions", (x, packed, scale_zero, out, 2)),
+        (r"packed has 64 inputs; expected 2 x 64", (x, q8.packed, q8.scale, out, 2)),
+        (r"scales has shape \[1, 128\]; expected \[groups, 64\]", (x[:, :32].contiguous(), q8.packed, q8.scale.repeat(1, 2), out, 2)),
+        (r"scales has 3 groups, which does not divide the packed weight's 32 inputs \(half of its rows",
+         (x[:, :32].contiguous(), q8.packed, q8.scale.repeat(3, 1), out, 2)),
         (r"copies=3; expected 1", (x, packed, scale_zero, out, 3)),
         (r"scale_zero has dtype torch\.float32; expected torch\.bfloat16", (x, packed, scale_zero.float(), out)),
         (r"packed has dtype torch\.int8", (x, packed.view(torch.int8), scale_zero, out)),

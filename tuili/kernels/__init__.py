@@ -50,16 +50,16 @@ dequantize_int4_tiles(packed, scale_zero, first_tile, out)
     is bit for bit `Int4Linear.dequantize()` (rounded to out's dtype) so that
     `torch.matmul(x, out)` is the tile's part of the layer's output.
 
-dequantize_int8_group_tiles(packed, scale_zero, first_tile, out)
-    The same for an Int8GroupLinear (GGUF Q8_0 stored as two int4 halves, packed
-    [N / 64, 2K, 32], scale_zero [2K / group, N, 2]): q = 16h + l - 128 rebuilt from the
-    halves' nibbles, w = s * q with s the low half's scale.
+dequantize_int8_group_tiles(packed, scales, first_tile, out)
+    The same for an Int8GroupLinear (GGUF Q8_0: its codes as two int4 halves, packed
+    [N / 64, 2K, 32], and its scales [K / group, N]): q = 16h + l - 128 rebuilt from the
+    halves' nibbles, w = s * q.
 
 linear_int4(x, packed, scale_zero, out, copies=1, exact=False)
     out = x @ W.T for 1..64 rows of x [M, K] (float32 or bfloat16), W an Int4Linear's packed
-    weight read as stored (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2]
-    bfloat16), K' = copies * K: copies 2 reads an Int8GroupLinear's two nibble halves (GGUF
-    Q8_0) as q = 16h + l - 128 with the low half's scales. out [M, n], n <= N (the padding rows are not written), float32 or
+    weight read as stored (packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2]
+    bfloat16); copies 2 reads an Int8GroupLinear's (GGUF Q8_0) instead: packed [N / 64, 2K, 32],
+    its two nibble halves read as q = 16h + l - 128, and its scales [K / group, N] bfloat16. out [M, n], n <= N (the padding rows are not written), float32 or
     bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding. On
     AVX512-VNNI CPUs x is first written per group as two int8 parts (integer dot products; error
     at most max |x| / 64516 per value) unless `exact`.

@@ -382,12 +382,12 @@ def dequantize_int4_tiles(
 
 
 def dequantize_int8_group_tiles(
-    packed: torch.Tensor, scale_zero: torch.Tensor, first_tile: int, out: torch.Tensor
+    packed: torch.Tensor, scales: torch.Tensor, first_tile: int, out: torch.Tensor
 ) -> torch.Tensor:
-    """W^T of Int8GroupLinear's tiles (its [N, 2K] int4 split of a Q8_0 weight, rebuilt into
-    w = s * q) first_tile .. first_tile + out.shape[1] // 64 - 1 into `out` ([K, 64 * tiles],
-    float32 or bfloat16); returns `out`."""
-    return _dequantize("tuili_dequant_int8_group", packed, scale_zero, first_tile, out, halves=2)
+    """W^T of Int8GroupLinear's tiles (a Q8_0 weight's codes as two int4 halves [N, 2K] and its
+    scales [K / group, N], rebuilt into w = s * q) first_tile .. first_tile + out.shape[1] // 64 - 1
+    into `out` ([K, 64 * tiles], float32 or bfloat16); returns `out`."""
+    return _dequantize("tuili_dequant_int8_group", packed, scales, first_tile, out, halves=2)
 
 
 def _dequantize(
@@ -398,7 +398,8 @@ def _dequantize(
     out: torch.Tensor,
     halves: int,
 ) -> torch.Tensor:
-    """halves: 1 for Int4Linear, 2 for Int8GroupLinear (whose packed K holds two halves)."""
+    """halves: 1 for Int4Linear, 2 for Int8GroupLinear (whose packed K holds two halves and
+    `scale_zero` is its scales alone)."""
     packed, scale_zero, group_size = _int4_layout(packed, scale_zero, _FLOAT_DTYPES, halves)
     tiles, packed_k, _ = packed.shape
     k = packed_k // halves
@@ -423,25 +424,27 @@ def _dequantize(
 def _int4_layout(
     packed: object, scale_zero: object, scale_dtypes: tuple[torch.dtype, ...], halves: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Int4Linear's packed [tiles, K', 32] uint8 and scale_zero [groups, 64 tiles, 2], checked;
-    with the group size K' / groups. halves: 2 when K' holds Int8GroupLinear's two halves."""
+    """Int4Linear's packed [tiles, K, 32] uint8 and scale_zero [groups, 64 tiles, 2], or with
+    halves 2 Int8GroupLinear's packed [tiles, 2K, 32] (its two nibble halves) and scales
+    [groups, 64 tiles], checked; with the group size K / groups."""
     packed = _check("packed", packed, (torch.uint8,), 3)
     tiles, packed_k, half_tile = packed.shape
     if half_tile != INT4_TILE_ROWS // 2:
         raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {INT4_TILE_ROWS // 2}]")
-    scale_zero = _check("scale_zero", scale_zero, scale_dtypes, 3)
-    if scale_zero.shape[1:] != (tiles * INT4_TILE_ROWS, 2):
+    name, per_row = ("scale_zero", (2,)) if halves == 1 else ("scales", ())
+    scale_zero = _check(name, scale_zero, scale_dtypes, 2 + len(per_row))
+    if scale_zero.shape[1:] != (tiles * INT4_TILE_ROWS, *per_row):
+        expected = ", ".join(map(str, ["groups", tiles * INT4_TILE_ROWS, *per_row]))
         raise ValueError(
-            f"scale_zero has shape {list(scale_zero.shape)}; expected [groups, {tiles * INT4_TILE_ROWS}, 2] "
-            f"for packed's {tiles} tiles"
+            f"{name} has shape {list(scale_zero.shape)}; expected [{expected}] for packed's {tiles} tiles"
         )
-    groups = scale_zero.shape[0]  # the group size is implied: packed_k / groups
-    if groups == 0 or packed_k % groups or groups % halves:
+    groups, k = scale_zero.shape[0], packed_k // halves  # the group size is implied: K / groups
+    if groups == 0 or packed_k % halves or k % groups:
         raise ValueError(
-            f"scale_zero has {groups} groups, which does not divide the packed weight's {packed_k} inputs"
-            + (" into two halves" if halves == 2 else "")
+            f"{name} has {groups} groups, which does not divide the packed weight's {k} inputs"
+            + (" (half of its rows: two nibble halves)" if halves == 2 else "")
         )
-    return packed, scale_zero, packed_k // groups
+    return packed, scale_zero, k // groups
 
 
 def linear_int4(
@@ -453,8 +456,9 @@ def linear_int4(
     exact: bool = False,
 ) -> torch.Tensor:
     """out = x @ W.T for a few rows of x [M, K] (float32 or bfloat16) and an Int4Linear's packed
-    weight (packed [N / 64, K', 32] uint8, scale_zero [K' / group, N, 2] bfloat16), read as
-    stored; K' = copies * K (copies 2: an Int8GroupLinear's two halves, q = 16h + l - 128).
+    weight (packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2] bfloat16), read as
+    stored; or with copies 2 an Int8GroupLinear's (packed [N / 64, 2K, 32], its two halves,
+    q = 16h + l - 128; scale_zero its scales [K / group, N] bfloat16).
     out [M, n] float32 or bfloat16, n <= N: the first n output rows. `exact`: float32 sums of x as
     given on every CPU (else AVX512-VNNI CPUs round x to int8 per group). Writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)

@@ -5,9 +5,9 @@
  * in its low nibble and row 64t + 32 + j's in its high nibble; scale_zero [K / group, N, 2]
  * (float32 or bfloat16). Int4: w[n, k] = scale * (q - 8) + zero, computed as a float32 multiply
  * then add (two roundings, like torch), then rounded to the output type.
- * Int8GroupLinear stores a GGUF Q8_0 weight [N, K] as an int4 one [N, 2K]: codes h in rows
- * 0..K-1 and l in rows K..2K-1 with q = 16h + l - 128, and the scale s of the l half (group
- * row K / group + k / group, slot 0): w[n, k] = s * q.
+ * Int8GroupLinear stores a GGUF Q8_0 weight [N, K] as int4 codes [N, 2K]: h in rows 0..K-1 and
+ * l in rows K..2K-1 with q = 16h + l - 128, and its scales s alone, [K / group, N] (float32 or
+ * bfloat16): w[n, k] = s * q.
  *
  * Work is split by groups of K rows, so each thread writes whole output rows. */
 #include <omp.h>
@@ -115,21 +115,12 @@ static inline void int8_group_row(void *out, int out_dtype, const uint8_t *high,
 #define int8_group_row int8_group_row_portable
 #endif
 
-/* The 64 (scale, zero) pairs of one tile in one group, as float32. */
-static void load_scales(float *scale, float *zero, const void *scale_zero, int dtype, int64_t offset) {
-    if (dtype == TUILI_F32) {
-        const float *sz = (const float *)scale_zero + offset;
-        for (int j = 0; j < TILE; j++) {
-            scale[j] = sz[2 * j];
-            zero[j] = sz[2 * j + 1];
-        }
-    } else {
-        const uint16_t *sz = (const uint16_t *)scale_zero + offset;
-        for (int j = 0; j < TILE; j++) {
-            scale[j] = bf16_to_f32(sz[2 * j]);
-            zero[j] = bf16_to_f32(sz[2 * j + 1]);
-        }
-    }
+/* The 64 values of one tile in one group as float32, each `stride` apart from `offset` on:
+ * int4's (scale, zero) pairs (stride 2, one call each), Q8_0's scales (stride 1). */
+static void load_tile_values(float *values, const void *stored, int dtype, int64_t offset, int stride) {
+    for (int j = 0; j < TILE; j++)
+        values[j] = dtype == TUILI_F32 ? ((const float *)stored)[offset + stride * j]
+                                       : bf16_to_f32(((const uint16_t *)stored)[offset + stride * j]);
 }
 
 int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int64_t n,
@@ -142,7 +133,8 @@ int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero,
         float scale[TILE], zero[TILE];
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t tile = first_tile + t;
-            load_scales(scale, zero, scale_zero, scale_dtype, (g * n + tile * TILE) * 2);
+            load_tile_values(scale, scale_zero, scale_dtype, (g * n + tile * TILE) * 2, 2);
+            load_tile_values(zero, scale_zero, scale_dtype, (g * n + tile * TILE) * 2 + 1, 2);
             for (int64_t row = g * group_size; row < (g + 1) * group_size; row++) {
                 int4_row((char *)out + (row * cols + t * TILE) * out_size, out_dtype, packed + (tile * k + row) * HALF,
                          scale, zero);
@@ -152,17 +144,17 @@ int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero,
     return TUILI_OK;
 }
 
-int tuili_dequant_int8_group(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int64_t n,
+int tuili_dequant_int8_group(const uint8_t *packed, int64_t k, const void *scales, int scale_dtype, int64_t n,
                              int64_t group_size, int64_t first_tile, int64_t num_tiles, void *out, int out_dtype,
                              int num_threads) {
     const int64_t cols = num_tiles * TILE, groups = k / group_size;
     const size_t out_size = out_dtype == TUILI_F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
     for (int64_t g = 0; g < groups; g++) {
-        float scale[TILE], unused[TILE];
+        float scale[TILE];
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t tile = first_tile + t;
-            load_scales(scale, unused, scale_zero, scale_dtype, ((groups + g) * n + tile * TILE) * 2);
+            load_tile_values(scale, scales, scale_dtype, g * n + tile * TILE, 1);
             for (int64_t row = g * group_size; row < (g + 1) * group_size; row++) {
                 const uint8_t *high = packed + (tile * 2 * k + row) * HALF, *low = high + k * HALF;
                 int8_group_row((char *)out + (row * cols + t * TILE) * out_size, out_dtype, high, low, scale);

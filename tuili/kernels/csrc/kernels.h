@@ -35,7 +35,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int64_t n,
                        int64_t group_size, int64_t first_tile, int64_t num_tiles, void *out, int out_dtype,
                        int num_threads);
-int tuili_dequant_int8_group(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int64_t n,
+int tuili_dequant_int8_group(const uint8_t *packed, int64_t k, const void *scales, int scale_dtype, int64_t n,
                              int64_t group_size, int64_t first_tile, int64_t num_tiles, void *out, int out_dtype,
                              int num_threads);
 int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,

@@ -4,9 +4,10 @@
  *
  * Layout (Int4Linear): packed [N / 64, K', 32] uint8, byte [t, k, j] holding row 64t + j's code
  * in its low nibble and row 64t + 32 + j's in its high nibble; scale_zero [K' / group, N, 2]
- * bfloat16; w[n, k] = scale * (q - 8) + zero. Int8GroupLinear (Q8_0) is the same layout over
- * K' = 2K (its high and low nibble halves); `copies` = 2 selects its own kernel (q8 below),
- * which reads both halves at once.
+ * bfloat16; w[n, k] = scale * (q - 8) + zero. Int8GroupLinear (Q8_0) is the same code layout
+ * over K' = 2K (its high and low nibble halves) with its scales alone, [K / group, N] bfloat16
+ * (no zeros: w = scale * q); `copies` = 2 selects its own kernel (q8 below), which reads both
+ * halves at once.
  *
  * Per group g of K' the product needs no dequantized weight:
  *   y[n] += scale[g, n] * sum_k x[k] * q[n, k] + (zero[g, n] - 8 scale[g, n]) * sum_k x[k]
@@ -70,7 +71,7 @@ typedef struct {
     const int32_t *xqsum; /* [M, groups] sum of LOW_STEPS xq + xq_low over each group */
     const int16_t *x16;   /* AVX2: [M, K] LOW_STEPS xq + xq_low (the integer dots' x), or NULL */
     const uint8_t *packed;
-    const uint16_t *scale_zero;
+    const uint16_t *scale_zero; /* Q8_0 (q8): its scales, [K / group, N] */
     void *out;
     int out_dtype, q8; /* q8: Int8GroupLinear's halves, tiles of 2 kp rows */
     int exact;          /* float32 sums of x as given, never its int8 rounding (VNNI CPUs too) */
@@ -78,16 +79,16 @@ typedef struct {
 } int4_args;
 
 /* Q8_0 (q8): the tile's codes h (rows 0..K-1) and l (rows K..2K-1) give u = 16h + l = q + 128,
- * and the l half's scale (slot 0 of group K / group + g) is the block's scale s, so
+ * and with the block's scale s
  *   y[n] += s * sum_k x[k] * (u[n, k] - 128)
- * with one pass over both halves and no zero term: it reads 1.125 bytes per value, not the
- * 1.25 of the int4 view (whose h half's scales and zeros it skips). */
+ * with one pass over both halves and no zero term: it reads 1.0625 bytes per value, Q8_0's own
+ * size (a scale per 32 values, 64 contiguous per group of a tile). */
 static inline const uint16_t *q8_scales(const int4_args *a, int64_t tile, int64_t g) {
-    return a->scale_zero + ((a->kp / a->group + g) * a->n_pad + tile * TILE) * 2;
+    return a->scale_zero + g * a->n_pad + tile * TILE;
 }
 
-/* The (scale, zero) pairs the integer-dot kernels read for group g of a tile: Q8_0's l half's, or
- * the int4 group's. */
+/* What the integer-dot kernels read for group g of a tile: Q8_0's scales, or the int4 group's
+ * (scale, zero) pairs. */
 static inline const uint16_t *group_pairs(const int4_args *a, int64_t tile, int64_t g, const int q8) {
     return q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
 }
@@ -99,10 +100,10 @@ static inline void prefetch_quad(const uint8_t *quad) {
     __builtin_prefetch(quad + (PREFETCH_ROWS + 2) * HALF, 0, 2);
 }
 
-/* Each group's 64 bf16 (scale, zero) pairs lie N * 4 bytes after the previous group's, in another
- * page: the kernels ask for them two groups early. */
-static inline void prefetch_scales(const uint16_t *pairs) {
-    for (int line = 0; line < 4; line++) __builtin_prefetch(pairs + line * 32, 0, 2);
+/* Each group's 64 bf16 (scale, zero) pairs (Q8_0: 64 scales) lie N * 4 (2) bytes after the
+ * previous group's, in another page: the kernels ask for them two groups early. */
+static inline void prefetch_scales(const uint16_t *pairs, const int q8) {
+    for (int line = 0; line < (q8 ? 2 : 4); line++) __builtin_prefetch(pairs + line * 32, 0, 2);
 }
 
 /* Adds scale * sums + zero * xsum for group g to total[i][r] (rows i of x, r of the tile). */
@@ -118,6 +119,14 @@ static inline void add_group(const int4_args *a, int64_t tile, int64_t g, int64_
 #ifdef __AVX512F__
 #define KERNEL static inline __attribute__((always_inline)) void
 #define UNROLLED _Pragma("GCC unroll 8")
+
+/* The bf16 scales of rows first .. first + 15 (four bytes a row in int4's pairs, two in Q8_0's
+ * scales) as float32. */
+static inline __attribute__((always_inline)) __m512 scales16(const uint16_t *sz, int first, const int q8) {
+    const __m512i lanes = q8 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(sz + first)))
+                             : _mm512_loadu_si512(sz + 2 * first);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
+}
 
 /* Rows i0 .. i0 + R - 1 of x against tile `tile`, all groups, into total. */
 KERNEL tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_AT_ONCE][TILE], const int R) {
@@ -266,7 +275,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
         UNROLLED for (int v = 0; v < 4; v++) sum[i][v] = _mm512_loadu_ps(total[i] + v * 16);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = group_pairs(a, tile, g, a->q8);
-        if (g + 2 < groups) prefetch_scales(group_pairs(a, tile, g + 2, a->q8));
+        if (g + 2 < groups) prefetch_scales(group_pairs(a, tile, g + 2, a->q8), a->q8);
         __m512i acc[VNNI_ROWS][4], rest[VNNI_ROWS][4]; /* sums of codes x xq and x xq_low */
         UNROLLED for (int i = 0; i < R; i++)
             UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = rest[i][v] = _mm512_setzero_si512();
@@ -281,8 +290,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
         }
         fold_low(acc, rest, R);
         UNROLLED for (int v = 0; v < 4; v++) {
-            const __m512i pairs = _mm512_loadu_si512(sz + v * 32);
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 s = scales16(sz, v * 16, a->q8);
             if (a->q8) {
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
@@ -291,7 +299,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
                                                 sum[i][v]);
                 }
             } else {
-                const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low_half, pairs));
+                const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low_half, _mm512_loadu_si512(sz + v * 32)));
                 const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z); /* zero - 8 scale */
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
@@ -338,7 +346,7 @@ KERNEL q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[RO
         }
         const uint16_t *sz = q8_scales(a, tile, g);
         UNROLLED for (int v = 0; v < 4; v++) {
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(sz + v * 32), 16));
+            const __m512 s = scales16(sz, v * 16, 1);
             UNROLLED for (int i = 0; i < R; i++) {
                 __m512 t = _mm512_loadu_ps(total[i] + v * 16);
                 _mm512_storeu_ps(total[i] + v * 16, _mm512_fmadd_ps(s, acc[i][v], t));
@@ -404,7 +412,7 @@ static void q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows,
         }
         const uint16_t *sz = q8_scales(a, tile, g);
         for (int r = 0; r < TILE; r++)
-            for (int i = 0; i < rows; i++) total[i][r] += bf16_to_f32(sz[2 * r]) * sums[i][r];
+            for (int i = 0; i < rows; i++) total[i][r] += bf16_to_f32(sz[r]) * sums[i][r];
     }
 }
 
@@ -477,9 +485,11 @@ static inline __attribute__((always_inline)) __m256i q8_row_avx2(const uint8_t *
  * the same order, lane by lane. */
 static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *sz, float *total, int first,
                                                                 __m256i sums, float sx, float xsum, const int q8) {
-    const __m256i pairs = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * first))),
-        _mm_loadu_si128((const __m128i *)(sz + 2 * (first + 16))), 1); /* bf16 (scale, zero) per row */
+    /* bf16 (scale, zero) per row; Q8_0: its scale, widened to a lane */
+    const __m256i pairs = q8 ? _mm256_cvtepu16_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sz + first)),
+                                                                         _mm_loadl_epi64((const __m128i *)(sz + first + 16))))
+                             : _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * first))),
+                                                       _mm_loadu_si128((const __m128i *)(sz + 2 * (first + 16))), 1);
     const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
     __m256 t = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(total + first)), _mm_loadu_ps(total + first + 16), 1);
     if (!q8) {
@@ -612,7 +622,7 @@ static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, 
     for (int i = 0; i < R; i++) xr[i] = a->x16 + (i0 + i) * a->kp;
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = group_pairs(a, tile, g, q8);
-        if (g + 2 < groups) prefetch_scales(sz + 4 * a->n_pad); /* group g + 2's, int4 or Q8_0 */
+        if (g + 2 < groups) prefetch_scales(group_pairs(a, tile, g + 2, q8), q8);
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int half = 0; half < 2; half++) {
             __m256i acc[ROWS_AT_ONCE][4];
@@ -742,8 +752,8 @@ static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, i
 }
 
 /* x [M, K] (float32 or bfloat16, 1 <= M <= MAX_M), packed [tiles, K', 32], scale_zero
- * [K' / group, tiles * 64, 2] bfloat16, out [M, n_out] with n_out <= tiles * 64; K' = copies * K
- * and group divides K'. The shapes are checked by the caller (tuili/kernels/cpu.py). */
+ * [K' / group, tiles * 64, 2] bfloat16 (copies 2: the scales, [K / group, tiles * 64]), out
+ * [M, n_out] with n_out <= tiles * 64; K' = copies * K and group divides K. The shapes are checked by the caller (tuili/kernels/cpu.py). */
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
                       int64_t n_out, int exact, int num_threads) {

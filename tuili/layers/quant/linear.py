@@ -257,14 +257,22 @@ class Int4Linear(QuantizedLinear):
 
     def _int4_weight(self) -> Int4Weight:
         """The stored weight unpacked (padding rows included)."""
+        scale, zero = self.scale_zero.transpose(0, 1).unbind(-1)
+        return Int4Weight(self._codes(), scale, zero, self.group_size)
+
+    def _codes(self) -> torch.Tensor:
+        """The stored codes unpacked, uint8 [N padded to 64, K'] (0..15)."""
         tiles, k, _ = self.packed.shape
         codes = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=1)  # [tile, half, K, 32]
-        q = codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
-        scale, zero = self.scale_zero.transpose(0, 1).unbind(-1)
-        return Int4Weight(q, scale, zero, self.group_size)
+        return codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
 
     def _repeat(self, x: torch.Tensor) -> torch.Tensor:
         return x if self._input_copies == 1 else x.repeat(1, self._input_copies)
+
+    @property
+    def kernel_scales(self) -> torch.Tensor:
+        """The scales the native kernels read with `packed`: scale_zero (Int8GroupLinear: its scales)."""
+        return self.scale_zero
 
     def _gemv(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """The native kernel takes and writes float32 or bf16; other dtypes (float16) convert."""
@@ -272,7 +280,7 @@ class Int4Linear(QuantizedLinear):
             x = x.to(self.compute_dtype)
         direct = out_dtype in _GEMV_DTYPES
         out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
-        kernels.linear_int4(x, self.packed, self.scale_zero, out, self._input_copies)
+        kernels.linear_int4(x, self.packed, self.kernel_scales, out, self._input_copies)
         return out if direct else out.to(out_dtype)
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,17 +321,19 @@ class Int4Linear(QuantizedLinear):
         buffer = x.new_empty(k * min(step, tiles) * INT4_TILE_ROWS)
         for first in range(0, tiles, step):
             columns = min(step, tiles - first) * INT4_TILE_ROWS
-            w_t = dequantize(self.packed, self.scale_zero, first, buffer[: k * columns].view(k, columns))
+            w_t = dequantize(self.packed, self.kernel_scales, first, buffer[: k * columns].view(k, columns))
             torch.matmul(x, w_t, out=out[:, first * INT4_TILE_ROWS : first * INT4_TILE_ROWS + columns])
         return out[:, : self.out_features]
 
 
 class Int8GroupLinear(Int4Linear):
-    """Int8GroupWeight (GGUF Q8_0) computed exactly on the int4 kernel: u = q + 128 = 16h + l
-    with nibbles h, l, so w = [16s*(h - 8) + 0] + [s*(l - 8) + 8s]: an int4 weight [N, 2K] whose
-    first K columns hold h and last K hold l, applied to [x, x] (the op and the tiled kernel; the
-    native gemv reads both halves at once as q = 16h + l - 128). It reads 1.25 bytes per value
-    in bf16 (Q8_0 itself: 1.06)."""
+    """Int8GroupWeight (GGUF Q8_0) in the int4 kernel's tiles: u = q + 128 = 16h + l with nibbles
+    h, l, packed as an int4 weight [N, 2K] whose first K columns hold h and last K hold l, and its
+    scales alone, `scale` [K / group, N] in the compute dtype: 1.0625 bytes per value in bf16,
+    Q8_0's own size. The native kernels read both halves at once as q = 16h + l - 128 and
+    w = s * q. PyTorch's int4 op computes it exactly as w = [16s*(h - 8) + 0] + [s*(l - 8) + 8s],
+    applied to [x, x]: that view's (scale, zero) pairs, `scale_zero` [2K / group, N, 2] (another
+    0.25 bytes per value), are kept only where the op runs (CPUs without tuili's kernels)."""
 
     max_op_rows = Q8_0_OP_MAX_ROWS
     max_gemv_rows = Q8_0_GEMV_MAX_ROWS
@@ -346,10 +356,30 @@ class Int8GroupLinear(Int4Linear):
             group_size=weight.group_size,
         )
         super().__init__(split, bias, compute_dtype, platform=platform)
+        groups = self.in_features // self.group_size
+        self.register_buffer("scale", self.scale_zero[groups:, :, 0].contiguous())  # the l half's: s
+        # The op runs only without the native kernels (which take every row count before it).
+        self._op_fits = self._op_fits and not platform.native_kernels
+        if not self._op_fits:
+            del self.scale_zero
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.scale_zero if self._op_fits else self.scale)  # the op's, at decode
+
+    @property
+    def kernel_scales(self) -> torch.Tensor:
+        return self.scale
 
     def dequantize(self) -> torch.Tensor:
-        both = super().dequantize()
-        return both[:, : self.in_features] + both[:, self.in_features :]
+        codes = self._codes().to(torch.int16)
+        q = ((codes[:, : self.in_features] << 4 | codes[:, self.in_features :]) - 128).to(torch.int8)
+        weight = Int8GroupWeight(q, self.scale.t(), self.group_size)
+        return weight.dequantize()[: self.out_features]
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         if self._native(x):
@@ -367,7 +397,7 @@ class Int8GroupLinear(Int4Linear):
             high, low = packed[:k], packed[k:]
             u = torch.stack([((high & 0x0F) << 4) | (low & 0x0F), (high & 0xF0) | (low >> 4)], dim=2)
             q = (u ^ 0x80).view(torch.int8)  # u - 128
-            scale = self.scale_zero[groups:, cols, 0].contiguous()[:, None]
+            scale = self.scale[:, cols].contiguous()[:, None]
             w_t = (q.view(groups, self.group_size, -1).to(x.dtype) * scale).view(k, -1)
             torch.matmul(x, w_t, out=out[:, cols])
         return out[:, : self.out_features]
