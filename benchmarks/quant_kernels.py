@@ -10,6 +10,7 @@ then matmul). The crossover rows recorded in docs/quantization.md come from this
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -32,6 +33,9 @@ from common import best_time  # noqa: E402
 from tuili.platform import Platform  # noqa: E402
 
 HERE = Platform.detect()
+# PyTorch's ops run only where tuili's kernels do not (tuili's kernels take those rows); modules
+# built for such a platform keep the op's operands (Int8GroupLinear's (scale, zero) pairs).
+WITHOUT_NATIVE = dataclasses.replace(HERE, native_kernels=False)
 
 
 def forced(module: QuantizedLinear, kernel: str, x: torch.Tensor) -> Callable[[], object]:
@@ -56,10 +60,11 @@ def main() -> None:
         w = torch.randn(n, k) * 0.02
         w_bf16 = w.bfloat16()
         q8_0 = Int8GroupWeight(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32) * 1e-3, 32)
+        weights = {"int8": quantize_int8(w), "int4": quantize_int4(w, 32), "q8_0": q8_0}
         modules = {
-            "int8": make_linear(quantize_int8(w), platform=HERE),
-            "int4": make_linear(quantize_int4(w, 32), platform=HERE),
-            "q8_0": make_linear(q8_0, platform=HERE),
+            name: {kernel: make_linear(weight, platform=WITHOUT_NATIVE if kernel == "op" else HERE)
+                   for kernel in ("op", "tiled")}
+            for name, weight in weights.items()
         }
         print(f"\nweight {n}x{k} (out x in)")
         print(f"{'rows':>5} " + " ".join(f"{c:>11}" for c in columns))
@@ -70,8 +75,8 @@ def main() -> None:
                 best_time(partial(F.linear, x, w), args.budget),
                 best_time(partial(F.linear, xb, w_bf16), args.budget),
             ]
-            for module in modules.values():
-                for kernel in ("op", "tiled"):
+            for by_kernel in modules.values():
+                for kernel, module in by_kernel.items():
                     times.append(best_time(forced(module, kernel, xb), args.budget))
             print(f"{m:>5} " + " ".join(f"{t:>11.0f}" for t in times), flush=True)
 

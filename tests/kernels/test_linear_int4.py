@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tuili import kernels
-from tuili.layers.quant import Int4Linear, Int8GroupLinear, Int8GroupWeight, quantize_int4
+from tuili.layers.quant import Int4Linear, Int4Weight, Int8GroupLinear, Int8GroupWeight, quantize_int4
 from tuili.platform import Platform
 
 HERE = Platform.detect()
@@ -43,6 +43,14 @@ def q8_module(n: int, k: int, seed: int) -> Int8GroupLinear:
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
     return Int8GroupLinear(Int8GroupWeight(q, torch.rand(n, k // 32, generator=generator) / 50, 32), platform=HERE)
+
+
+def q4_0_module(n: int, k: int, group: int, seed: int) -> Int4Linear:
+    """A symmetric int4 weight, every zero 0 (GGUF Q4_0's blocks)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    scale = torch.rand(n, k // group, generator=generator) / 50
+    return Int4Linear(Int4Weight(q, scale, torch.zeros_like(scale), group), platform=HERE)
 
 
 def copies(module: Int4Linear) -> int:
@@ -106,10 +114,34 @@ def test_q8_0_halves_match_float64(m):
         assert torch.equal(run(module, x, torch.bfloat16), wide.bfloat16())  # one rounding of the same sums
 
 
+@pytest.mark.parametrize("m", [1, 4, 17])
+def test_q4_0_scales_alone_give_the_bits_of_zero_pairs(m):
+    """Every zero 0: the module holds its scales alone (0.5625 bytes per value, Q4_0's own size),
+    and the product and the tile dequantizer read them to the bits they give with (scale, 0)
+    pairs, in the default and the exact sums."""
+    for n, k, group in SHAPES:
+        module = q4_0_module(n, k, group, seed=n + k + m)
+        tiles = module.packed.shape[0]
+        assert "scale_zero" not in module._buffers and module.scale.shape == (k // group, 64 * tiles)
+        assert module.weight_bytes == module.packed.numel() + 2 * module.scale.numel()
+        pairs = torch.stack([module.scale, torch.zeros_like(module.scale)], dim=-1)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        for out_dtype in (torch.float32, torch.bfloat16):
+            for exact in (False, True):
+                alone = run(module, x, out_dtype, exact)
+                with_pairs = torch.full_like(alone, float("nan"))
+                kernels.linear_int4(x, module.packed, pairs, with_pairs, 1, exact)
+                assert torch.equal(alone, with_pairs)
+        assert_close(module, x, run(module, x, torch.float32))
+        w_t = kernels.dequantize_int4_tiles(module.packed, module.scale, 0, torch.empty(k, 64 * tiles))
+        assert torch.equal(w_t, kernels.dequantize_int4_tiles(module.packed, pairs, 0, torch.empty(k, 64 * tiles)))
+        assert torch.equal(w_t.t()[:n], module.dequantize())
+
+
 def test_exactly_representable_input_leaves_only_float32_rounding():
     # Integer x with 127 the largest in every group: the int8 rounding of the VNNI path is exact,
     # so any misplaced code, scale or zero would show at float32 precision.
-    for module in (int4_module(130, 128, 32, seed=1), q8_module(70, 64, seed=2)):
+    for module in (int4_module(130, 128, 32, seed=1), q4_0_module(130, 128, 32, seed=1), q8_module(70, 64, seed=2)):
         k = module.in_features
         x = torch.randint(-127, 128, (3, k), generator=torch.Generator().manual_seed(3)).float()
         x[:, ::32] = 127.0

@@ -89,10 +89,12 @@ def _declare(library: ctypes.CDLL) -> None:
         p, i64, i64, i32, p,  # slot mapping, tokens, row bytes, threads, error
     ]  # fmt: skip
     library.tuili_kv_store.restype = i32
+    # packed, K, scales, their dtype, (int4: whether they are (scale, zero) pairs,) N, group, first
+    # tile, tiles, out, its dtype, threads
+    library.tuili_dequant_int4.argtypes = [p, i64, p, i32, i32, i64, i64, i64, i64, p, i32, i32]
+    library.tuili_dequant_int8_group.argtypes = [p, i64, p, i32, i64, i64, i64, i64, p, i32, i32]
     for name in ("tuili_dequant_int4", "tuili_dequant_int8_group"):
-        function = getattr(library, name)
-        function.argtypes = [p, i64, p, i32, i64, i64, i64, i64, p, i32, i32]
-        function.restype = i32
+        getattr(library, name).restype = i32
     for name in ("tuili_linear_small", "tuili_linear_rows"):
         function = getattr(library, name)
         function.argtypes = [
@@ -112,7 +114,7 @@ def _declare(library: ctypes.CDLL) -> None:
         getattr(library, name).restype = i32
     library.tuili_linear_int4.argtypes = [
         p, i32, p, p, p, i32,  # x, dtype, packed, scale_zero, out, out dtype
-        i64, i64, i64, i64, i64, i64, i32, i32,  # M, K, copies, tiles, group, n out, exact, threads
+        i64, i64, i64, i64, i64, i64, i32, i32, i32,  # M, K, copies, tiles, group, n out, exact, pairs, threads
     ]  # fmt: skip
     library.tuili_linear_int4.restype = i32
     library.tuili_deltanet_decode.argtypes = [
@@ -377,7 +379,8 @@ def dequantize_int4_tiles(
     packed: torch.Tensor, scale_zero: torch.Tensor, first_tile: int, out: torch.Tensor
 ) -> torch.Tensor:
     """W^T of Int4Linear's tiles first_tile .. first_tile + out.shape[1] // 64 - 1 into `out`
-    ([K, 64 * tiles], float32 or bfloat16); returns `out`."""
+    ([K, 64 * tiles], float32 or bfloat16); returns `out`. `scale_zero` [K / group, N, 2], or
+    [K / group, N] where the zeros are all 0 (the scales alone)."""
     return _dequantize("tuili_dequant_int4", packed, scale_zero, first_tile, out, halves=1)
 
 
@@ -402,6 +405,7 @@ def _dequantize(
     `scale_zero` is its scales alone)."""
     packed, scale_zero, group_size = _int4_layout(packed, scale_zero, _FLOAT_DTYPES, halves)
     tiles, packed_k, _ = packed.shape
+    layout = (int(scale_zero.dim() == 3),) if halves == 1 else ()  # int4: (scale, zero) pairs or scales
     k = packed_k // halves
     out = _check("out", out, _FLOAT_DTYPES, 2)
     if out.shape[0] != k or out.shape[1] % INT4_TILE_ROWS:
@@ -415,7 +419,7 @@ def _dequantize(
         )
     _call(
         function,
-        packed.data_ptr(), k, scale_zero.data_ptr(), _DTYPE_CODES[scale_zero.dtype], scale_zero.shape[1],
+        packed.data_ptr(), k, scale_zero.data_ptr(), _DTYPE_CODES[scale_zero.dtype], *layout, scale_zero.shape[1],
         group_size, first_tile, count, out.data_ptr(), _DTYPE_CODES[out.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -424,14 +428,16 @@ def _dequantize(
 def _int4_layout(
     packed: object, scale_zero: object, scale_dtypes: tuple[torch.dtype, ...], halves: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Int4Linear's packed [tiles, K, 32] uint8 and scale_zero [groups, 64 tiles, 2], or with
-    halves 2 Int8GroupLinear's packed [tiles, 2K, 32] (its two nibble halves) and scales
-    [groups, 64 tiles], checked; with the group size K / groups."""
+    """Int4Linear's packed [tiles, K, 32] uint8 and scale_zero [groups, 64 tiles, 2] (or its
+    scales alone, [groups, 64 tiles], where the zeros are all 0), or with halves 2
+    Int8GroupLinear's packed [tiles, 2K, 32] (its two nibble halves) and scales [groups, 64 tiles],
+    checked; with the group size K / groups."""
     packed = _check("packed", packed, (torch.uint8,), 3)
     tiles, packed_k, half_tile = packed.shape
     if half_tile != INT4_TILE_ROWS // 2:
         raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {INT4_TILE_ROWS // 2}]")
-    name, per_row = ("scale_zero", (2,)) if halves == 1 else ("scales", ())
+    alone = halves == 2 or (isinstance(scale_zero, torch.Tensor) and scale_zero.dim() == 2)
+    name, per_row = ("scales", ()) if alone else ("scale_zero", (2,))
     scale_zero = _check(name, scale_zero, scale_dtypes, 2 + len(per_row))
     if scale_zero.shape[1:] != (tiles * INT4_TILE_ROWS, *per_row):
         expected = ", ".join(map(str, ["groups", tiles * INT4_TILE_ROWS, *per_row]))
@@ -456,8 +462,8 @@ def linear_int4(
     exact: bool = False,
 ) -> torch.Tensor:
     """out = x @ W.T for a few rows of x [M, K] (float32 or bfloat16) and an Int4Linear's packed
-    weight (packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2] bfloat16), read as
-    stored; or with copies 2 an Int8GroupLinear's (packed [N / 64, 2K, 32], its two halves,
+    weight (packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2] bfloat16, or its scales
+    alone [K / group, N] where the zeros are all 0), read as stored; or with copies 2 an Int8GroupLinear's (packed [N / 64, 2K, 32], its two halves,
     q = 16h + l - 128; scale_zero its scales [K / group, N] bfloat16).
     out [M, n] float32 or bfloat16, n <= N: the first n output rows. `exact`: float32 sums of x as
     given on every CPU (else AVX512-VNNI CPUs round x to int8 per group). Writes and returns `out`."""
@@ -483,7 +489,7 @@ def linear_int4(
         "tuili_linear_int4",
         x.data_ptr(), _DTYPE_CODES[x.dtype], packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(),
         _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], int(bool(exact)),
-        torch.get_num_threads(),
+        int(scale_zero.dim() == 3), torch.get_num_threads(),
     )  # fmt: skip
     if status == _NO_MEMORY:
         raise MemoryError(f"linear_int4 could not allocate a float32 copy of x ({rows} x {packed_k})")

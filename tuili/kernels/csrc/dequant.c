@@ -3,8 +3,9 @@
  *
  * Layout (Int4Linear): packed [N / 64, K, 32] uint8, byte [t, k, j] holding row 64t + j's code
  * in its low nibble and row 64t + 32 + j's in its high nibble; scale_zero [K / group, N, 2]
- * (float32 or bfloat16). Int4: w[n, k] = scale * (q - 8) + zero, computed as a float32 multiply
- * then add (two roundings, like torch), then rounded to the output type.
+ * (float32 or bfloat16), or where every zero is 0 (GGUF Q4_0) the scales alone [K / group, N].
+ * Int4: w[n, k] = scale * (q - 8) + zero, computed as a float32 multiply then add (two roundings,
+ * like torch), then rounded to the output type.
  * Int8GroupLinear stores a GGUF Q8_0 weight [N, K] as int4 codes [N, 2K]: h in rows 0..K-1 and
  * l in rows K..2K-1 with q = 16h + l - 128, and its scales s alone, [K / group, N] (float32 or
  * bfloat16): w[n, k] = s * q.
@@ -123,7 +124,7 @@ static void load_tile_values(float *values, const void *stored, int dtype, int64
                                        : bf16_to_f32(((const uint16_t *)stored)[offset + stride * j]);
 }
 
-int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int64_t n,
+int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int pairs, int64_t n,
                        int64_t group_size, int64_t first_tile, int64_t num_tiles, void *out, int out_dtype,
                        int num_threads) {
     const int64_t cols = num_tiles * TILE, groups = k / group_size;
@@ -133,8 +134,13 @@ int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero,
         float scale[TILE], zero[TILE];
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t tile = first_tile + t;
-            load_tile_values(scale, scale_zero, scale_dtype, (g * n + tile * TILE) * 2, 2);
-            load_tile_values(zero, scale_zero, scale_dtype, (g * n + tile * TILE) * 2 + 1, 2);
+            if (pairs) {
+                load_tile_values(scale, scale_zero, scale_dtype, (g * n + tile * TILE) * 2, 2);
+                load_tile_values(zero, scale_zero, scale_dtype, (g * n + tile * TILE) * 2 + 1, 2);
+            } else {
+                load_tile_values(scale, scale_zero, scale_dtype, g * n + tile * TILE, 1);
+                for (int j = 0; j < TILE; j++) zero[j] = 0.0f;
+            }
             for (int64_t row = g * group_size; row < (g + 1) * group_size; row++) {
                 int4_row((char *)out + (row * cols + t * TILE) * out_size, out_dtype, packed + (tile * k + row) * HALF,
                          scale, zero);

@@ -4,10 +4,11 @@
  *
  * Layout (Int4Linear): packed [N / 64, K', 32] uint8, byte [t, k, j] holding row 64t + j's code
  * in its low nibble and row 64t + 32 + j's in its high nibble; scale_zero [K' / group, N, 2]
- * bfloat16; w[n, k] = scale * (q - 8) + zero. Int8GroupLinear (Q8_0) is the same code layout
- * over K' = 2K (its high and low nibble halves) with its scales alone, [K / group, N] bfloat16
- * (no zeros: w = scale * q); `copies` = 2 selects its own kernel (q8 below), which reads both
- * halves at once.
+ * bfloat16; w[n, k] = scale * (q - 8) + zero. Where every zero is 0 (GGUF Q4_0) the module
+ * holds the scales alone, [K' / group, N] (`pairs` 0), and the kernel takes the zeros as 0.
+ * Int8GroupLinear (Q8_0) is the same code layout over K' = 2K (its high and low nibble halves)
+ * with its scales alone, [K / group, N] bfloat16 (w = scale * q); `copies` = 2 selects its own
+ * kernel (q8 below), which reads both halves at once.
  *
  * Per group g of K' the product needs no dequantized weight:
  *   y[n] += scale[g, n] * sum_k x[k] * q[n, k] + (zero[g, n] - 8 scale[g, n]) * sum_k x[k]
@@ -71,9 +72,10 @@ typedef struct {
     const int32_t *xqsum; /* [M, groups] sum of LOW_STEPS xq + xq_low over each group */
     const int16_t *x16;   /* AVX2: [M, K] LOW_STEPS xq + xq_low (the integer dots' x), or NULL */
     const uint8_t *packed;
-    const uint16_t *scale_zero; /* Q8_0 (q8): its scales, [K / group, N] */
+    const uint16_t *scale_zero; /* (scale, zero) pairs, or (pairs 0) each group's scales alone */
     void *out;
     int out_dtype, q8; /* q8: Int8GroupLinear's halves, tiles of 2 kp rows */
+    int pairs;          /* scale_zero holds (scale, zero) pairs; else scales, the zeros 0 (Q4_0, Q8_0) */
     int exact;          /* float32 sums of x as given, never its int8 rounding (VNNI CPUs too) */
     int64_t m, kp, group, n_pad, n_out; /* kp: K, the columns of x */
 } int4_args;
@@ -82,15 +84,11 @@ typedef struct {
  * and with the block's scale s
  *   y[n] += s * sum_k x[k] * (u[n, k] - 128)
  * with one pass over both halves and no zero term: it reads 1.0625 bytes per value, Q8_0's own
- * size (a scale per 32 values, 64 contiguous per group of a tile). */
-static inline const uint16_t *q8_scales(const int4_args *a, int64_t tile, int64_t g) {
-    return a->scale_zero + g * a->n_pad + tile * TILE;
-}
-
-/* What the integer-dot kernels read for group g of a tile: Q8_0's scales, or the int4 group's
- * (scale, zero) pairs. */
-static inline const uint16_t *group_pairs(const int4_args *a, int64_t tile, int64_t g, const int q8) {
-    return q8 ? q8_scales(a, tile, g) : a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+ * size (a scale per 32 values). Q4_0 without its zeros reads 0.5625, its own size too.
+ *
+ * Group g's 64 (scale, zero) pairs of a tile, or its 64 scales where the zeros are 0. */
+static inline const uint16_t *group_scales(const int4_args *a, int64_t tile, int64_t g) {
+    return a->scale_zero + (g * a->n_pad + tile * TILE) * (a->pairs ? 2 : 1);
 }
 
 /* Asks for the two lines of the quad PREFETCH_ROWS tile rows after `quad` (its four rows of 32
@@ -100,18 +98,18 @@ static inline void prefetch_quad(const uint8_t *quad) {
     __builtin_prefetch(quad + (PREFETCH_ROWS + 2) * HALF, 0, 2);
 }
 
-/* Each group's 64 bf16 (scale, zero) pairs (Q8_0: 64 scales) lie N * 4 (2) bytes after the
- * previous group's, in another page: the kernels ask for them two groups early. */
-static inline void prefetch_scales(const uint16_t *pairs, const int q8) {
-    for (int line = 0; line < (q8 ? 2 : 4); line++) __builtin_prefetch(pairs + line * 32, 0, 2);
+/* Each group's 64 bf16 (scale, zero) pairs (or 64 scales) lie N * 4 (2) bytes after the previous
+ * group's, in another page: the kernels ask for them two groups early. */
+static inline void prefetch_scales(const uint16_t *scales, const int pairs) {
+    for (int line = 0; line < (pairs ? 4 : 2); line++) __builtin_prefetch(scales + line * 32, 0, 2);
 }
 
 /* Adds scale * sums + zero * xsum for group g to total[i][r] (rows i of x, r of the tile). */
 static inline void add_group(const int4_args *a, int64_t tile, int64_t g, int64_t i0, int rows,
                              float sums[ROWS_AT_ONCE][TILE], float total[ROWS_AT_ONCE][TILE]) {
-    const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+    const uint16_t *sz = group_scales(a, tile, g);
     for (int r = 0; r < TILE; r++) {
-        const float s = bf16_to_f32(sz[2 * r]), z = bf16_to_f32(sz[2 * r + 1]);
+        const float s = bf16_to_f32(sz[a->pairs ? 2 * r : r]), z = a->pairs ? bf16_to_f32(sz[2 * r + 1]) : 0.0f;
         for (int i = 0; i < rows; i++) total[i][r] += s * sums[i][r] + z * a->xsum[(i0 + i) * (a->kp / a->group) + g];
     }
 }
@@ -120,12 +118,18 @@ static inline void add_group(const int4_args *a, int64_t tile, int64_t g, int64_
 #define KERNEL static inline __attribute__((always_inline)) void
 #define UNROLLED _Pragma("GCC unroll 8")
 
-/* The bf16 scales of rows first .. first + 15 (four bytes a row in int4's pairs, two in Q8_0's
- * scales) as float32. */
-static inline __attribute__((always_inline)) __m512 scales16(const uint16_t *sz, int first, const int q8) {
-    const __m512i lanes = q8 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(sz + first)))
-                             : _mm512_loadu_si512(sz + 2 * first);
+/* The bf16 scales of rows first .. first + 15 (four bytes a row in (scale, zero) pairs, two
+ * where the scales stand alone) as float32. */
+static inline __attribute__((always_inline)) __m512 scales16(const uint16_t *sz, int first, const int pairs) {
+    const __m512i lanes = pairs ? _mm512_loadu_si512(sz + 2 * first)
+                                : _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(sz + first)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
+}
+
+/* Their zeros as float32: the pairs' upper halves, or 0. */
+static inline __attribute__((always_inline)) __m512 zeros16(const uint16_t *sz, int first, const int pairs) {
+    return pairs ? _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_set1_epi32(0xFFFF), _mm512_loadu_si512(sz + 2 * first)))
+                 : _mm512_setzero_ps();
 }
 
 /* Rows i0 .. i0 + R - 1 of x against tile `tile`, all groups, into total. */
@@ -133,7 +137,6 @@ KERNEL tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_
     const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const uint8_t *codes = a->packed + tile * a->kp * HALF;
     const int64_t groups = a->kp / a->group;
-    const __m512i low_half = _mm512_set1_epi32(0xFFFF);
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[ROWS_AT_ONCE][4];
         UNROLLED for (int i = 0; i < R; i++)
@@ -154,12 +157,9 @@ KERNEL tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[ROWS_
                 UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xv, w[v], acc[i][v]);
             }
         }
-        /* Scale and zero of 16 rows are 16 (scale, zero) bf16 pairs: one 32-bit lane each. */
-        const uint16_t *sz = a->scale_zero + (g * a->n_pad + tile * TILE) * 2;
+        const uint16_t *sz = group_scales(a, tile, g);
         UNROLLED for (int v = 0; v < 4; v++) {
-            const __m512i pairs = _mm512_loadu_si512(sz + v * 32);
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-            const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low_half, pairs));
+            const __m512 s = scales16(sz, v * 16, a->pairs), z = zeros16(sz, v * 16, a->pairs);
             UNROLLED for (int i = 0; i < R; i++) {
                 const __m512 xs = _mm512_set1_ps(a->xsum[(i0 + i) * groups + g]);
                 __m512 t = _mm512_loadu_ps(total[i] + v * 16);
@@ -269,13 +269,12 @@ static void unpack_tile(const int4_args *a, int64_t tile, __m512i *cache) {
 KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[][TILE],
                       const __m512i *cache, const int R) {
     const int64_t groups = a->kp / a->group;
-    const __m512i low_half = _mm512_set1_epi32(0xFFFF);
     __m512 sum[VNNI_ROWS][4]; /* total's rows, in registers across the groups */
     UNROLLED for (int i = 0; i < R; i++)
         UNROLLED for (int v = 0; v < 4; v++) sum[i][v] = _mm512_loadu_ps(total[i] + v * 16);
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = group_pairs(a, tile, g, a->q8);
-        if (g + 2 < groups) prefetch_scales(group_pairs(a, tile, g + 2, a->q8), a->q8);
+        const uint16_t *sz = group_scales(a, tile, g);
+        if (g + 2 < groups) prefetch_scales(group_scales(a, tile, g + 2), a->pairs);
         __m512i acc[VNNI_ROWS][4], rest[VNNI_ROWS][4]; /* sums of codes x xq and x xq_low */
         UNROLLED for (int i = 0; i < R; i++)
             UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = rest[i][v] = _mm512_setzero_si512();
@@ -290,7 +289,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
         }
         fold_low(acc, rest, R);
         UNROLLED for (int v = 0; v < 4; v++) {
-            const __m512 s = scales16(sz, v * 16, a->q8);
+            const __m512 s = scales16(sz, v * 16, a->pairs);
             if (a->q8) {
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
@@ -299,7 +298,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
                                                 sum[i][v]);
                 }
             } else {
-                const __m512 z = _mm512_castsi512_ps(_mm512_andnot_si512(low_half, _mm512_loadu_si512(sz + v * 32)));
+                const __m512 z = zeros16(sz, v * 16, a->pairs);
                 const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z); /* zero - 8 scale */
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
@@ -344,9 +343,9 @@ KERNEL q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[RO
                 UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xv, w[v], acc[i][v]);
             }
         }
-        const uint16_t *sz = q8_scales(a, tile, g);
+        const uint16_t *sz = group_scales(a, tile, g);
         UNROLLED for (int v = 0; v < 4; v++) {
-            const __m512 s = scales16(sz, v * 16, 1);
+            const __m512 s = scales16(sz, v * 16, 0);
             UNROLLED for (int i = 0; i < R; i++) {
                 __m512 t = _mm512_loadu_ps(total[i] + v * 16);
                 _mm512_storeu_ps(total[i] + v * 16, _mm512_fmadd_ps(s, acc[i][v], t));
@@ -410,7 +409,7 @@ static void q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int rows,
                 for (int r = 0; r < TILE; r++) sums[i][r] = MADD(xv, w[r], sums[i][r]);
             }
         }
-        const uint16_t *sz = q8_scales(a, tile, g);
+        const uint16_t *sz = group_scales(a, tile, g);
         for (int r = 0; r < TILE; r++)
             for (int i = 0; i < rows; i++) total[i][r] += bf16_to_f32(sz[r]) * sums[i][r];
     }
@@ -482,18 +481,20 @@ static inline __attribute__((always_inline)) __m256i q8_row_avx2(const uint8_t *
  * tile_rows_vnni's epilogue for one row of x and one row vector (`first`: the tile row of lane 0;
  * lanes 4-7 are 16 rows further): total += scale * sx * sums
  * + (zero - 8 scale) * sum x, or for Q8_0 scale * sx * sums, with the same fused operations in
- * the same order, lane by lane. */
+ * the same order, lane by lane. `sz`: (scale, zero) pairs, or (pairs 0) scales alone. */
 static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *sz, float *total, int first,
-                                                                __m256i sums, float sx, float xsum, const int q8) {
-    /* bf16 (scale, zero) per row; Q8_0: its scale, widened to a lane */
-    const __m256i pairs = q8 ? _mm256_cvtepu16_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sz + first)),
-                                                                         _mm_loadl_epi64((const __m128i *)(sz + first + 16))))
-                             : _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * first))),
-                                                       _mm_loadu_si128((const __m128i *)(sz + 2 * (first + 16))), 1);
-    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                                                                __m256i sums, float sx, float xsum, const int q8,
+                                                                const int pairs) {
+    /* bf16 (scale, zero) per lane, or a scale widened to a lane: its zero half 0 */
+    const __m256i scale_zero =
+        pairs ? _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * first))),
+                                        _mm_loadu_si128((const __m128i *)(sz + 2 * (first + 16))), 1)
+              : _mm256_cvtepu16_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sz + first)),
+                                                         _mm_loadl_epi64((const __m128i *)(sz + first + 16))));
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(scale_zero, 16));
     __m256 t = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(total + first)), _mm_loadu_ps(total + first + 16), 1);
     if (!q8) {
-        const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+        const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(scale_zero, _mm256_set1_epi32((int)0xFFFF0000u)));
         const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z); /* zero - 8 scale */
         t = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum), t);
     }
@@ -551,7 +552,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
     const int16_t *x[ROWS_AT_ONCE];
     for (int i = 0; i < R; i++) x[i] = a->x16 + (i0 + i) * a->kp;
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = group_pairs(a, tile, g, q8);
+        const uint16_t *sz = group_scales(a, tile, g);
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int vec = 0; vec < 8; vec += 2) {
             __m256i acc[ROWS_AT_ONCE][2];
@@ -571,7 +572,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
                 const int64_t at = (i0 + i) * groups + g;
                 for (int j = 0; j < 2; j++)
                     add_sums_avx2(sz, total[i], HALF * ((vec + j) / 4) + 4 * ((vec + j) % 4), acc[i][j], a->sx[at],
-                                  a->xsum[at], q8);
+                                  a->xsum[at], q8, a->pairs);
             }
         }
     }
@@ -621,8 +622,8 @@ static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, 
     const int16_t *xr[ROWS_AT_ONCE];
     for (int i = 0; i < R; i++) xr[i] = a->x16 + (i0 + i) * a->kp;
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *sz = group_pairs(a, tile, g, q8);
-        if (g + 2 < groups) prefetch_scales(group_pairs(a, tile, g + 2, q8), q8);
+        const uint16_t *sz = group_scales(a, tile, g);
+        if (g + 2 < groups) prefetch_scales(group_scales(a, tile, g + 2), a->pairs);
         const int64_t begin = g * a->group, end = begin + a->group;
         for (int half = 0; half < 2; half++) {
             __m256i acc[ROWS_AT_ONCE][4];
@@ -635,7 +636,7 @@ static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, 
                 const __m256i offset = _mm256_set1_epi32(q8 ? (int32_t)(128u * (uint32_t)a->xqsum[at]) : 0);
                 for (int v = 0; v < 4; v++)
                     add_sums_avx2(sz, total[i], HALF * half + 4 * v, _mm256_sub_epi32(acc[i][v], offset), a->sx[at],
-                                  a->xsum[at], q8);
+                                  a->xsum[at], q8, a->pairs);
             }
         }
     }
@@ -752,11 +753,12 @@ static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, i
 }
 
 /* x [M, K] (float32 or bfloat16, 1 <= M <= MAX_M), packed [tiles, K', 32], scale_zero
- * [K' / group, tiles * 64, 2] bfloat16 (copies 2: the scales, [K / group, tiles * 64]), out
- * [M, n_out] with n_out <= tiles * 64; K' = copies * K and group divides K. The shapes are checked by the caller (tuili/kernels/cpu.py). */
+ * [K' / group, tiles * 64, 2] bfloat16, or where `pairs` is 0 the scales alone [K' / group,
+ * tiles * 64] (the zeros 0; always so for copies 2, whose scales are [K / group, tiles * 64]),
+ * out [M, n_out] with n_out <= tiles * 64; K' = copies * K and group divides K. The shapes are checked by the caller (tuili/kernels/cpu.py). */
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
-                      int64_t n_out, int exact, int num_threads) {
+                      int64_t n_out, int exact, int pairs, int num_threads) {
     /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side. */
     const int64_t groups = k / group;
 #ifdef AVX2_DOTS
@@ -785,7 +787,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 #endif
     const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, x16};
     const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, x16, packed, scale_zero, out, out_dtype, copies == 2,
-                         exact != 0, m, k, group, tiles * TILE, n_out};
+                         pairs != 0 && copies != 2, exact != 0, m, k, group, tiles * TILE, n_out};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

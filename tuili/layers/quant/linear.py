@@ -219,7 +219,10 @@ class Int4Linear(QuantizedLinear):
     whose byte [k, j] holds row j's code in the low nibble and row 32 + j's in the high nibble.
     A tile's low nibbles are thus W^T's first 32 columns and its high nibbles the next 32, so the
     "tiled" kernel unpacks with a mask and a shift. Scales and zeros are stored as the op
-    reads them, [K / group, N, 2]. Rows are padded to a multiple of 64 with zero weights.
+    reads them, [K / group, N, 2]. Rows are padded to a multiple of 64 with zero weights. Where
+    tuili's kernels run (they take every row count before the op) and every zero is 0 (GGUF Q4_0,
+    whose blocks have only a scale), the module holds the scales alone, `scale` [K / group, N]:
+    0.5625 bytes per value in bf16, Q4_0's own size, instead of 0.625.
 
     The "op" kernel is used only where the op computes this layout correctly (checked once per
     process, `_int4_op_works`): on CPUs without AVX-512 its packing differs and "tiled" runs."""
@@ -241,24 +244,41 @@ class Int4Linear(QuantizedLinear):
         self.group_size = weight.group_size
         packed, scale_zero = _int4_operands(weight, compute_dtype)
         self.register_buffer("packed", packed)
-        self.register_buffer("scale_zero", scale_zero)
         self._op_fits = self.group_size in INT4_GROUP_SIZES and _int4_op_works()
+        self._hold_scales(scale_zero, platform)
+
+    def _hold_scales(self, scale_zero: torch.Tensor, platform: Platform) -> None:
+        """Registers the scales as the kernels that will run read them: the (scale, zero) pairs, or
+        the scales alone where tuili's kernels run and every zero is 0 (then the op never runs)."""
+        if platform.native_kernels and not scale_zero[..., 1].any():
+            self._op_fits = False
+            self.register_buffer("scale", scale_zero[..., 0].contiguous())
+        else:
+            self.register_buffer("scale_zero", scale_zero)
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.scale_zero.dtype
+        return self.kernel_scales.dtype
 
     @property
     def weight_bytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.scale_zero)
+        return _nbytes(self.packed) + _nbytes(self.kernel_scales)
 
     def dequantize(self) -> torch.Tensor:
         return self._int4_weight().dequantize()[: self.out_features]
 
     def _int4_weight(self) -> Int4Weight:
         """The stored weight unpacked (padding rows included)."""
-        scale, zero = self.scale_zero.transpose(0, 1).unbind(-1)
-        return Int4Weight(self._codes(), scale, zero, self.group_size)
+        scale, zero = self._scale_and_zero(slice(None))
+        return Int4Weight(self._codes(), scale.t(), zero.t(), self.group_size)
+
+    def _scale_and_zero(self, columns: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros [K / group, columns] of output rows `columns` (contiguous copies)."""
+        if "scale_zero" in self._buffers:
+            scale, zero = (t.contiguous() for t in self.scale_zero[:, columns].unbind(-1))
+            return scale, zero
+        scale = self.scale[:, columns].contiguous()
+        return scale, torch.zeros_like(scale)
 
     def _codes(self) -> torch.Tensor:
         """The stored codes unpacked, uint8 [N padded to 64, K'] (0..15)."""
@@ -271,8 +291,9 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def kernel_scales(self) -> torch.Tensor:
-        """The scales the native kernels read with `packed`: scale_zero (Int8GroupLinear: its scales)."""
-        return self.scale_zero
+        """The scales the native kernels read with `packed`: scale_zero, or `scale` where the
+        module holds the scales alone (Int8GroupLinear: always)."""
+        return self._buffers["scale_zero"] if "scale_zero" in self._buffers else self.scale
 
     def _gemv(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """The native kernel takes and writes float32 or bf16; other dtypes (float16) convert."""
@@ -305,7 +326,7 @@ class Int4Linear(QuantizedLinear):
             codes = torch.stack([packed & 0x0F, packed >> 4], dim=2).view(torch.int8).sub_(8)
             codes = codes.view(groups, self.group_size, -1).to(x.dtype)
             # Contiguous copies: addcmul is much slower on the interleaved [.., N, 2] views.
-            scale, zero = (t.contiguous()[:, None] for t in self.scale_zero[:, cols].unbind(-1))
+            scale, zero = (t[:, None] for t in self._scale_and_zero(cols))
             w_t = torch.addcmul(zero, codes, scale).view(k, -1)
             torch.matmul(x, w_t, out=out[:, cols])
         return out[:, : self.out_features]
@@ -356,16 +377,14 @@ class Int8GroupLinear(Int4Linear):
             group_size=weight.group_size,
         )
         super().__init__(split, bias, compute_dtype, platform=platform)
-        groups = self.in_features // self.group_size
-        self.register_buffer("scale", self.scale_zero[groups:, :, 0].contiguous())  # the l half's: s
+
+    def _hold_scales(self, scale_zero: torch.Tensor, platform: Platform) -> None:
+        groups = scale_zero.shape[0] // 2
+        self.register_buffer("scale", scale_zero[groups:, :, 0].contiguous())  # the l half's: s
         # The op runs only without the native kernels (which take every row count before it).
         self._op_fits = self._op_fits and not platform.native_kernels
-        if not self._op_fits:
-            del self.scale_zero
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.scale.dtype
+        if self._op_fits:
+            self.register_buffer("scale_zero", scale_zero)
 
     @property
     def weight_bytes(self) -> int:
