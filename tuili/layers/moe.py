@@ -132,7 +132,8 @@ class QuantizedExperts(RoutedExperts):
     types), run by the module `make_linear` builds for that format.
 
     The stored numbers are buffers `{projection}_{buffer}` stacked [E, ...] (e.g.
-    gate_up_proj_packed [E, tiles, K, 32] and gate_up_proj_scale_zero [E, K / group, N, 2] for
+    gate_up_proj_packed [E, tiles, K, 32] and gate_up_proj_scale_zero [E, K / group, N, 2] (or
+    gate_up_proj_scale [E, K / group, N] where the module holds its scales alone) for
     the int4 layout), expert e's bytes the contiguous slice e. Stacking per expert (rather than
     one linear over all experts' rows) keeps each expert's int4 tiles, row padding and scale
     layout exactly those of a dense linear of its shape, so no kernel learns about experts.
