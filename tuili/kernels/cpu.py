@@ -463,8 +463,9 @@ def linear_int4(
 ) -> torch.Tensor:
     """out = x @ W.T for a few rows of x [M, K] (float32 or bfloat16) and an Int4Linear's packed
     weight (packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2] bfloat16, or its scales
-    alone [K / group, N] where the zeros are all 0), read as stored; or with copies 2 an Int8GroupLinear's (packed [N / 64, 2K, 32], its two halves,
-    q = 16h + l - 128; scale_zero its scales [K / group, N] bfloat16).
+    alone [K / group, N] where the zeros are all 0), read as stored; or with copies 2 an
+    Int8GroupLinear's (packed [N / 64, 2K, 32], its two halves, q = 16h + l - 128; scale_zero
+    its scales [K / group, N] bfloat16).
     out [M, n] float32 or bfloat16, n <= N: the first n output rows. `exact`: float32 sums of x as
     given on every CPU (else AVX512-VNNI CPUs round x to int8 per group). Writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
