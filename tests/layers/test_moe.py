@@ -259,6 +259,24 @@ def test_packed_experts_are_stacked_views_that_survive_moves():
     torch.testing.assert_close(packed.dequantize("down_proj"), before, rtol=0, atol=0)
 
 
+def test_int4_experts_share_one_scale_layout_per_projection():
+    """Q4_0 experts (every zero 0) hold their scales alone; int4 experts with zeros hold pairs, also
+    for an expert whose zeros all happen to be 0 (an all-zero matrix), which computes zero."""
+    q4_0, _, _ = _quantized_experts("q4_0", torch.bfloat16, HERE)
+    expected = {"down_proj_packed", "down_proj_scale", "gate_up_proj_packed", "gate_up_proj_scale"}
+    assert set(dict(q4_0.named_buffers())) == (expected if HERE.native_kernels else {
+        name.replace("_scale", "_scale_zero") for name in expected})
+    generator = torch.Generator().manual_seed(1)
+    gate_up = [quantize_int4(torch.randn(2 * INTER, H, generator=generator), 32) for _ in range(E)]
+    down = [quantize_int4(torch.randn(H, INTER, generator=generator), 32) for _ in range(E)]
+    gate_up[3] = quantize_int4(torch.zeros(2 * INTER, H), 32)  # scale 0, zero 0: symmetric
+    assert not gate_up[3].zero.any()
+    packed = QuantizedExperts(gate_up, down, torch.bfloat16, HERE)
+    assert "gate_up_proj_scale_zero" in dict(packed.named_buffers())
+    with torch.no_grad():
+        assert not packed.linear("gate_up_proj", 3)(torch.randn(2, H).bfloat16()).any()
+
+
 def test_packed_experts_take_one_format_per_projection_and_check_shapes():
     w = torch.randn(2 * INTER, H)
     down = [quantize_int8(torch.randn(H, INTER))]

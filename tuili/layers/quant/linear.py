@@ -238,19 +238,22 @@ class Int4Linear(QuantizedLinear):
         compute_dtype: torch.dtype = torch.bfloat16,
         *,
         platform: Platform,
+        keep_zeros: bool = False,
     ) -> None:
+        """keep_zeros: hold (scale, zero) pairs even where every zero is 0 (experts stacked with
+        others that have zeros share their buffers' layout)."""
         n, k = weight.q.shape
         super().__init__(k // self._input_copies, n, bias, platform)
         self.group_size = weight.group_size
         packed, scale_zero = _int4_operands(weight, compute_dtype)
         self.register_buffer("packed", packed)
         self._op_fits = self.group_size in INT4_GROUP_SIZES and _int4_op_works()
-        self._hold_scales(scale_zero, platform)
+        self._hold_scales(scale_zero, platform, keep_zeros)
 
-    def _hold_scales(self, scale_zero: torch.Tensor, platform: Platform) -> None:
+    def _hold_scales(self, scale_zero: torch.Tensor, platform: Platform, keep_zeros: bool) -> None:
         """Registers the scales as the kernels that will run read them: the (scale, zero) pairs, or
         the scales alone where tuili's kernels run and every zero is 0 (then the op never runs)."""
-        if platform.native_kernels and not scale_zero[..., 1].any():
+        if platform.native_kernels and not keep_zeros and not scale_zero[..., 1].any():
             self._op_fits = False
             self.register_buffer("scale", scale_zero[..., 0].contiguous())
         else:
@@ -378,7 +381,7 @@ class Int8GroupLinear(Int4Linear):
         )
         super().__init__(split, bias, compute_dtype, platform=platform)
 
-    def _hold_scales(self, scale_zero: torch.Tensor, platform: Platform) -> None:
+    def _hold_scales(self, scale_zero: torch.Tensor, platform: Platform, keep_zeros: bool) -> None:
         groups = scale_zero.shape[0] // 2
         self.register_buffer("scale", scale_zero[groups:, :, 0].contiguous())  # the l half's: s
         # The op runs only without the native kernels (which take every row count before it).
@@ -428,12 +431,13 @@ def make_linear(
     compute_dtype: torch.dtype = torch.bfloat16,
     *,
     platform: Platform,
+    keep_zeros: bool = False,
 ) -> QuantizedLinear:
-    """The module that runs `weight` on `platform`."""
+    """The module that runs `weight` on `platform` (keep_zeros: Int4Linear's)."""
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight, bias, compute_dtype, platform=platform)
     if isinstance(weight, Int4Weight):
-        return Int4Linear(weight, bias, compute_dtype, platform=platform)
+        return Int4Linear(weight, bias, compute_dtype, platform=platform, keep_zeros=keep_zeros)
     return Int8GroupLinear(weight, bias, compute_dtype, platform=platform)
 
 
