@@ -16,8 +16,8 @@
  * reads whole cache rows [Hkv, D] front to back, a pattern the hardware prefetchers follow; a
  * prompt chunk's unit takes one KV head and a tile of ROW_TILE rows. A unit streams its keys
  * KEY_CHUNK at a time, converting them to float32 once for all its rows (bf16 queries over a
- * bf16 cache on AVX512-BF16: keys read in place, and for decodes the values too), with an online
- * softmax in float32. When units are too few to keep every thread busy (decode at small batch), each
+ * bf16 cache on AVX512-BF16: keys and values read in place, rows in groups of ROW_GROUP that share
+ * each load), with an online softmax in float32. When units are too few to keep every thread busy (decode at small batch), each
  * one's keys are split among several units whose partial results (max, sum, weighted values)
  * are merged afterwards (flash-decoding).
  *
@@ -42,10 +42,12 @@
 #define ROW_TILE 32       /* query rows per unit, over all its KV heads */
 #define MIN_SPLIT_KEYS 64 /* fewer keys per unit than this is not worth a merge */
 #define UNITS_PER_THREAD 4
-/* float32 keys and values (and bf16 ones on the portable chunk and with bf16 scores) are read in
- * place when a head has at most this many rows (decodes); more rows (prompt chunks) reuse each key
- * often enough that a compact float32 copy in L1 pays (docs/kernels.md, Measured crossovers). */
+/* float32 keys and values (and bf16 ones on the portable chunk) are read in place when a head has
+ * at most this many rows (decodes); more rows (prompt chunks) reuse each key often enough that a
+ * compact float32 copy in L1 pays (docs/kernels.md, Measured crossovers). With bf16 scores (below)
+ * a bf16 cache is read in place at every row count. */
 #define IN_PLACE_MAX_ROWS 4
+#define ROW_GROUP 4 /* rows of a head that share each key and value load (bf16 scores) */
 
 typedef struct {
     const void *q;
@@ -224,29 +226,50 @@ static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t 
 
 #ifdef __AVX512BF16__
 #define HAVE_BF16_SCORES 1
-/* Row r's scaled scores against a chunk's 16 bf16 keys (attend_chunk_bf16). */
-static inline __m512 scores_bf16(const rows_t *st, float scale, int64_t r, const uint16_t *const *krow) {
+/* Rows rows[0 .. R - 1]'s scaled scores against a chunk's 16 bf16 keys, into scores[i]: VDPBF16PS
+ * takes 32 query and key values straight from q and the cache (exact products, summed in pairs in
+ * float32), sum_lanes16's tree reduces each key's 16 lanes, and the sum is scaled afterwards, so
+ * the keys are never converted. The R <= ROW_GROUP rows go together: each key vector is loaded
+ * once for all of them, and 16 chains of products run side by side (G keys of R rows, G = 16, 8
+ * or 4), where one row's 16 keys at a time left VDPBF16PS's latency showing and reloaded every key
+ * for every row (a 512-token prompt's attention 1.4x slower on Zen 4). Keys go G at a time through
+ * the tree's first two levels (its pairs and quads of keys 4j .. 4j + 3), the last two after all
+ * 16: per row the same operations on the same values whatever R, so the same bits. Needs
+ * D % 32 == 0; krow[t] for t >= n point at zeros. */
+static inline __attribute__((always_inline)) void scores_bf16(const rows_t *st, float scale, const int *rows,
+                                                             const uint16_t *const *krow, __m512 *scores, const int R) {
     const int64_t D = st->head_dim;
-    const uint16_t *q = st->q_bf16[r];
-    __m512 dots[16];
-    UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) {
-        const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
-        UNROLLED for (int t = 0; t < 16; t++)
-            dots[t] = _mm512_dpbf16_ps(dots[t], qd, (__m512bh)_mm512_loadu_si512(krow[t] + d));
+    const int G = R == 1 ? 16 : R == 2 ? 8 : 4;
+    __m512 quads[ROW_GROUP][4];
+    for (int g = 0; g < 16; g += G) {
+        __m512 dots[ROW_GROUP][16];
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 32) {
+            UNROLLED for (int i = 0; i < R; i++) {
+                const __m512bh qd = (__m512bh)_mm512_loadu_si512(st->q_bf16[rows[i]] + d);
+                UNROLLED for (int t = 0; t < G; t++)
+                    dots[i][t] = _mm512_dpbf16_ps(dots[i][t], qd, (__m512bh)_mm512_loadu_si512(krow[g + t] + d));
+            }
+        }
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int j = 0; j < G / 4; j++) { /* sum_lanes16's pairs and quads */
+                const __m512 *v = dots[i] + 4 * j;
+                const __m512 low = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+                const __m512 high = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+                const __m512d a = _mm512_castps_pd(low), b = _mm512_castps_pd(high);
+                quads[i][g / 4 + j] =
+                    _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+            }
     }
-    return _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale));
-}
-
-/* attend_chunk_avx512 for bf16 queries and keys: VDPBF16PS takes 32 of each straight from q and
- * the cache (exact products, summed in pairs in float32) and the sum is scaled afterwards, so the
- * keys are never converted, half the instructions of the float32 dot products. Needs D % 32 == 0;
- * krow[t] for t >= n point at zeros. */
-static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
-                              const uint16_t *const *krow, const float *const *vrow) {
-    for (int64_t r = first; r < end; r++) {
-        const int64_t keys = visible_keys(st, r, c, n);
-        if (keys != 0) absorb_scores(st, r, scores_bf16(st, scale, r, krow), keys, vrow);
+    UNROLLED for (int i = 0; i < R; i++) { /* its halves and the sum */
+        __m512 halves[2];
+        for (int h = 0; h < 2; h++)
+            halves[h] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[i][2 * h], quads[i][2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(quads[i][2 * h], quads[i][2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        scores[i] = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
     }
 }
 
@@ -266,7 +289,7 @@ static inline __attribute__((always_inline)) void accumulate_pairs(float *const 
     const __m512i high_index = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t d = 0; d < D; d += 32) {
-        __m512 even[IN_PLACE_MAX_ROWS], odd[IN_PLACE_MAX_ROWS];
+        __m512 even[ROW_GROUP], odd[ROW_GROUP];
         UNROLLED for (int i = 0; i < R; i++) {
             const __m512 low = _mm512_loadu_ps(acc[i] + d), high = _mm512_loadu_ps(acc[i] + d + 16);
             even[i] = _mm512_permutex2var_ps(low, even_index, high);
@@ -289,24 +312,34 @@ static inline __attribute__((always_inline)) void accumulate_pairs(float *const 
     }
 }
 
-/* attend_chunk_bf16 for at most IN_PLACE_MAX_ROWS rows of one KV head (decodes) with its values
- * read in place too: every row's scores and softmax first, then the values for all rows that see
- * the same keys at once (accumulate_pairs), each value loaded and widened once for all of them.
- * A row's arithmetic is attend_chunk_bf16's, in its order. */
-static void attend_chunk_bf16_in_place(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
-                                       const uint16_t *const *krow, const uint16_t *const *vrow) {
-    float p[IN_PLACE_MAX_ROWS][16], *acc[IN_PLACE_MAX_ROWS];
-    int64_t keys[IN_PLACE_MAX_ROWS];
-    int rows = 0, same = 1;
+/* Rows [first, end) of one KV head (R <= ROW_GROUP of them) against a chunk of n <= 16 keys
+ * (positions c ..), bf16 queries over a bf16 cache, keys and values read in place: every row's
+ * scores (scores_bf16) and softmax first, then the values for all rows that see the same keys at
+ * once (accumulate_pairs), each value loaded and widened once for all of them. krow[t], vrow[t]
+ * for t >= n point at zeros. */
+static void attend_group_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
+                              const uint16_t *const *krow, const uint16_t *const *vrow) {
+    float p[ROW_GROUP][16], *acc[ROW_GROUP];
+    int64_t keys[ROW_GROUP];
+    int rows = 0, same = 1, index[ROW_GROUP];
     for (int64_t r = first; r < end; r++) {
         keys[rows] = visible_keys(st, r, c, n);
         if (keys[rows] == 0) continue;
-        softmax_chunk(st, r, scores_bf16(st, scale, r, krow), keys[rows], p[rows]);
+        index[rows] = (int)r;
         acc[rows] = st->acc + r * st->head_dim;
         same &= keys[rows] == keys[0];
         rows++;
     }
-    if (!same) { /* rows of a prompt chunk end at different keys: one at a time */
+    __m512 scores[ROW_GROUP];
+    switch (rows) {
+    case 1: scores_bf16(st, scale, index, krow, scores, 1); break;
+    case 2: scores_bf16(st, scale, index, krow, scores, 2); break;
+    case 3: scores_bf16(st, scale, index, krow, scores, 3); break;
+    case 4: scores_bf16(st, scale, index, krow, scores, 4); break;
+    default: break;
+    }
+    for (int i = 0; i < rows; i++) softmax_chunk(st, index[i], scores[i], keys[i], p[i]);
+    if (!same) { /* rows on the diagonal of a prompt end at different keys: one at a time */
         for (int i = 0; i < rows; i++) accumulate_pairs(acc + i, p + i, keys[i], vrow, st->head_dim, 1);
         return;
     }
@@ -317,6 +350,14 @@ static void attend_chunk_bf16_in_place(rows_t *st, float scale, int64_t first, i
     case 4: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 4); break;
     default: break;
     }
+}
+
+/* Rows [first, end) of one KV head against a chunk, ROW_GROUP rows at a time (attend_group_bf16):
+ * a decode's rows of the head (its query heads) in one group, a prompt chunk's 32 in eight. */
+static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
+                              const uint16_t *const *krow, const uint16_t *const *vrow) {
+    for (int64_t r = first; r < end; r += ROW_GROUP)
+        attend_group_bf16(st, scale, r, end - r < ROW_GROUP ? end : r + ROW_GROUP, c, n, krow, vrow);
 }
 #endif
 #endif
@@ -548,8 +589,6 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
 #endif
     /* decodes on the portable chunk read a bf16 cache in place */
     const int bf16_in_place = portable && !bf16_scores && a->cache_dtype == TUILI_BF16 && head_rows <= IN_PLACE_MAX_ROWS;
-    /* decodes with bf16 scores read the values in place too */
-    const int bf16_values_in_place = bf16_scores && head_rows <= IN_PLACE_MAX_ROWS;
     const int64_t first_token = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq);
     const int64_t first_pos = load_index(a->seq_info, a->seq_info_int64, 3 * u->seq + 2);
     const size_t q_size = element_size(a->q_dtype), row_bytes = (size_t)D * element_size(a->cache_dtype);
@@ -599,16 +638,9 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                 if (t >= n) {
                     krow[t] = vrow[t] = zeros;
                     krow_bf16[t] = vrow_bf16[t] = (const uint16_t *)zeros; /* zero bytes: bf16 zeros too */
-                } else if (bf16_in_place) {
+                } else if (bf16_in_place || bf16_scores) {
                     krow_bf16[t] = (const uint16_t *)k;
                     vrow_bf16[t] = (const uint16_t *)v;
-                } else if (bf16_values_in_place) {
-                    krow_bf16[t] = (const uint16_t *)k;
-                    vrow_bf16[t] = (const uint16_t *)v;
-                } else if (bf16_scores) { /* keys read in place as bf16, values converted */
-                    krow_bf16[t] = (const uint16_t *)k;
-                    to_f32(vbuf + t * D, v, a->cache_dtype, D);
-                    vrow[t] = vbuf + t * D;
                 } else if (a->cache_dtype == TUILI_F32 && head_rows <= IN_PLACE_MAX_ROWS) { /* read in place */
                     krow[t] = (const float *)k;
                     vrow[t] = (const float *)v;
@@ -620,12 +652,8 @@ static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, flo
                 }
             }
 #ifdef HAVE_BF16_SCORES
-            if (bf16_values_in_place) {
-                attend_chunk_bf16_in_place(&st, a->scale, h * head_rows, (h + 1) * head_rows, c, n, krow_bf16, vrow_bf16);
-                continue;
-            }
             if (bf16_scores) {
-                attend_chunk_bf16(&st, a->scale, h * head_rows, (h + 1) * head_rows, c, n, krow_bf16, vrow);
+                attend_chunk_bf16(&st, a->scale, h * head_rows, (h + 1) * head_rows, c, n, krow_bf16, vrow_bf16);
                 continue;
             }
 #endif
