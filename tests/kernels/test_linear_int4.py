@@ -182,8 +182,9 @@ def test_linear_int4_rejects_bad_input_naming_the_argument():
     q8 = q8_module(64, 32, seed=5)  # packed [1, 64, 32]: two halves of 32 inputs; scales [1, 64]
     out = torch.empty(2, 64)
     bad = [
-        (r"x has 0 rows; linear_int4 takes 1 to 64", (x[:0], packed, scale_zero, out)),
+        (rf"x has 0 rows; linear_int4 takes 1 to {kernels.LINEAR_INT4_MAX_ROWS}", (x[:0], packed, scale_zero, out)),
         (r"x has dtype torch\.float16", (x.half(), packed, scale_zero, out)),
+        (rf"x has {kernels.LINEAR_INT4_MAX_ROWS + 1} rows; linear_int4 takes 1 to", (torch.randn(kernels.LINEAR_INT4_MAX_ROWS + 1, 64), packed, scale_zero, torch.empty(kernels.LINEAR_INT4_MAX_ROWS + 1, 64))),
         (r"packed has 64 inputs; expected 1 x 32", (x[:, :32].contiguous(), packed, scale_zero, out)),
         (r"scales has shape \[2, 64, 2\]; expected 2 dimensions", (x, packed, scale_zero, out, 2)),
         (r"packed has 64 inputs; expected 2 x 64", (x, q8.packed, q8.scale, out, 2)),

@@ -19,7 +19,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from tuili import LLM, SamplingParams
+from tuili import LLM, SamplingParams, kernels
 from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
 from tuili.layers.linear import Linear
 from tuili.layers.quant import (
@@ -139,7 +139,8 @@ def test_without_bf16_arithmetic_quantized_products_stay_native_at_every_row_cou
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_batch_invariant_rows_are_their_own(kind, out_dtype):
     """In the batch-invariant mode one kernel serves every row count and a row's bits do not
-    depend on the other rows: the native gemv (int4, Q8_0) in blocks of 64 rows, the int8 op."""
+    depend on the other rows: the native gemv (int4, Q8_0) in blocks of LINEAR_INT4_MAX_ROWS rows,
+    written into one output, the int8 op."""
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=generator)
     weight = {"int4": lambda: quantize_int4(w, 32), "int8": lambda: quantize_int8(w),
@@ -148,9 +149,10 @@ def test_batch_invariant_rows_are_their_own(kind, out_dtype):
     if module.kernel_for(200, CPU) == "tiled":
         pytest.skip("neither the native gemv nor the int8 op runs here: the tiled matmul is batch dependent")
     assert module.kernel_for(1, CPU) == module.kernel_for(200, CPU)
-    x = torch.randn(150, 128, generator=generator).bfloat16()
-    alone = torch.cat([module(x[i : i + 1], out_dtype) for i in range(150)])
-    for rows in (2, 5, 17, 64, 65, 150):
+    most = kernels.LINEAR_INT4_MAX_ROWS
+    x = torch.randn(most + 44, 128, generator=generator).bfloat16()
+    alone = torch.cat([module(x[i : i + 1], out_dtype) for i in range(most + 44)])
+    for rows in (2, 5, 17, 64, 65, most, most + 1, most + 44):
         assert torch.equal(module(x[:rows], out_dtype), alone[:rows]), rows
     assert_linear_close(alone, x, module.dequantize(), module.bias, BF16_BOUND)
 

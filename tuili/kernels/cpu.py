@@ -32,7 +32,11 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 _CACHE_DTYPES = tuple(_DTYPE_CODES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 LINEAR_SMALL_MAX_ROWS = 8  # MAX_M of csrc/linear_small.c
-LINEAR_INT4_MAX_ROWS = 64  # any M works; beyond a few rows the tiled matmul is faster
+# Rows per call. The kernel takes any M (x's int8 forms cost ~8 bytes per input value and row);
+# the batch-invariant mode runs prompts through it in blocks of this many, each block reading
+# and unpacking the whole weight: with 64-row blocks a 512-token Q4_0 prompt spent 10% more in
+# this kernel than with 256 (docs/kernels.md, Measured crossovers).
+LINEAR_INT4_MAX_ROWS = 256
 LINEAR_INT4_MAX_GROUP = 256  # inputs per group: 256 x 255 x 127 x 254 < 2^31 (csrc/linear_int4.c, VNNI)
 
 # Error codes of csrc/common.h.

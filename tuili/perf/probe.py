@@ -175,8 +175,10 @@ class Gauge:
 
 def _faster_matmul_dtype(dev: torch.device, n: int = 256) -> str:
     """"bf16", or on a CPU "fp32" where an n x n x n matmul runs faster in fp32 than in bf16 (GPUs
-    have bf16 tensor cores; at this size their timings would be launch latency)."""
-    if dev.type != "cpu":
+    have bf16 tensor cores; at this size their timings would be launch latency). A CPU with bf16
+    arithmetic takes bf16 untimed: one timing of each, on a host that changes speed within
+    seconds, picked fp32 there now and then."""
+    if dev.type != "cpu" or Platform.detect(dev).bf16_arithmetic:
         return "bf16"
     seconds = {dtype: _matmul_runner(dtype, dev)(n, n, n, 0.0) for dtype in ("bf16", "fp32")}
     return "fp32" if seconds["fp32"] < seconds["bf16"] else "bf16"

@@ -138,9 +138,13 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         kernel = self.kernel_for(flat.shape[0], flat.device)
         starts = range(0, max(flat.shape[0], 1), self._block_rows(kernel, flat.shape[0]))
-        if kernel == "gemv":  # takes float32 or bf16 input and output as they are
-            flat = flat.contiguous()
-            parts = [self._gemv(flat[i : i + starts.step], out_dtype) for i in starts]
+        if kernel == "gemv":  # takes float32 or bf16 input and output as they are, blocks written in place
+            flat = (flat if flat.dtype in _GEMV_DTYPES else flat.to(self.compute_dtype)).contiguous()
+            direct = out_dtype in _GEMV_DTYPES
+            y = torch.empty(flat.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
+            for i in starts:
+                self._gemv(flat[i : i + starts.step], y[i : i + starts.step])
+            parts = [y if direct else y.to(out_dtype)]
         elif kernel == "tiled" and self.platform.batch_invariant and flat.is_cpu and flat.shape[0]:
             parts = [fixed_shape_blocks(flat.to(self.compute_dtype), self._tiled).to(out_dtype)]
         else:
@@ -152,7 +156,8 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias.to(out_dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _gemv(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def _gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes x @ W^T into out (rows of the forward's output), both float32 or bfloat16."""
         raise NotImplementedError
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,14 +303,8 @@ class Int4Linear(QuantizedLinear):
         module holds the scales alone (Int8GroupLinear: always)."""
         return self._buffers["scale_zero"] if "scale_zero" in self._buffers else self.scale
 
-    def _gemv(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """The native kernel takes and writes float32 or bf16; other dtypes (float16) convert."""
-        if x.dtype not in _GEMV_DTYPES:
-            x = x.to(self.compute_dtype)
-        direct = out_dtype in _GEMV_DTYPES
-        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype if direct else torch.float32)
+    def _gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
         kernels.linear_int4(x, self.packed, self.kernel_scales, out, self._input_copies)
-        return out if direct else out.to(out_dtype)
 
     def _op(self, x: torch.Tensor) -> torch.Tensor:
         tiles, k, _ = self.packed.shape
