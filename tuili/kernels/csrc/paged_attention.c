@@ -17,9 +17,9 @@
  * prompt chunk's unit takes one KV head and a tile of ROW_TILE rows. A unit streams its keys
  * KEY_CHUNK at a time, converting them to float32 once for all its rows (bf16 queries over a
  * bf16 cache on AVX512-BF16: keys and values read in place, rows in groups of ROW_GROUP that share
- * each load), with an online softmax in float32. When units are too few to keep every thread busy (decode at small batch), each
- * one's keys are split among several units whose partial results (max, sum, weighted values)
- * are merged afterwards (flash-decoding).
+ * each load), with an online softmax in float32. When units are too few to keep every thread busy
+ * (decode at small batch), each one's keys are split among several units whose partial results
+ * (max, sum, weighted values) are merged afterwards (flash-decoding).
  *
  * With split_keys > 0 the parts are instead fixed: keys [j * split_keys, (j + 1) * split_keys)
  * for every sequence, whatever the batch, the rows of the call or the thread count, merged in
@@ -356,7 +356,8 @@ static void attend_group_bf16(rows_t *st, float scale, int64_t first, int64_t en
 }
 
 /* Rows [first, end) of one KV head against a chunk, ROW_GROUP rows at a time (attend_group_bf16):
- * a decode's rows of the head (its query heads) in one group, a prompt chunk's 32 in eight. */
+ * a decode's rows of the head (its query heads, up to four) in one group, a prompt chunk's 32 in
+ * eight. */
 static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
                               const uint16_t *const *krow, const uint16_t *const *vrow) {
     for (int64_t r = first; r < end; r += ROW_GROUP)
