@@ -149,20 +149,30 @@ static inline int64_t visible_keys(const rows_t *st, int64_t r, int64_t c, int64
  * (dots[16], sum[blocks]) live in registers instead of being stored and reloaded every step. */
 #define UNROLLED _Pragma("GCC unroll 16")
 
-/* Lane t of the result is the sum of the 16 lanes of v[t] (a transpose-and-add tree). */
-static inline __m512 sum_lanes16(const __m512 v[16]) {
-    __m512 pairs[8], quads[4], halves[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i] and v[2i+1] folded to 2 values each */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the sums of v[4i .. 4i+3], in order */
-        __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
+/* The first two levels of sum_lanes16's tree: per 128-bit lane, the sums of v[0 .. 3] in order
+ * (each 128-bit lane of the result holds one partial sum of each of the four). */
+static inline __attribute__((always_inline)) __m512 sum_lanes4(const __m512 v[4]) {
+    /* per 128-bit lane: v[0] and v[1], v[2] and v[3] folded to 2 values each */
+    const __m512d a = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1])));
+    const __m512d b = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3])));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+/* Its last two: lane t the total of key t from sum_lanes4 of keys 4i .. 4i + 3 in quads[i]. */
+static inline __attribute__((always_inline)) __m512 sum_quads(const __m512 quads[4]) {
+    __m512 halves[2];
     for (int i = 0; i < 2; i++) /* 128-bit lanes (0+1), (2+3) of quads[2i] then of quads[2i+1] */
         halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                                   _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Lane t of the result is the sum of the 16 lanes of v[t] (a transpose-and-add tree). */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 quads[4];
+    for (int i = 0; i < 4; i++) quads[i] = sum_lanes4(v + 4 * i);
+    return sum_quads(quads);
 }
 
 /* acc[d ..] += sum over t < keys of p[t] * vrow[t][d ..], `blocks` x 16 floats at a time so
@@ -233,8 +243,8 @@ static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t 
  * all of them, and 12 or 16 chains of products run side by side (4 keys of each row), where one
  * row's 16 keys at a time left VDPBF16PS's latency showing and reloaded every key for every row (a
  * 512-token prompt's attention 1.4x slower on Zen 4); R = 1 runs the 16 keys of one row. Keys go
- * G at a time through the tree's first two levels (its pairs and quads of keys 4j .. 4j + 3), the
- * last two after all 16: per row the same operations on the same values whatever R, so the same
+ * G at a time through the tree's first two levels (sum_lanes4 of keys 4j .. 4j + 3), the last two
+ * (sum_quads) after all 16: sum_lanes16's operations on the same values whatever R, so the same
  * bits. Needs D % 32 == 0; krow[t] for t >= n point at zeros. */
 static inline __attribute__((always_inline)) void scores_bf16(const rows_t *st, float scale, const int *rows,
                                                              const uint16_t *const *krow, __m512 *scores, const int R) {
@@ -253,24 +263,9 @@ static inline __attribute__((always_inline)) void scores_bf16(const rows_t *st, 
             }
         }
         UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int j = 0; j < G / 4; j++) { /* sum_lanes16's pairs and quads */
-                const __m512 *v = dots[i] + 4 * j;
-                const __m512 low = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
-                const __m512 high = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
-                const __m512d a = _mm512_castps_pd(low), b = _mm512_castps_pd(high);
-                quads[i][g / 4 + j] =
-                    _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-            }
+            UNROLLED for (int j = 0; j < G / 4; j++) quads[i][g / 4 + j] = sum_lanes4(dots[i] + 4 * j);
     }
-    UNROLLED for (int i = 0; i < R; i++) { /* its halves and the sum */
-        __m512 halves[2];
-        for (int h = 0; h < 2; h++)
-            halves[h] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[i][2 * h], quads[i][2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                      _mm512_shuffle_f32x4(quads[i][2 * h], quads[i][2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-        const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-        scores[i] = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
-    }
+    UNROLLED for (int i = 0; i < R; i++) scores[i] = _mm512_mul_ps(sum_quads(quads[i]), _mm512_set1_ps(scale));
 }
 
 /* acc[i][d] += sum over t < keys of p[i][t] * vrow[t][d] for R rows at once, the bf16 values read
