@@ -381,6 +381,9 @@ class Int8GroupLinear(Int4Linear):
         super().__init__(split, bias, compute_dtype, platform=platform)
 
     def _hold_scales(self, scale_zero: torch.Tensor, platform: Platform, keep_zeros: bool) -> None:
+        """Registers the l half's scales, the kernels' form of a Q8_0 weight (a scale per block and
+        no zero, so `keep_zeros` has nothing to keep), and the two halves' pairs as well where
+        PyTorch's op runs."""
         groups = scale_zero.shape[0] // 2
         self.register_buffer("scale", scale_zero[groups:, :, 0].contiguous())  # the l half's: s
         # The op runs only without the native kernels (which take every row count before it).
