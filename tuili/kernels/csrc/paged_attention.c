@@ -567,14 +567,14 @@ static inline const char *query_row(const attn_args *a, int64_t out_row) {
     return (const char *)a->q + (token * a->q_stride + head * a->head_dim) * (int64_t)element_size(a->q_dtype);
 }
 
-/* Runs one unit. Writes the normalized rows to out, or (split keys) max, sum and unnormalized
- * values per row to partials + u->partial. */
 /* Asks for n cache rows of row_bytes each, at base + offsets[t], into L2. */
 static inline void prefetch_rows(const char *base, const int64_t *offsets, int64_t n, size_t row_bytes) {
     for (int64_t t = 0; t < n; t++)
         for (size_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(base + offsets[t] + line, 0, 2);
 }
 
+/* Runs one unit. Writes the normalized rows to out, or (split keys) max, sum and unnormalized
+ * values per row to partials + u->partial. */
 static void attend_unit(const attn_args *a, const unit_t *u, float *scratch, float *partials) {
     const int64_t D = a->head_dim, head_rows = u->head_rows;
     rows_t st = {.rows = u->heads * head_rows, .head_dim = D, .q = scratch, .acc = scratch + ROW_TILE * D};
