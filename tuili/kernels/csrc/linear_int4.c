@@ -738,12 +738,8 @@ static void round_group_vnni(const void *x, int x_dtype, int64_t group, int64_t 
     float *xg = f->xf + at * group;
     __m512 largest16 = _mm512_setzero_ps();
     for (int64_t j = 0; j < group; j += 16) {
-        const __m512 v =
-            x_dtype == TUILI_F32
-                ? _mm512_loadu_ps((const float *)x + at * group + j)
-                : _mm512_castsi512_ps(_mm512_slli_epi32(
-                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at * group + j))),
-                      16));
+        const __m512 v = x_dtype == TUILI_F32 ? _mm512_loadu_ps((const float *)x + at * group + j)
+                                              : widen_bf16((const uint16_t *)x + at * group + j);
         _mm512_storeu_ps(xg + j, v);
         largest16 = _mm512_max_ps(_mm512_abs_ps(v), largest16); /* a NaN left out, as the scalar loop does */
     }
