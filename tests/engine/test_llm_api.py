@@ -88,6 +88,31 @@ def test_gpu_memory_utilization_is_that_fraction_of_available_ram_on_a_cpu(tiny_
     assert pool_tokens(gpu_memory_utilization=1) == pool_tokens(kv_cache_memory=64 << 20)
 
 
+def test_the_cpu_default_pool_stops_at_twice_what_every_sequence_at_full_length_holds():
+    """The fixed 2 GiB default: a model with little KV per token gets twice max_num_seqs
+    sequences of max_model_len tokens, not gigabytes; one with more KV gets the 2 GiB; a budget
+    the user gives is taken whole."""
+    import torch
+    import transformers
+
+    from tuili.config import EngineConfig, ModelConfig
+    from tuili.engine.pool import plan_pool
+
+    def model(layers: int, kv_heads: int) -> ModelConfig:
+        config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=kv_heads,
+                                          num_hidden_layers=layers, max_position_embeddings=1000)
+        return ModelConfig.from_hf_config(config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+
+    def plan(cfg: ModelConfig, **options):
+        return plan_pool(cfg, EngineConfig(**options), torch.float32, torch.device("cpu"))
+
+    small, large = model(2, 1), model(32, 4)
+    assert plan(small).num_blocks == 2 * 64 * 63  # ceil(1000 / 16) blocks a sequence
+    assert plan(small, max_num_seqs=4, max_model_len=100).num_blocks == 2 * 4 * 7
+    assert plan(small, kv_cache_memory=2 << 30).num_blocks * plan(small).bytes_per_block == 2 << 30
+    assert plan(large).num_blocks * plan(large).bytes_per_block == 2 << 30
+
+
 @pytest.mark.parametrize("options, message", [
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization=0 is invalid: expected a fraction, 0 < x <= 1"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization=1.5 is invalid"),

@@ -120,14 +120,21 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
     Call after the weights are loaded: a GPU's default budget is what they left free."""
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or dtype
     block_bytes = kv_bytes_per_block(model, config.block_size, kv_dtype)
-    budget = config.kv_cache_memory or default_kv_cache_memory(device, config.gpu_memory_utilization)
     slot_bytes = state_bytes_per_slot(model, dtype)
-    num_slots = num_checkpoints = verify_rows = 0
+    spec = config.speculative_config
+    verify_rows = spec.num_speculative_tokens if slot_bytes and isinstance(spec, SpeculativeConfig) else 0
+    sequence_bytes = slot_bytes * (1 + verify_rows)  # a slot and its verification rows
+    max_len = config.max_model_len or model.max_position_embeddings
+    budget = config.kv_cache_memory or default_kv_cache_memory(device, config.gpu_memory_utilization)
+    if config.kv_cache_memory is None and config.gpu_memory_utilization is None and device.type != "cuda":
+        # The CPU's fixed default never takes more than twice what max_num_seqs sequences at
+        # full length hold (the second half for the prefix cache and state checkpoints): a
+        # model with little KV per token would otherwise zero gigabytes of RAM it never uses.
+        per_sequence = -(-max_len // config.block_size) * block_bytes + sequence_bytes
+        budget = min(budget, 2 * config.max_num_seqs * per_sequence)
+    num_slots = num_checkpoints = 0
     if slot_bytes:
         total = budget
-        spec = config.speculative_config
-        verify_rows = spec.num_speculative_tokens if isinstance(spec, SpeculativeConfig) else 0
-        sequence_bytes = slot_bytes * (1 + verify_rows)  # a slot and its verification rows
         num_slots = _state_slots(model, config, budget, block_bytes, sequence_bytes)
         budget -= num_slots * sequence_bytes
         if config.enable_prefix_caching:
@@ -143,7 +150,6 @@ def plan_pool(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, devi
             budget -= num_checkpoints * slot_bytes
     num_blocks = budget // block_bytes
     pool_tokens = num_blocks * config.block_size
-    max_len = config.max_model_len or model.max_position_embeddings
     if config.max_model_len is None and pool_tokens < max_len:
         logger.info("capping max_model_len at %d: the KV pool holds %d tokens", pool_tokens, pool_tokens)
         max_len = pool_tokens
