@@ -80,29 +80,11 @@ class _BuildError(Exception):
 
 def _compile() -> Path:
     """The path of the compiled library, compiling it unless the cache already holds it."""
-    compiler = os.environ.get("TUILI_CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise _BuildError("no C compiler found (looked for $TUILI_CC, cc and gcc)")
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        raise _BuildError(f"C compiler {compiler!r} does not run: {error}") from error
-    sources = sorted(SOURCE_DIR.glob("*.c"))
-    flags = [*FLAGS, *layout.compiler_defines(), *shlex.split(os.environ.get("TUILI_KERNEL_CFLAGS", ""))]
-    digest = hashlib.sha256()
-    for part in [
-        *(p.name + p.read_text() for p in sorted(SOURCE_DIR.glob("*.[ch]"))),
-        *flags,
-        version,
-        _cpu_id(),
-    ]:
-        digest.update(part.encode())
-    cache = Path(os.environ.get("TUILI_KERNEL_CACHE") or Path.home() / ".cache" / "tuili" / "kernels")
-    target = cache / f"tuili_cpu_{digest.hexdigest()[:16]}.so"
+    compiler = _compiler()
+    target = _library_path(compiler)
     if target.is_file():
         return target
+    cache = target.parent
     try:
         cache.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".so", dir=cache)
@@ -111,7 +93,7 @@ def _compile() -> Path:
         raise _BuildError(f"cannot write to the kernel cache {cache}: {error}") from error
     try:
         with tempfile.TemporaryDirectory(prefix=f".{target.stem}.", dir=cache) as objects:
-            _compile_and_link(compiler, flags, sources, Path(objects), temporary)
+            _compile_and_link(compiler, _flags(), sorted(SOURCE_DIR.glob("*.c")), Path(objects), temporary)
         os.replace(temporary, target)  # atomic: a concurrent builder's file is identical
     except (OSError, subprocess.SubprocessError) as error:
         raise _BuildError(f"compiling with {compiler!r} failed: {error}") from error
@@ -119,6 +101,47 @@ def _compile() -> Path:
         Path(temporary).unlink(missing_ok=True)
     log.info("compiled the native CPU kernels into %s", target)
     return target
+
+
+def library_path() -> Path:
+    """Where this process's library is cached, built or not: the file named by the hash of the
+    sources, the flags (`$TUILI_KERNEL_CFLAGS` included), the compiler's version and the CPU.
+    Raises RuntimeError when no compiler runs."""
+    try:
+        return _library_path(_compiler())
+    except _BuildError as error:
+        raise RuntimeError(str(error)) from error
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("TUILI_CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise _BuildError("no C compiler found (looked for $TUILI_CC, cc and gcc)")
+    return compiler
+
+
+def _flags() -> list[str]:
+    return [*FLAGS, *layout.compiler_defines(), *shlex.split(os.environ.get("TUILI_KERNEL_CFLAGS", ""))]
+
+
+def _library_path(compiler: str) -> Path:
+    """The cache folder and the library's name in it (see the module's docstring)."""
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise _BuildError(f"C compiler {compiler!r} does not run: {error}") from error
+    digest = hashlib.sha256()
+    for part in [
+        *(p.name + p.read_text() for p in sorted(SOURCE_DIR.glob("*.[ch]"))),
+        *_flags(),
+        version,
+        _cpu_id(),
+    ]:
+        digest.update(part.encode())
+    cache = Path(os.environ.get("TUILI_KERNEL_CACHE") or Path.home() / ".cache" / "tuili" / "kernels")
+    return cache / f"tuili_cpu_{digest.hexdigest()[:16]}.so"
 
 
 def _compile_and_link(compiler: str, flags: list[str], sources: list[Path], objects: Path, library: str) -> None:
