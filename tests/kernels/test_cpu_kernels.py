@@ -531,7 +531,8 @@ def test_code_paths_of_other_x86_cpus(fresh_processes, flags, monkeypatch):
     monkeypatch.delenv("TUILI_KERNEL_CFLAGS", raising=False)
     native = build.library_path()
     monkeypatch.setenv("TUILI_KERNEL_CFLAGS", flags)
-    assert build.library_path().is_file() and build.library_path() != native  # built for the flags
+    variant = build.library_path()
+    assert variant.is_file() and variant != native  # built for the flags
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")

@@ -80,8 +80,8 @@ class _BuildError(Exception):
 
 def _compile() -> Path:
     """The path of the compiled library, compiling it unless the cache already holds it."""
-    compiler = _compiler()
-    target = _library_path(compiler)
+    compiler, flags = _compiler(), _flags()
+    target = _library_path(compiler, flags)
     if target.is_file():
         return target
     cache = target.parent
@@ -93,7 +93,7 @@ def _compile() -> Path:
         raise _BuildError(f"cannot write to the kernel cache {cache}: {error}") from error
     try:
         with tempfile.TemporaryDirectory(prefix=f".{target.stem}.", dir=cache) as objects:
-            _compile_and_link(compiler, _flags(), sorted(SOURCE_DIR.glob("*.c")), Path(objects), temporary)
+            _compile_and_link(compiler, flags, sorted(SOURCE_DIR.glob("*.c")), Path(objects), temporary)
         os.replace(temporary, target)  # atomic: a concurrent builder's file is identical
     except (OSError, subprocess.SubprocessError) as error:
         raise _BuildError(f"compiling with {compiler!r} failed: {error}") from error
@@ -108,7 +108,7 @@ def library_path() -> Path:
     sources, the flags (`$TUILI_KERNEL_CFLAGS` included), the compiler's version and the CPU.
     Raises RuntimeError when no compiler runs."""
     try:
-        return _library_path(_compiler())
+        return _library_path(_compiler(), _flags())
     except _BuildError as error:
         raise RuntimeError(str(error)) from error
 
@@ -124,7 +124,7 @@ def _flags() -> list[str]:
     return [*FLAGS, *layout.compiler_defines(), *shlex.split(os.environ.get("TUILI_KERNEL_CFLAGS", ""))]
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, flags: list[str]) -> Path:
     """The cache folder and the library's name in it (see the module's docstring)."""
     try:
         version = subprocess.run(
@@ -135,7 +135,7 @@ def _library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
     for part in [
         *(p.name + p.read_text() for p in sorted(SOURCE_DIR.glob("*.[ch]"))),
-        *_flags(),
+        *flags,
         version,
         _cpu_id(),
     ]:
@@ -155,13 +155,14 @@ def _compile_and_link(compiler: str, flags: list[str], sources: list[Path], obje
             raise _BuildError(f"compiling failed ({' '.join(command)}):\n{result.stderr.strip()[-2000:]}")
 
     largest_first = sorted(sources, key=lambda source: source.stat().st_size, reverse=True)
-    outputs = [objects / f"{source.stem}.o" for source in sources]
-    commands = [[compiler, *flags, "-c", str(s), "-o", str(objects / f"{s.stem}.o")] for s in largest_first]
+    outputs = [str(objects / f"{source.stem}.o") for source in largest_first]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=max(1, min(cores, len(commands)))) as pool:
-        for compiled in [pool.submit(run, command) for command in commands]:
+    with ThreadPoolExecutor(max_workers=max(1, min(cores, len(sources)))) as pool:
+        compiles = [pool.submit(run, [compiler, *flags, "-c", str(source), "-o", output])
+                    for source, output in zip(largest_first, outputs, strict=True)]
+        for compiled in compiles:
             compiled.result()  # the first failure, in the order submitted
-    run([compiler, *flags, "-shared", "-o", library, *map(str, outputs)])
+    run([compiler, *flags, "-shared", "-o", library, *outputs])
 
 
 def _cpu_id() -> str:
