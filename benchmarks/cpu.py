@@ -3,7 +3,7 @@
 
 Models (--models):
   qwen3-0.6b    a random checkpoint with Qwen3-0.6B's shape (bf16 safetensors for tuili and vLLM;
-                bf16, f16, Q8_0 and Q4_0 GGUF converted from it for llama.cpp and tuili)
+                bf16, f16, Q8_0, Q4_0 and Q4_K_M GGUF converted from it for llama.cpp and tuili)
   smollm2       the embedded SmolLM2-135M-Instruct Q4_1 GGUF (tuili and llama.cpp)
   qwen3.5-0.8b  a random Qwen3.5 hybrid of ~0.8B parameters (hidden 1024, 24 layers, three Gated
                 DeltaNet layers per full-attention layer; benchmarks/common.py QWEN35_08B): tuili
@@ -33,7 +33,7 @@ its CPU repacking of the weights (`--repack 0`, `--no-repack`) and with it ("rep
 tuili is held to the better of the two. transformers runs in a cpu_worker.py process too
 (`model.generate`, greedy, exactly N new tokens), timed by the same calls as tuili and vLLM.
 
-Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit),
+Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit, 4-bit K),
 MBU of tuili's batch-1 decode and MFU of its prefill against this machine's read bandwidth and
 matmul peak (read right before and after each sample, as `tuili probe` measures them; or a
 --hardware spec), and the model's targets with PASS / MISS: issue 24's (issue 7's, raised for
@@ -138,7 +138,7 @@ class Variant:
 
     engine: str  # tuili | llama | vllm | transformers
     label: str
-    precision: str  # the class peers are compared in: 16-bit, 8-bit, 4-bit
+    precision: str  # the class peers are compared in: 16-bit, 8-bit, 4-bit, 4-bit K
     source: Callable[[], Path]  # the checkpoint, made on first use
     options: dict = field(default_factory=dict)  # extra LLM(...) options
     needs_llama: bool = False  # its file is made by llama.cpp's tools
@@ -225,6 +225,11 @@ def models(args: argparse.Namespace) -> list[Model]:
         Variant("llama", "llama Q4_0", "4-bit", gguf("Q4_0"), needs_llama=True),
         Variant("llama", "llama Q4_0 repack", "4-bit", gguf("Q4_0"), {"repack": True}, needs_llama=True),
         Variant("tuili", "tuili int4", "4-bit", hf, {"quantization": "int4"}),
+        # The mix most GGUF files are published in: Q4_K, with Q6_K for v, half the downs and the
+        # output matrix (tuili: Q4_K as its codes, Q6_K as int8 groups of 16; docs/engine.md).
+        Variant("tuili", "tuili Q4_K_M", "4-bit K", gguf("Q4_K_M"), needs_llama=True),
+        Variant("llama", "llama Q4_K_M", "4-bit K", gguf("Q4_K_M"), needs_llama=True),
+        Variant("llama", "llama Q4_K_M repack", "4-bit K", gguf("Q4_K_M"), {"repack": True}, needs_llama=True),
     ]
     if args.vllm_eager:
         qwen.insert(2, Variant("vllm", "vllm bf16 eager", "16-bit", hf, {"enforce_eager": True}))

@@ -227,3 +227,17 @@ def test_default_sums_never_depend_on_the_rows(q8):
     for first, rows in ((0, 1), (0, 2), (0, 3), (1, 5), (3, 17), (7, 33)):
         part = run(module, x[first : first + rows].contiguous(), torch.float32)
         assert torch.equal(part, every[first : first + rows]), (first, rows)
+
+
+@pytest.mark.parametrize("make", [lambda: int4_module(96, 128, 32, 5), lambda: q8_module(64, 128, 6)], ids=["int4", "q8"])
+def test_output_rows_may_lie_apart_in_a_wider_tensor(make):
+    # A stacked linear's part writes its columns of the whole output (StackedLinear), in place.
+    module = make()
+    x = torch.randn(5, module.in_features)
+    alone = run(module, x, torch.float32)
+    wide = torch.full((5, module.out_features + 40), float("nan"))
+    kernels.linear_int4(x, module.packed, module.kernel_scales, wide[:, 24 : 24 + module.out_features], copies(module))
+    assert torch.equal(wide[:, 24 : 24 + module.out_features], alone)
+    assert wide[:, :24].isnan().all() and wide[:, 24 + module.out_features :].isnan().all()  # nothing else written
+    with pytest.raises(ValueError, match="out"):  # columns apart: not a range of rows
+        kernels.linear_int4(x, module.packed, module.kernel_scales, torch.empty(module.out_features, 5).t(), copies(module))

@@ -19,6 +19,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
+from tests.models.test_gguf_dequant import random_blocks
 from tuili import LLM, SamplingParams, kernels
 from tuili.errors import CheckpointError, TuiliError, UnsupportedModelError
 from tuili.layers.linear import Linear
@@ -31,10 +32,12 @@ from tuili.layers.quant import (
     Int8GroupWeight,
     Int8Linear,
     QuantizedLinear,
+    StackedLinear,
     make_linear,
     quantize_int4,
     quantize_int8,
     quantize_int8_group,
+    stack_parts,
 )
 from tuili.models.default_model import default_model_path
 from tuili.models.gguf import open_gguf
@@ -100,6 +103,52 @@ def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, comput
     if compute_dtype == torch.float32:
         torch.testing.assert_close(module.dequantize(), reference, rtol=1e-6, atol=1e-7)
     run_both_kernels(module, 128, bias, reference, FP32_BOUND if compute_dtype == torch.float32 else BF16_BOUND)
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q5_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_random_k_quant_and_q5_0_blocks_run_packed_as_their_codes(ggml_type, compute_dtype, dequantizer):
+    # gguf.quants cannot quantize these types, so every bit pattern of random blocks (finite
+    # scales) is taken as the file and gguf.quants' dequantization is the reference.
+    raw = random_blocks(ggml_type, 128, 512, np.random.default_rng(int(ggml_type)))
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type).copy())
+    weight = gguf_weight(raw, ggml_type, (128, 512))
+    expected = {Q.Q5_0: (Int8GroupWeight, 32), Q.Q4_K: (Int4Weight, 32), Q.Q6_K: (Int8GroupWeight, 16)}[ggml_type]
+    assert (type(weight), weight.group_size) == expected
+    # Q4_K's zero (8 step - offset) and scale cancel to float32 rounding of the block's size.
+    atol = 1e-6 * reference.abs().max().item()
+    torch.testing.assert_close(weight.dequantize(), reference, rtol=1e-6, atol=atol)
+    bias = torch.randn(128)
+    module = make_linear(weight, bias, compute_dtype, platform=dequantizer)
+    if compute_dtype == torch.float32:
+        torch.testing.assert_close(module.dequantize(), reference, rtol=1e-6, atol=atol)
+    run_both_kernels(module, 512, bias, reference, FP32_BOUND if compute_dtype == torch.float32 else BF16_BOUND)
+
+
+def test_parts_of_different_gguf_types_run_as_one_linear_each_as_stored():
+    # A Q4_K_M file's fused q, k, v: q and k in Q4_K, v in Q6_K (and a Q5_0 part, as some files
+    # hold): runs of one format stack, and one module runs them side by side.
+    rng = np.random.default_rng(3)
+    types = (Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0)
+    files = [random_blocks(t, 64 + 32 * (i == 2), 256, rng, 1e-3) for i, t in enumerate(types)]
+    parts = [gguf_weight(raw, t, (raw.shape[0], 256)) for raw, t in zip(files, types, strict=True)]
+    reference = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, t).copy()) for raw, t in zip(files, types, strict=True)])
+    runs = stack_parts(parts)
+    assert [(type(r), r.group_size, r.q.shape[0]) for r in runs] == [
+        (Int4Weight, 32, 128), (Int8GroupWeight, 16, 96), (Int8GroupWeight, 32, 64)
+    ]
+    assert torch.equal(runs[0].q, torch.cat([parts[0].q, parts[1].q]))
+    for platform in (HERE, INVARIANT, Platform.portable()):
+        linears = [make_linear(r, None, torch.bfloat16, platform=platform) for r in runs]
+        bias = torch.randn(288)
+        module = StackedLinear(linears, bias, platform=platform)
+        assert module.in_features == 256 and module.out_features == 288
+        assert module.weight_bytes == sum(m.weight_bytes for m in linears)
+        # the scales and Q4_K's zeros rounded to bf16 once: 2^-9 of their size
+        torch.testing.assert_close(module.dequantize(), reference, rtol=2**-8, atol=2**-8 * reference.abs().max().item())
+        run_both_kernels(module, 256, bias, module.dequantize(), BF16_BOUND)
+    with pytest.raises(ValueError, match="share their input size"):
+        StackedLinear([linears[0], make_linear(quantize_int4(torch.randn(64, 64), 32), platform=HERE)], None, platform=HERE)
 
 
 def test_kernel_choice_follows_rows_device_and_dtype():
@@ -481,9 +530,9 @@ def test_int4_on_an_indivisible_input_size_names_the_tensor_and_sizes():
 
 
 def test_unsupported_gguf_type_names_it_and_the_packed_ones():
-    raw = np.zeros(4 * 210, dtype=np.uint8)  # four rows of one 256-value Q6_K block
-    with pytest.raises(UnsupportedModelError, match="Q6_K cannot run packed; packed types: Q4_0, Q4_1, Q8_0"):
-        gguf_weight(raw, Q.Q6_K, (4, 256))
+    raw = np.zeros(4 * 176, dtype=np.uint8)  # four rows of one 256-value Q5_K block
+    with pytest.raises(UnsupportedModelError, match="Q5_K cannot run packed; packed types: Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K"):
+        gguf_weight(raw, Q.Q5_K, (4, 256))
 
 
 def test_gguf_bytes_that_do_not_fit_the_shape_are_refused():

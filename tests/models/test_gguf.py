@@ -11,6 +11,7 @@ from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from tests.models.test_gguf_dequant import random_blocks
 from tuili.errors import CheckpointError, UnsupportedModelError
 from tuili.models import default_model
 from tuili.models.default_model import default_model_path
@@ -268,6 +269,71 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         UnsupportedModelError, match=r"'blk.1.ffn_up.weight' has type IQ4_NL.*supported types: F32"
     ):
         open_gguf(path)
+
+
+# A Q4_K_M file's mix of types (llama.cpp's choice for it: Q6_K for v and half the downs, Q5_0
+# where a row is not whole 256-value blocks), as random blocks scaled like trained weights
+# (~0.03): the scale fields' std, per type.
+K_QUANT_MIX = {
+    "attn_q": (Q.Q4_K, 1e-4), "attn_k": (Q.Q4_K, 1e-4), "attn_v": (Q.Q6_K, 3e-5), "attn_output": (Q.Q4_K, 1e-4),
+    "ffn_gate": (Q.Q5_0, 3e-3), "ffn_up": (Q.Q5_0, 3e-3), "ffn_down": (Q.Q6_K, 3e-5),
+}  # fmt: skip
+
+
+def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_path, prompt_logits):
+    from tuili import LLM
+    from tuili.layers.quant import Int4Linear, Int8GroupLinear, QuantizedLinear, StackedLinear
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**{**TINY, "hidden_size": 256, "intermediate_size": 512}, head_dim=64,
+                                      tie_word_embeddings=True)  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    state = {k: v.detach().clone() for k, v in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+    state.pop("lm_head.weight")
+    names = gguf.get_tensor_name_map(GGUF_ARCHES["qwen3"], config.num_hidden_layers)
+    rng = np.random.default_rng(0)
+    raw = {}
+    for hf_name in [n for n in state if ".self_attn." in n or ".mlp." in n]:
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight",))
+        part = gguf_name.split(".")[2]
+        if part not in K_QUANT_MIX:
+            continue
+        qtype, scale_std = K_QUANT_MIX[part]
+        if gguf_name == "blk.1.ffn_down.weight":
+            qtype, scale_std = Q.Q4_K, 1e-4  # the other half of the downs
+        rows, cols = state.pop(hf_name).shape
+        raw[gguf_name] = (random_blocks(qtype, rows, cols, rng, scale_std), qtype)
+    path = write_gguf(tmp_path / "k_quants.gguf", "qwen3", config, state, raw_tensors=raw)
+
+    args = dict(model=str(path), device="cpu", max_model_len=64, kv_cache_memory=16 << 20)
+    reference = LLM(**args, dtype="float32")  # every tensor dequantized at load: the file's values
+    assert not any(isinstance(m, QuantizedLinear) for m in reference.engine.runner.model.modules())
+    packed = LLM(**args)
+    layer = packed.engine.runner.model.model.layers[0]
+    # q and k (Q4_K) stacked with v (Q6_K) in int8 groups of 16; o as Q4_K's own codes; gate and
+    # up (Q5_0) as int8 groups of 32; down (Q6_K) as int8 groups of 16.
+    # q and k (Q4_K) as Int4Linear codes beside v (Q6_K) in int8 groups of 16, run as one linear;
+    # o as Q4_K's codes; gate and up (Q5_0) in int8 groups of 32; down (Q6_K) in groups of 16.
+    assert type(layer.self_attn.qkv_proj) is StackedLinear
+    kinds = [(type(m), m.group_size) for m in layer.modules() if isinstance(m, (Int4Linear, Int8GroupLinear))]
+    assert kinds == [(Int4Linear, 32), (Int8GroupLinear, 16), (Int4Linear, 32), (Int8GroupLinear, 32),
+                     (Int8GroupLinear, 16)], kinds  # fmt: skip
+    prompts = [[int(t) for t in rng.integers(3, TINY["vocab_size"], size=n)] for n in (5, 17)]
+    expected, ours = prompt_logits(reference, prompts), prompt_logits(packed, prompts)
+    # bf16 compute: the same file with Q8_0 linears measured mean 0.008 and max 0.05 of the
+    # logits' spread here.
+    error = (ours - expected).abs() / expected.std()
+    assert error.mean() < 0.02 and error.max() < 0.15, (error.mean(), error.max())
+    # Decode steps replay CPU graphs, the stacked q/k/v's parts writing their columns in place:
+    # the same tokens as every step eager.
+    from tuili import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    replayed = [o.outputs[0].token_ids for o in packed.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    graphs = packed.engine.runner.graphs
+    assert graphs.captured_batch_sizes() and not graphs.refused
+    eager = LLM(**args, enforce_eager=True)
+    assert replayed == [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):

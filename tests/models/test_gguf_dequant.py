@@ -29,12 +29,15 @@ def assert_bitwise_equal(ours: torch.Tensor, reference: np.ndarray) -> None:
     torch.testing.assert_close(ours, torch.from_numpy(np.asarray(reference)), rtol=0, atol=0, equal_nan=True)
 
 
-def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes in the layout of `qtype` with finite scales: every bit pattern of the quants is hit."""
+def random_blocks(
+    qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator, scale_std: float = 0.05
+) -> np.ndarray:
+    """Random bytes in the layout of `qtype` with finite scales (normal, `scale_std`): every bit
+    pattern of the quants is hit."""
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // block_size, block_bytes), dtype=np.uint8)
     for offset in SCALE_OFFSETS.get(qtype, ()):
-        scale = rng.normal(0, 0.05, size=len(blocks)).astype(np.float16)
+        scale = rng.normal(0, scale_std, size=len(blocks)).astype(np.float16)
         blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 

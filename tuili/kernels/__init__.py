@@ -60,7 +60,7 @@ linear_int4(x, packed, scale_zero, out, copies=1, exact=False)
     weight read as stored (packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2]
     bfloat16); copies 2 reads an Int8GroupLinear's (GGUF Q8_0) instead: packed [N / 64, 2K, 32],
     its two nibble halves read as q = 16h + l - 128, and its scales [K / group, N] bfloat16. out [M, n], n <= N (the padding rows are not written), float32 or
-    bfloat16. Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding. On
+    bfloat16, its rows contiguous but possibly further apart (a column range of a wider output). Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding. On
     AVX512-VNNI CPUs x is first written per group as two int8 parts (integer dot products; error
     at most max |x| / 64516 per value) unless `exact`.
     Any number of rows up to 64; a row's result does not depend on the other rows.

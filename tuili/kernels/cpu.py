@@ -118,7 +118,8 @@ def _declare(library: ctypes.CDLL) -> None:
         getattr(library, name).restype = i32
     library.tuili_linear_int4.argtypes = [
         p, i32, p, p, p, i32,  # x, dtype, packed, scale_zero, out, out dtype
-        i64, i64, i64, i64, i64, i64, i32, i32, i32,  # M, K, copies, tiles, group, n out, exact, pairs, threads
+        i64, i64, i64, i64, i64, i64, i64, i32, i32, i32,  # M, K, copies, tiles, group, n out, out's row stride,
+                                                           # exact, pairs, threads
     ]  # fmt: skip
     library.tuili_linear_int4.restype = i32
     library.tuili_deltanet_decode.argtypes = [
@@ -252,6 +253,18 @@ def _check_token_rows(name: str, value: object, dtypes: tuple[torch.dtype, ...])
         ):
             return value
     return _check(name, value, dtypes, 3)  # raises: names what is wrong
+
+
+def _check_rows(name: str, value: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """`value` as a CPU tensor [rows, n] of one of `dtypes` whose rows may lie any distance apart
+    (at least n: a column range of a wider tensor) but each hold its n values contiguously;
+    otherwise a ValueError naming the argument."""
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype in dtypes and value.is_cpu:
+        rows, n = value.shape
+        row_stride, column_stride = value.stride()
+        if (column_stride == 1 or n == 1) and (row_stride >= n or rows == 1):
+            return value
+    return _check(name, value, dtypes, 2)  # raises: names what is wrong
 
 
 def _problem(name: str, value: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | int) -> str:
@@ -470,7 +483,8 @@ def linear_int4(
     alone [K / group, N] where the zeros are all 0), read as stored; or with copies 2 an
     Int8GroupLinear's (packed [N / 64, 2K, 32], its two halves, q = 16h + l - 128; scale_zero
     its scales [K / group, N] bfloat16).
-    out [M, n] float32 or bfloat16, n <= N: the first n output rows. `exact`: float32 sums of x as
+    out [M, n] float32 or bfloat16, n <= N: the first n output rows; its rows may lie further
+    apart than n (a column range of a wider output), each contiguous. `exact`: float32 sums of x as
     given on every CPU (else AVX512-VNNI CPUs round x to int8 per group). Writes and returns `out`."""
     x = _check("x", x, _FLOAT_DTYPES, 2)
     rows, k = x.shape
@@ -487,14 +501,14 @@ def linear_int4(
     tiles, packed_k, _ = packed.shape
     if packed_k != copies * k:
         raise ValueError(f"packed has {packed_k} inputs; expected {copies} x {k} (x has {k} columns)")
-    out = _check("out", out, _FLOAT_DTYPES, 2)
+    out = _check_rows("out", out, _FLOAT_DTYPES)
     if out.shape[0] != rows or not 0 < out.shape[1] <= tiles * INT4_TILE_ROWS:
         raise ValueError(f"out has shape {list(out.shape)}; expected [{rows}, 1 .. {tiles * INT4_TILE_ROWS}]")
     status = _call(
         "tuili_linear_int4",
         x.data_ptr(), _DTYPE_CODES[x.dtype], packed.data_ptr(), scale_zero.data_ptr(), out.data_ptr(),
-        _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], int(bool(exact)),
-        int(scale_zero.dim() == 3), torch.get_num_threads(),
+        _DTYPE_CODES[out.dtype], rows, k, copies, tiles, group_size, out.shape[1], out.stride(0),
+        int(bool(exact)), int(scale_zero.dim() == 3), torch.get_num_threads(),
     )  # fmt: skip
     if status == _NO_MEMORY:
         raise MemoryError(f"linear_int4 could not allocate a float32 copy of x ({rows} x {packed_k})")

@@ -267,7 +267,7 @@ class GGUFCheckpoint:
         )
 
     def quantized_tensor(self, hf_name: str) -> QuantizedWeight:
-        """The tensor `hf_name` as stored, not dequantized (Q4_0, Q4_1, Q8_0: quantized_weight),
+        """The tensor `hf_name` as stored, not dequantized (PACKED_GGUF_TYPES: quantized_weight),
         in Hugging Face row order; a stack of experts' matrices [E, out, in] as its [E * out, in]
         rows (expert e's are rows e * out .. (e + 1) * out)."""
         info = self.tensor_info(hf_name)
@@ -850,10 +850,13 @@ def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
 
 
-def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_0_codes(blocks: torch.Tensor) -> torch.Tensor:
     # d: f16 | fifth bits: 32 bits | q: 32 x 4 bits, offset by 16
-    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
-    return _f16(blocks, 0) * (q.float() - 16)
+    return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)
+
+
+def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * (_q5_0_codes(blocks).float() - 16)
 
 
 def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
@@ -875,13 +878,19 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.float(), mins.float()
 
 
-def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # d: f16 | dmin: f16 | scales and mins: 12 bytes | q: 256 x 4 bits, 8 sub-blocks of 32
+def _q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K block's codes [n_blocks, 8, 32] (0..15) and its sub-blocks' steps and offsets
+    [n_blocks, 8]: w = step * q - offset.
+
+    d: f16 | dmin: f16 | scales and mins: 12 bytes | q: 256 x 4 bits, 8 sub-blocks of 32."""
     scales, mins = _k_scales(blocks[:, 4:16])
-    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
-    step = (_f16(blocks, 0) * scales).unsqueeze(-1)
-    offset = (_f16(blocks, 2) * mins).unsqueeze(-1)
-    return (step * q - offset).reshape(-1, 256)
+    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    return q, _f16(blocks, 0) * scales, _f16(blocks, 2) * mins
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    q, step, offset = _q4_k_parts(blocks)
+    return (step.unsqueeze(-1) * q.float() - offset.unsqueeze(-1)).reshape(-1, 256)
 
 
 def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -896,16 +905,25 @@ def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     return (step * q - offset).reshape(-1, 256)
 
 
-def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    # low 4 bits: 128 bytes | high 2 bits: 64 bytes | 16 int8 scales | d: f16; two halves of 128 values.
-    # In each half, 64 low-bit bytes give values 0-63 (low nibbles) and 64-127 (high nibbles);
-    # 32 high-bit bytes give values 0-31, 32-63, 64-95, 96-127 from bit pairs 0-1, 2-3, 4-5, 6-7.
+def _q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q6_K block's codes [n_blocks, 16, 16] (int8, -32..31) and its sub-blocks' steps
+    [n_blocks, 16]: w = step * q.
+
+    low 4 bits: 128 bytes | high 2 bits: 64 bytes | 16 int8 scales | d: f16; two halves of 128
+    values. In each half, 64 low-bit bytes give values 0-63 (low nibbles) and 64-127 (high
+    nibbles); 32 high-bit bytes give values 0-31, 32-63, 64-95, 96-127 from bit pairs 0-1, 2-3,
+    4-5, 6-7."""
     low = _nibbles(blocks[:, :128].reshape(-1, 2, 64))
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     high = ((blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 2, 128)
-    q = ((low | (high << 4)).float() - 32).reshape(-1, 16, 16)
+    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(-1, 16, 16)
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    return ((_f16(blocks, 208) * scales).unsqueeze(-1) * q).reshape(-1, 256)
+    return q, _f16(blocks, 208) * scales
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    q, step = _q6_k_parts(blocks)
+    return (step.unsqueeze(-1) * q.float()).reshape(-1, 256)
 
 
 _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -925,16 +943,33 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
 
 # -- quantized weights, read without dequantizing ----------------------------------------------
 
-PACKED_GGUF_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# Types whose blocks the packed kernels read as their codes (quantized_weight); the others are
+# dequantized at load.
+PACKED_GGUF_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
 
 
 def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> QuantizedWeight:
     """The quantized weight held in a GGUF tensor's raw bytes, in row-major ([out, in]) shape,
-    for the packed kernels (tuili/layers/quant): Q4_0 and Q4_1 as an Int4Weight, Q8_0 as an
-    Int8GroupWeight, the blocks' codes as stored and their scales in float32 (exact).
+    for the packed kernels (tuili/layers/quant), the blocks' codes as stored and their scales in
+    float32 (exact; the modules round them to their compute dtype):
 
-    Block layouts as above: Q4_0 = d, 16 bytes of nibbles, w = d*(q - 8); Q4_1 = d, m, 16 bytes,
-    w = d*q + m; Q8_0 = d, 32 int8, w = d*q."""
+    - Q4_0 (d, 16 bytes of nibbles, w = d*(q - 8)) and Q4_1 (d, m, w = d*q + m): Int4Weight;
+    - Q4_K (8 sub-blocks of 32 of a 256 block, w = step*q - offset): Int4Weight in groups of 32,
+      scale = step and zero = 8*step - offset;
+    - Q8_0 (d, 32 int8, w = d*q): Int8GroupWeight in groups of 32;
+    - Q5_0 (d, 5-bit q, w = d*(q - 16)): Int8GroupWeight in groups of 32, codes q - 16;
+    - Q6_K (16 sub-blocks of 16 of a 256 block, w = step*(q - 32)): Int8GroupWeight in groups of
+      16, codes q - 32.
+
+    The 5- and 6-bit codes take 8 bits this way (Q5_0 8.5 bits per weight in bf16 against its
+    own 5.5, Q6_K 9 against 6.56), half of what they take dequantized to 16 bits."""
     ggml_type = GGMLQuantizationType(ggml_type)
     if ggml_type not in PACKED_GGUF_TYPES:
         raise UnsupportedModelError(
@@ -945,9 +980,18 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
         raise CheckpointError(f"a {ggml_type.name} weight must be 2-D to run packed; got shape {tuple(shape)}")
     blocks = _blocks(raw, ggml_type, shape)
     n, k = shape
+    if ggml_type == GGMLQuantizationType.Q4_K:
+        q, step, offset = _q4_k_parts(blocks)
+        step, offset = step.view(n, k // 32), offset.view(n, k // 32)
+        return Int4Weight(q.reshape(n, k), step, 8 * step - offset, 32)
+    if ggml_type == GGMLQuantizationType.Q6_K:
+        q, step = _q6_k_parts(blocks)
+        return Int8GroupWeight(q.reshape(n, k), step.view(n, k // 16), 16)
     d = _f16(blocks, 0).view(n, k // 32)
     if ggml_type == GGMLQuantizationType.Q8_0:
         return Int8GroupWeight(blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k), d, 32)
+    if ggml_type == GGMLQuantizationType.Q5_0:
+        return Int8GroupWeight((_q5_0_codes(blocks).view(torch.int8) - 16).reshape(n, k), d, 32)
     q = _nibbles(blocks[:, 2:] if ggml_type == GGMLQuantizationType.Q4_0 else blocks[:, 4:]).reshape(n, k)
     if ggml_type == GGMLQuantizationType.Q4_0:
         return Int4Weight(q, d, torch.zeros_like(d), 32)

@@ -87,7 +87,7 @@ def load_model(
 
     Linear weights stay quantized in two cases: `quantization` ("int8" | "int4") quantizes the
     checkpoint's linears at load (a GGUF file is dequantized first); otherwise, when
-    `packed_dtype` is given, a GGUF file's Q4_0, Q4_1 and Q8_0 linears are kept as stored.
+    `packed_dtype` is given, a GGUF file's linears in PACKED_GGUF_TYPES are kept as their codes.
     Quantized linears compute in `packed_dtype` (default: `dtype`). With no quantization and no
     packed_dtype every weight is dequantized to `dtype`.
 

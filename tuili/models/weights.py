@@ -4,8 +4,10 @@ decided at load and handed to the model, which is built whole from it.
 A linear is held one of four ways, decided here once per module from the checkpoint, the
 request and the platform (first match):
 
-1. **GGUF blocks as stored** (`gguf_packed`): a decoder linear whose parts are all Q4_0, Q4_1 or
-   Q8_0 runs on the packed kernels (tuili/layers/quant), computing in `quantized_dtype`.
+1. **GGUF blocks as stored** (`gguf_packed`): a decoder linear whose parts are all of
+   PACKED_GGUF_TYPES (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; parts of different types stacked in
+   one format, `stack_parts`) runs on the packed kernels (tuili/layers/quant), computing in
+   `quantized_dtype`.
 2. **Quantized at load** (`quantization` "int8" | "int4"): the float weight (a GGUF file's
    dequantized) is quantized; "int4" keeps an untied output matrix at int8, as llama.cpp keeps
    its output matrix at 6 or 8 bits (the logits are the most sensitive projection).
@@ -54,11 +56,13 @@ from tuili.layers.quant import (
     INT4_GROUP_SIZES,
     QuantizedLinear,
     QuantizedWeight,
+    StackedLinear,
     int8_group_size,
     make_linear,
     quantize_int4,
     quantize_int8_for_kernels,
     quantize_int8_group,
+    stack_parts,
 )
 from tuili.parallel.layers import (
     RowParallelLinear,
@@ -75,7 +79,7 @@ if TYPE_CHECKING:
 TensorSource = dict[str, Callable[[], torch.Tensor]]  # checkpoint name -> its tensor, read on demand
 # (name, dim, start, stop) -> that slice of the tensor, read without the rest (safetensors)
 SliceReader = Callable[[str, int, int, int], torch.Tensor]
-GGUF_BLOCK = 32  # elements per block of the GGUF types that run packed (Q4_0, Q4_1, Q8_0)
+GGUF_BLOCK = 32  # inputs per group of the packed GGUF types as held (32; Q6_K's 16 divide it)
 
 
 @dataclass
@@ -87,7 +91,7 @@ class WeightPlan:
     source: str  # the checkpoint's path, for error messages
     quantization: str | None = None
     quantized_dtype: torch.dtype = torch.bfloat16  # what quantized linears compute in
-    gguf_packed: GGUFCheckpoint | None = None  # a GGUF file whose Q4_0/Q4_1/Q8_0 linears run as stored
+    gguf_packed: GGUFCheckpoint | None = None  # a GGUF file whose PACKED_GGUF_TYPES linears run as stored
     group_size: int = DEFAULT_INT4_GROUP_SIZE
     # checkpoint name -> shape, as the file's header records it (read without loading the tensor)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -170,7 +174,7 @@ class WeightPlan:
         [num_experts, 2 * intermediate, hidden] and down_proj [num_experts, hidden, intermediate].
 
         Held packed (QuantizedExperts) when a GGUF file run packed stores both stacks in packed
-        types (Q4_0, Q4_1, Q8_0, one per stack: the blocks as stored, as `_gguf_linear` holds a
+        types (PACKED_GGUF_TYPES, one per stack: the blocks' codes, as `_gguf_linear` holds a
         dense linear), or under `quantization`, each expert's matrices quantized as `_hold` quantizes
         a dense linear ("int8" per row, "int4" per group of `group_size`); float otherwise."""
         paths = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
@@ -381,8 +385,9 @@ class WeightPlan:
         self, pieces: list[str], parts: list[str], bias: bool, cut: tuple[int, list[tuple[int, int]]] | None = None
     ) -> QuantizedLinear | None:
         """A packed linear from the GGUF file's blocks (`pieces`: the part read for each range
-        of `cut`; `parts`: the linear's stacked parts), or None when a part's type cannot run
-        packed (or is absent) or the parts' formats differ: that linear is then loaded as floats."""
+        of `cut`; `parts`: the linear's stacked parts; parts of different types in one format,
+        `stack_parts`), or None when a part's type cannot run packed (or is absent): that linear
+        is then loaded as floats."""
         ckpt = self.gguf_packed
         assert ckpt is not None
         names = [f"{p}.weight" for p in pieces]
@@ -390,8 +395,6 @@ class WeightPlan:
         if not all(n in known and ckpt.runs_packed(n) for n in names):
             return None
         weights = [ckpt.quantized_tensor(n) for n in names]
-        if len({type(w) for w in weights}) != 1:
-            return None
         if cut is not None:
             weights = [narrow(w, cut[0], start, stop) for w, (start, stop) in zip(weights, cut[1], strict=True)]
         b = None
@@ -399,8 +402,11 @@ class WeightPlan:
             b = self._stacked([f"{p}.bias" for p in pieces], (sum(w.q.shape[0] for w in weights),), cut)
         elif bias and self.sharded is not None and self.sharded.shard.rank == 0:
             b = self._stacked([f"{p}.bias" for p in parts], (weights[0].q.shape[0],))
-        stacked = type(weights[0]).cat(weights)  # type: ignore[arg-type]
-        return make_linear(stacked, b, self.quantized_dtype, platform=self.platform).to(self.device)
+        runs = stack_parts(weights)  # type: ignore[arg-type]
+        if len(runs) == 1:
+            return make_linear(runs[0], b, self.quantized_dtype, platform=self.platform).to(self.device)
+        linears = [make_linear(run, None, self.quantized_dtype, platform=self.platform) for run in runs]
+        return StackedLinear(linears, b, platform=self.platform).to(self.device)
 
     def _gguf_decode_copy(self) -> QuantizedLinear | None:
         """A quantized copy of the output matrix (the embedding when tied) for few-row logits, as

@@ -34,7 +34,7 @@ static const struct {
     [OP_KV_STORE] = {"tuili_kv_store", 11},
     [OP_LINEAR_SMALL] = {"tuili_linear_small", 10},
     [OP_LINEAR_AMX] = {"tuili_linear_amx", 9},
-    [OP_LINEAR_INT4] = {"tuili_linear_int4", 15},
+    [OP_LINEAR_INT4] = {"tuili_linear_int4", 16},
     [OP_RMS_NORM] = {"tuili_rms_norm", 10},
     [OP_QK_NORM_ROPE] = {"tuili_qk_norm_rope", 16},
     [OP_SILU_MUL] = {"tuili_silu_mul", 6},
@@ -69,8 +69,8 @@ static int run(int64_t op, const int64_t *a, int64_t *error) {
     case OP_LINEAR_AMX:
         return tuili_linear_amx(P(0), P(1), P(2), P(3), I(4), a[5], a[6], a[7], I(8));
     case OP_LINEAR_INT4:
-        return tuili_linear_int4(P(0), I(1), P(2), P(3), P(4), I(5), a[6], a[7], a[8], a[9], a[10], a[11], I(12), I(13),
-                                 I(14));
+        return tuili_linear_int4(P(0), I(1), P(2), P(3), P(4), I(5), a[6], a[7], a[8], a[9], a[10], a[11], a[12], I(13),
+                                 I(14), I(15));
     case OP_RMS_NORM:
         return tuili_rms_norm(P(0), P(1), P(2), P(3), a[4], a[5], F(6), I(7), I(8), I(9));
     case OP_QK_NORM_ROPE:

@@ -87,7 +87,7 @@ typedef struct {
     int out_dtype, q8; /* q8: Int8GroupLinear's halves, tiles of 2 kp rows */
     int pairs;          /* scale_zero holds (scale, zero) pairs; else scales, the zeros 0 (Q4_0, Q8_0) */
     int exact;          /* float32 sums of x as given, never its int8 rounding (VNNI CPUs too) */
-    int64_t m, kp, group, n_pad, n_out; /* kp: K, the columns of x */
+    int64_t m, kp, group, n_pad, n_out, out_stride; /* kp: K, the columns of x; out_stride: between out's rows */
 } int4_args;
 
 /* Q8_0 (q8): the tile's codes h (rows 0..K-1) and l (rows K..2K-1) give u = 16h + l = q + 128,
@@ -712,7 +712,7 @@ static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, f
     const int64_t n0 = tile * TILE, count = a->n_out - n0 < TILE ? a->n_out - n0 : TILE;
     for (int i = 0; i < rows; i++)
         for (int64_t r = 0; r < count; r++) {
-            const int64_t at = (i0 + i) * a->n_out + n0 + r;
+            const int64_t at = (i0 + i) * a->out_stride + n0 + r;
             if (a->out_dtype == TUILI_F32)
                 ((float *)a->out)[at] = total[i][r];
             else
@@ -811,10 +811,12 @@ static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, i
 /* x [M, K] (float32 or bfloat16, 1 <= M <= MAX_M), packed [tiles, K', 32], scale_zero
  * [K' / group, tiles * 64, 2] bfloat16, or where `pairs` is 0 the scales alone [K' / group,
  * tiles * 64] (the zeros 0; always so for copies 2, whose scales are [K / group, tiles * 64]),
- * out [M, n_out] with n_out <= tiles * 64; K' = copies * K and group divides K. The shapes are checked by the caller (tuili/kernels/cpu.py). */
+ * out [M, n_out] with n_out <= tiles * 64, its rows out_stride >= n_out elements apart (a column
+ * range of a wider output: the parts of a stacked linear, tuili/layers/quant/linear.py);
+ * K' = copies * K and group divides K. The shapes are checked by the caller (tuili/kernels/cpu.py). */
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
-                      int64_t n_out, int exact, int pairs, int num_threads) {
+                      int64_t n_out, int64_t out_stride, int exact, int pairs, int num_threads) {
     /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side. */
     const int64_t groups = k / group;
 #ifdef AVX2_DOTS
@@ -843,7 +845,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 #endif
     const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, x16};
     const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, x16, packed, scale_zero, out, out_dtype, copies == 2,
-                         pairs != 0 && copies != 2, exact != 0, m, k, group, tiles * TILE, n_out};
+                         pairs != 0 && copies != 2, exact != 0, m, k, group, tiles * TILE, n_out, out_stride};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

@@ -16,6 +16,7 @@ from tuili.layers.quant.formats import (
     quantize_int8,
     quantize_int8_for_kernels,
     quantize_int8_group,
+    stack_parts,
 )
 from tuili.layers.quant.linear import (
     INT4_GEMV_MAX_ROWS,
@@ -27,6 +28,7 @@ from tuili.layers.quant.linear import (
     Int8GroupLinear,
     Int8Linear,
     QuantizedLinear,
+    StackedLinear,
     make_linear,
 )
 from tuili.platform import INT4_TILE_ROWS
@@ -43,6 +45,7 @@ __all__ = [
     "Int4Linear",
     "Int4Weight",
     "Int8GroupLinear",
+    "StackedLinear",
     "Int8GroupWeight",
     "Int8Linear",
     "Int8Weight",
@@ -54,4 +57,5 @@ __all__ = [
     "quantize_int8",
     "quantize_int8_for_kernels",
     "quantize_int8_group",
+    "stack_parts",
 ]

@@ -90,6 +90,20 @@ class Int8GroupWeight:
 QuantizedWeight = Int8Weight | Int4Weight | Int8GroupWeight
 
 
+def stack_parts(parts: list[Int4Weight | Int8GroupWeight]) -> list[Int4Weight | Int8GroupWeight]:
+    """Parts of one linear stacked along the output dimension, as few weights as their formats
+    allow: each run of consecutive parts of one format and group size stacked into one weight (a
+    GGUF file may store a fused projection's parts in different types: Q4_K_M's q and k in Q4_K,
+    v in Q6_K give [q k] and [v]). Every value stays as stored."""
+    runs: list[list[Int4Weight | Int8GroupWeight]] = []
+    for part in parts:
+        if runs and (type(runs[-1][0]), runs[-1][0].group_size) == (type(part), part.group_size):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [type(run[0]).cat(run) for run in runs]  # type: ignore[arg-type]
+
+
 def _common_group_size(parts: list[Int4Weight] | list[Int8GroupWeight]) -> int:
     sizes = {p.group_size for p in parts}
     if len(sizes) != 1:

@@ -427,6 +427,48 @@ class Int8GroupLinear(Int4Linear):
         return out[:, : self.out_features]
 
 
+class StackedLinear(QuantizedLinear):
+    """Quantized linears of one input run as one, their outputs side by side in order: a fused
+    projection whose parts a GGUF file stores in different types (`stack_parts`: a Q4_K_M file's
+    [q k] in Q4_K as an Int4Linear, v in Q6_K as an Int8GroupLinear), each held as stored. The
+    gemv writes each part's columns of one output in place (linear_int4 takes output rows further
+    apart than a part's width), so a CPU graph replays the parts' kernel calls and nothing else;
+    the other kernels concatenate the parts' products. The bias is the whole output's."""
+
+    def __init__(self, parts: list[QuantizedLinear], bias: torch.Tensor | None, *, platform: Platform) -> None:
+        inputs = {p.in_features for p in parts}
+        if len(inputs) != 1 or {p.compute_dtype for p in parts} != {parts[0].compute_dtype}:
+            raise ValueError(f"stacked linears must share their input size and compute dtype; got {parts}")
+        super().__init__(inputs.pop(), sum(p.out_features for p in parts), bias, platform)
+        self.parts = nn.ModuleList(parts)
+        self.max_gemv_rows = min(p.max_gemv_rows for p in parts)
+        self.max_op_rows = min(p.max_op_rows for p in parts)
+        self._op_fits = all(p._op_fits for p in parts)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.parts[0].compute_dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.weight_bytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def _gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        start = 0
+        for part in self.parts:
+            part._gemv(x, out[:, start : start + part.out_features])
+            start += part.out_features
+
+    def _op(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p._op(x) for p in self.parts], dim=1)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p._tiled(x) for p in self.parts], dim=1)
+
+
 def make_linear(
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,
