@@ -20,7 +20,15 @@ import pytest
 import torch
 
 from tuili import kernels
-from tuili.layers.quant import Int4Linear, Int4Weight, Int8GroupLinear, Int8GroupWeight, quantize_int4
+from tuili.layers.quant import (
+    Int4Linear,
+    Int4Weight,
+    Int6GroupLinear,
+    Int8GroupLinear,
+    Int8GroupWeight,
+    make_linear,
+    quantize_int4,
+)
 from tuili.platform import Platform
 
 HERE = Platform.detect()
@@ -191,7 +199,7 @@ def test_linear_int4_rejects_bad_input_naming_the_argument():
         (r"scales has shape \[1, 128\]; expected \[groups, 64\]", (x[:, :32].contiguous(), q8.packed, q8.scale.repeat(1, 2), out, 2)),
         (r"scales has 3 groups, which does not divide the packed weight's 32 inputs \(half of its rows",
          (x[:, :32].contiguous(), q8.packed, q8.scale.repeat(3, 1), out, 2)),
-        (r"copies=3; expected 1", (x, packed, scale_zero, out, 3)),
+        (r"copies=4; expected 1", (x, packed, scale_zero, out, 4)),
         (r"scale_zero has dtype torch\.float32; expected torch\.bfloat16", (x, packed, scale_zero.float(), out)),
         (r"packed has dtype torch\.int8", (x, packed.view(torch.int8), scale_zero, out)),
         (r"out has shape \[2, 65\]; expected \[2, 1 \.\. 64\]", (x, packed, scale_zero, torch.empty(2, 65))),
@@ -241,3 +249,29 @@ def test_output_rows_may_lie_apart_in_a_wider_tensor(make):
     assert wide[:, :24].isnan().all() and wide[:, 24 + module.out_features :].isnan().all()  # nothing else written
     with pytest.raises(ValueError, match="out"):  # columns apart: not a range of rows
         kernels.linear_int4(x, module.packed, module.kernel_scales, torch.empty(module.out_features, 5).t(), copies(module))
+
+
+@pytest.mark.parametrize("m", [1, 4, 17, 33])  # 17, 33: a prompt's unpacked tile, and two blocks of rows
+def test_6_bit_codes_give_the_bits_of_the_same_weight_as_q8_0_halves(m):
+    """Codes in -32..31 (GGUF Q6_K, Q5_0) run at 6 bits on VNNI builds: the same integer sums as
+    the 8-bit halves, so the same bits; elsewhere they stay 8-bit halves and copies 3 is refused."""
+    for n, k, group in [(64, 32, 16), (100, 96, 32), (130, 1024, 16)]:
+        generator = torch.Generator().manual_seed(n + k + m)
+        q = torch.randint(-32, 32, (n, k), generator=generator, dtype=torch.int8)
+        weight = Int8GroupWeight(q, torch.rand(n, k // group, generator=generator) / 50, group)
+        module, halves = make_linear(weight, platform=HERE), Int8GroupLinear(weight, platform=HERE)
+        x = torch.randn(m, k, generator=generator).bfloat16()
+        if not kernels.linear_int6_available():  # builds without AVX512-VNNI and VBMI
+            assert type(module) is Int8GroupLinear
+            with pytest.raises(ValueError, match="6-bit codes"):
+                kernels.linear_int4(x, halves.packed, halves.scale, torch.empty(m, n), 3)
+            continue
+        assert type(module) is Int6GroupLinear and torch.equal(module.dequantize(), halves.dequantize())
+        tiles = -(-n // 64)
+        assert module.weight_bytes == tiles * 64 * k * 3 // 4 + 2 * tiles * 64 * k // group  # 6 bits + scales
+        for out_dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(module(x, out_dtype), halves(x, out_dtype))
+        with pytest.raises(ValueError, match="not exact"):
+            kernels.linear_int4(x, module.packed, module.scale, torch.empty(m, n), 3, exact=True)
+    # Codes outside -32..31 (Q8_0's) keep the 8-bit halves.
+    assert type(make_linear(Int8GroupWeight(q * 0 + 40, weight.scale, group), platform=HERE)) is Int8GroupLinear

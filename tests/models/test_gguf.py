@@ -12,7 +12,9 @@ from gguf.quants import quantize as reference_quantize
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tests.models.test_gguf_dequant import random_blocks
+from tuili import LLM, SamplingParams, kernels
 from tuili.errors import CheckpointError, UnsupportedModelError
+from tuili.layers.quant import Int4Linear, Int6GroupLinear, Int8GroupLinear, QuantizedLinear, StackedLinear
 from tuili.models import default_model
 from tuili.models.default_model import default_model_path
 from tuili.models.gguf import dequantize, open_gguf
@@ -281,9 +283,6 @@ K_QUANT_MIX = {
 
 
 def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_path, prompt_logits):
-    from tuili import LLM
-    from tuili.layers.quant import Int4Linear, Int8GroupLinear, QuantizedLinear, StackedLinear
-
     torch.manual_seed(0)
     config = transformers.Qwen3Config(**{**TINY, "hidden_size": 256, "intermediate_size": 512}, head_dim=64,
                                       tie_word_embeddings=True)  # fmt: skip
@@ -312,12 +311,13 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
     layer = packed.engine.runner.model.model.layers[0]
     # q and k (Q4_K) stacked with v (Q6_K) in int8 groups of 16; o as Q4_K's own codes; gate and
     # up (Q5_0) as int8 groups of 32; down (Q6_K) as int8 groups of 16.
-    # q and k (Q4_K) as Int4Linear codes beside v (Q6_K) in int8 groups of 16, run as one linear;
-    # o as Q4_K's codes; gate and up (Q5_0) in int8 groups of 32; down (Q6_K) in groups of 16.
+    # q and k (Q4_K) as Int4Linear codes beside v (Q6_K) in groups of 16, run as one linear; o as
+    # Q4_K's codes; gate and up (Q5_0) in groups of 32; down (Q6_K) in groups of 16. The 6-bit
+    # and 5-bit codes at 6 bits where the kernels read them (VNNI builds), else as int8 halves.
     assert type(layer.self_attn.qkv_proj) is StackedLinear
-    kinds = [(type(m), m.group_size) for m in layer.modules() if isinstance(m, (Int4Linear, Int8GroupLinear))]
-    assert kinds == [(Int4Linear, 32), (Int8GroupLinear, 16), (Int4Linear, 32), (Int8GroupLinear, 32),
-                     (Int8GroupLinear, 16)], kinds  # fmt: skip
+    eight = Int6GroupLinear if kernels.linear_int6_available() else Int8GroupLinear
+    kinds = [(type(m), m.group_size) for m in layer.modules() if isinstance(m, (Int4Linear, Int6GroupLinear, Int8GroupLinear))]
+    assert kinds == [(Int4Linear, 32), (eight, 16), (Int4Linear, 32), (eight, 32), (eight, 16)], kinds
     prompts = [[int(t) for t in rng.integers(3, TINY["vocab_size"], size=n)] for n in (5, 17)]
     expected, ours = prompt_logits(reference, prompts), prompt_logits(packed, prompts)
     # bf16 compute: the same file with Q8_0 linears measured mean 0.008 and max 0.05 of the
@@ -326,8 +326,6 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
     assert error.mean() < 0.02 and error.max() < 0.15, (error.mean(), error.max())
     # Decode steps replay CPU graphs, the stacked q/k/v's parts writing their columns in place:
     # the same tokens as every step eager.
-    from tuili import SamplingParams
-
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     replayed = [o.outputs[0].token_ids for o in packed.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
     graphs = packed.engine.runner.graphs

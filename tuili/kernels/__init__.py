@@ -59,10 +59,14 @@ linear_int4(x, packed, scale_zero, out, copies=1, exact=False)
     out = x @ W.T for 1..64 rows of x [M, K] (float32 or bfloat16), W an Int4Linear's packed
     weight read as stored (packed [N / 64, K, 32] uint8, scale_zero [K / group, N, 2]
     bfloat16); copies 2 reads an Int8GroupLinear's (GGUF Q8_0) instead: packed [N / 64, 2K, 32],
-    its two nibble halves read as q = 16h + l - 128, and its scales [K / group, N] bfloat16. out [M, n], n <= N (the padding rows are not written), float32 or
-    bfloat16, its rows contiguous but possibly further apart (a column range of a wider output). Per group: scale * sum x (q - 8) + zero * sum x, float32 sums, one rounding. On
-    AVX512-VNNI CPUs x is first written per group as two int8 parts (integer dot products; error
-    at most max |x| / 64516 per value) unless `exact`.
+    its two nibble halves read as q = 16h + l - 128, and its scales [K / group, N] bfloat16;
+    copies 3 an Int6GroupLinear's 6-bit codes (packed [N / 64, 3K / 2, 32]: a nibble plane and
+    2-bit planes, q = 16h + l - 32) and its scales, only where `linear_int6_available()`
+    (AVX512-VNNI and VBMI in the build) and not `exact`. out [M, n], n <= N (the padding rows
+    are not written), float32 or bfloat16, its rows contiguous but possibly further apart (a
+    column range of a wider output). Per group: scale * sum x (q - 8) + zero * sum x, float32
+    sums, one rounding. On AVX512-VNNI CPUs x is first written per group as two int8 parts
+    (integer dot products; error at most max |x| / 64516 per value) unless `exact`.
     Any number of rows up to 64; a row's result does not depend on the other rows.
 
 linear_small(x, weight, bias, out)
@@ -153,6 +157,7 @@ from tuili.kernels.cpu import (
     kv_store,
     linear_amx,
     linear_int4,
+    linear_int6_available,
     linear_packed,
     linear_packed_available,
     linear_rows,
@@ -182,6 +187,7 @@ __all__ = [
     "linear_amx",
     "linear_int4",
     "linear_packed",
+    "linear_int6_available",
     "linear_packed_available",
     "linear_rows",
     "linear_small",

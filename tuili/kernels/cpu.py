@@ -161,6 +161,8 @@ def _declare(library: ctypes.CDLL) -> None:
     ]  # fmt: skip
     library.tuili_linear_packed_available.argtypes = []
     library.tuili_linear_packed_available.restype = i32
+    library.tuili_linear_int6_available.argtypes = []
+    library.tuili_linear_int6_available.restype = i32
     library.tuili_linear_packed.restype = i32
     library.tuili_prompt_attention.argtypes = [
         p, p, p, i64, i64,  # q, k, v, q's token stride, k's and v's token stride
@@ -448,12 +450,13 @@ def _int4_layout(
     """Int4Linear's packed [tiles, K, 32] uint8 and scale_zero [groups, 64 tiles, 2] (or its
     scales alone, [groups, 64 tiles], where the zeros are all 0), or with halves 2
     Int8GroupLinear's packed [tiles, 2K, 32] (its two nibble halves) and scales [groups, 64 tiles],
-    checked; with the group size K / groups."""
+    or with halves 3 Int6GroupLinear's packed [tiles, 3K / 2, 32] (a nibble plane and 2-bit
+    planes) and scales; checked; with the group size K / groups."""
     packed = _check("packed", packed, (torch.uint8,), 3)
     tiles, packed_k, half_tile = packed.shape
     if half_tile != INT4_TILE_ROWS // 2:
         raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {INT4_TILE_ROWS // 2}]")
-    alone = halves == 2 or (isinstance(scale_zero, torch.Tensor) and scale_zero.dim() == 2)
+    alone = halves >= 2 or (isinstance(scale_zero, torch.Tensor) and scale_zero.dim() == 2)
     name, per_row = ("scales", ()) if alone else ("scale_zero", (2,))
     scale_zero = _check(name, scale_zero, scale_dtypes, 2 + len(per_row))
     if scale_zero.shape[1:] != (tiles * INT4_TILE_ROWS, *per_row):
@@ -461,11 +464,13 @@ def _int4_layout(
         raise ValueError(
             f"{name} has shape {list(scale_zero.shape)}; expected [{expected}] for packed's {tiles} tiles"
         )
-    groups, k = scale_zero.shape[0], packed_k // halves  # the group size is implied: K / groups
-    if groups == 0 or packed_k % halves or k % groups:
+    # the group size is implied: K / groups
+    groups = scale_zero.shape[0]
+    k, rest = divmod(packed_k * 2, 3) if halves == 3 else divmod(packed_k, halves)
+    if groups == 0 or rest or k % groups:
         raise ValueError(
             f"{name} has {groups} groups, which does not divide the packed weight's {k} inputs"
-            + (" (half of its rows: two nibble halves)" if halves == 2 else "")
+            + {1: "", 2: " (half of its rows: two nibble halves)", 3: " (two thirds of its rows: 6-bit codes)"}[halves]
         )
     return packed, scale_zero, k // groups
 
@@ -490,8 +495,10 @@ def linear_int4(
     rows, k = x.shape
     if not 1 <= rows <= LINEAR_INT4_MAX_ROWS:
         raise ValueError(f"x has {rows} rows; linear_int4 takes 1 to {LINEAR_INT4_MAX_ROWS}")
-    if copies not in (1, 2):
-        raise ValueError(f"copies={copies!r}; expected 1 (int4) or 2 (the halves of a Q8_0 weight)")
+    if copies not in (1, 2, 3):
+        raise ValueError(f"copies={copies!r}; expected 1 (int4), 2 (the halves of a Q8_0 weight) or 3 (6-bit codes)")
+    if copies == 3 and (exact or not linear_int6_available()):
+        raise ValueError("6-bit codes (copies 3) run only on the integer dots of AVX512-VNNI CPUs, not exact")
     packed, scale_zero, group_size = _int4_layout(packed, scale_zero, (torch.bfloat16,), copies)
     # The integer sums of a group must fit in int32; the kernels take k four at a time.
     if group_size > LINEAR_INT4_MAX_GROUP or group_size % 4:
@@ -499,8 +506,8 @@ def linear_int4(
             f"groups of {group_size} inputs; linear_int4 takes groups of a multiple of 4 up to {LINEAR_INT4_MAX_GROUP}"
         )
     tiles, packed_k, _ = packed.shape
-    if packed_k != copies * k:
-        raise ValueError(f"packed has {packed_k} inputs; expected {copies} x {k} (x has {k} columns)")
+    if packed_k != (3 * k // 2 if copies == 3 else copies * k):
+        raise ValueError(f"packed has {packed_k} inputs; expected {copies} x {k}{' / 2' * (copies == 3)} (x has {k} columns)")
     out = _check_rows("out", out, _FLOAT_DTYPES)
     if out.shape[0] != rows or not 0 < out.shape[1] <= tiles * INT4_TILE_ROWS:
         raise ValueError(f"out has shape {list(out.shape)}; expected [{rows}, 1 .. {tiles * INT4_TILE_ROWS}]")
@@ -612,6 +619,17 @@ def amx_available() -> bool:
     """Whether linear_amx can run: the kernels are available, this build has the AMX code (the
     compiler targeted a CPU with AMX-BF16) and the OS lets this process use the tile registers."""
     return available() and _amx_granted()
+
+
+def linear_int6_available() -> bool:
+    """Whether linear_int4 reads 6-bit codes (copies 3): the kernels are available and this build
+    has AVX512-VNNI and VBMI (the integer dots, whose unpacking alone knows the 2-bit planes)."""
+    return available() and _int6_built()
+
+
+@functools.cache
+def _int6_built() -> bool:
+    return _library().tuili_linear_int6_available() == 1
 
 
 def linear_packed_available() -> bool:

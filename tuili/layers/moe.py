@@ -33,7 +33,7 @@ from torch import nn
 
 from tuili.layers.activation import silu_and_mul
 from tuili.layers.linear import linear
-from tuili.layers.quant import Int4Weight, QuantizedLinear, QuantizedWeight, make_linear
+from tuili.layers.quant import Int4Weight, QuantizedLinear, QuantizedWeight, int6_fits, make_linear
 from tuili.platform import Platform
 
 
@@ -167,10 +167,12 @@ class QuantizedExperts(RoutedExperts):
             linears = self._linears[projection] = []
             # One buffer layout per projection: int4 scales alone only if every expert's zeros are 0.
             keep_zeros = any(isinstance(w, Int4Weight) and w.zero.any() for w in weights)
+            six_bit = all(int6_fits(w, compute_dtype, platform) for w in weights)  # all experts, or none
             # Expert by expert into the stacked buffers: the layer's packed bytes plus one expert's
             # are held at a time, never a second copy of them all.
             for e, weight in enumerate(weights):
-                module = make_linear(weight, None, compute_dtype, platform=platform, keep_zeros=keep_zeros)
+                module = make_linear(weight, None, compute_dtype, platform=platform, keep_zeros=keep_zeros,
+                                     six_bit=six_bit)
                 for name, tensor in list(module.named_buffers()):
                     if e == 0:
                         self.register_buffer(f"{projection}_{name}", tensor.new_empty(len(weights), *tensor.shape))

@@ -57,6 +57,7 @@ from tuili.layers.quant import (
     QuantizedLinear,
     QuantizedWeight,
     StackedLinear,
+    int6_fits,
     int8_group_size,
     make_linear,
     quantize_int4,
@@ -410,15 +411,20 @@ class WeightPlan:
 
     def _gguf_decode_copy(self) -> QuantizedLinear | None:
         """A quantized copy of the output matrix (the embedding when tied) for few-row logits, as
-        llama.cpp reads its output matrix quantized: the file's own blocks when they are Q8_0,
-        else int8 per group (`int8_group_size`) of the dequantized matrix (a Q6_K matrix, say: 8
-        bits keep the logits closer than Q6_K itself). None when the input size takes no group."""
+        llama.cpp reads its output matrix quantized: the file's own blocks when they are Q8_0, or
+        Q6_K where they run at 6 bits (`int6_fits`: the same bytes per step as llama.cpp, almost),
+        else int8 per group (`int8_group_size`) of the dequantized matrix. None when the input
+        size takes no group."""
         ckpt = self.gguf_packed
         assert ckpt is not None
         name = "lm_head.weight" if "lm_head.weight" in ckpt.tensor_names() else "model.embed_tokens.weight"
         shape = ckpt.tensor_info(name).shape
-        if ckpt.runs_packed(name) and ckpt.tensor_info(name).ggml_type.name == "Q8_0":
-            weight = ckpt.quantized_tensor(name)
+        kind = ckpt.tensor_info(name).ggml_type.name if ckpt.runs_packed(name) else None
+        stored = ckpt.quantized_tensor(name) if kind in ("Q8_0", "Q6_K") else None
+        if kind == "Q8_0" or (kind == "Q6_K" and int6_fits(stored, self.quantized_dtype, self.platform)):  # type: ignore[arg-type]
+            weight = stored
+            if self.sharded is not None:
+                weight = narrow(weight, 0, *self.sharded.vocab())
         else:
             group = int8_group_size(shape[1]) if len(shape) == 2 else None
             if group is None:
@@ -428,8 +434,6 @@ class WeightPlan:
                 start, stop = self.sharded.vocab()
                 matrix = matrix[start:stop]
             weight = quantize_int8_group(matrix, group, self.quantized_dtype)
-        if self.sharded is not None and ckpt.runs_packed(name) and ckpt.tensor_info(name).ggml_type.name == "Q8_0":
-            weight = narrow(weight, 0, *self.sharded.vocab())
         return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
 
     def _linear_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

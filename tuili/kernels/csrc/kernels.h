@@ -32,6 +32,7 @@ int tuili_prompt_attention(const void *q, const void *k, const void *v, int64_t 
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
                       int64_t n_out, int64_t out_stride, int exact, int pairs, int num_threads);
+int tuili_linear_int6_available(void);
 int tuili_dequant_int4(const uint8_t *packed, int64_t k, const void *scale_zero, int scale_dtype, int pairs, int64_t n,
                        int64_t group_size, int64_t first_tile, int64_t num_tiles, void *out, int out_dtype,
                        int num_threads);

@@ -84,7 +84,8 @@ typedef struct {
     const uint8_t *packed;
     const uint16_t *scale_zero; /* (scale, zero) pairs, or (pairs 0) each group's scales alone */
     void *out;
-    int out_dtype, q8; /* q8: Int8GroupLinear's halves, tiles of 2 kp rows */
+    int out_dtype, q8; /* q8: Int8GroupLinear's halves, tiles of 2 kp rows; or q6's planes */
+    int q6;             /* Int6GroupLinear's 6-bit codes (VNNI only): see unpack_quad */
     int pairs;          /* scale_zero holds (scale, zero) pairs; else scales, the zeros 0 (Q4_0, Q8_0) */
     int exact;          /* float32 sums of x as given, never its int8 rounding (VNNI CPUs too) */
     int64_t m, kp, group, n_pad, n_out, out_stride; /* kp: K, the columns of x; out_stride: between out's rows */
@@ -240,13 +241,30 @@ static inline __attribute__((always_inline)) void fold_low(__m512i acc[VNNI_ROWS
 }
 
 /* The codes of tile rows k .. k + 3 as VPDPBUSD reads them, four vectors of 16 lanes of four
- * consecutive k (tile columns 0-15, 16-31, 32-47, 48-63): int4 codes 0..15, or for Q8_0 (q8) the
- * byte u = 16h + l = q + 128 of its two nibble halves. */
+ * consecutive k (tile columns 0-15, 16-31, 32-47, 48-63): int4 codes 0..15, for Q8_0 (q8) the
+ * byte u = 16h + l = q + 128 of its two nibble halves, or for 6-bit codes (q6) u = 16h + l =
+ * q + 32 with l from a tile's K rows of nibbles (int4's layout) and h from the 2-bit planes after
+ * them: K / 4 vectors of 64 bytes, quad k / 4's already in VPDPBUSD's order, byte 4j + i holding
+ * h of tile columns j, 16 + j, 32 + j, 48 + j at k + i in bits 0-1, 2-3, 4-5, 6-7. A quad's
+ * codes are thus 128 + 64 bytes: 0.75 bytes per value, with a bf16 scale per 16 values 0.875
+ * (Q6_K's 6.56 bits against the 9 of its codes as Q8_0's halves). */
 static inline __attribute__((always_inline)) void unpack_quad(const int4_args *a, int64_t tile, int64_t k,
                                                               __m512i w[4]) {
     const __m512i first_half = transpose_index(0), second_half = transpose_index(16);
     const __m512i low_nibble = _mm512_set1_epi8(0x0F), high_nibble = _mm512_set1_epi8((char)0xF0);
-    if (a->q8) {
+    if (a->q6) {
+        const uint8_t *low = a->packed + tile * 3 * a->kp * HALF / 2, *planes = low + a->kp * HALF + k * 16;
+        const __m512i bits45 = _mm512_set1_epi8(0x30);
+        __m512i l1, l2;
+        four_rows(low, k, first_half, second_half, &l1, &l2);
+        __builtin_prefetch(planes + PREFETCH_ROWS * HALF / 2, 0, 2); /* the same distance in quads */
+        const __m512i h = _mm512_loadu_si512(planes);
+        w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(l1, low_nibble), _mm512_slli_epi16(h, 4), bits45, 0xF8);
+        w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(l2, low_nibble), _mm512_slli_epi16(h, 2), bits45, 0xF8);
+        w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low_nibble), h, bits45, 0xF8);
+        w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l2, 4), low_nibble), _mm512_srli_epi16(h, 2),
+                                         bits45, 0xF8);
+    } else if (a->q8) {
         const uint8_t *high = a->packed + tile * 2 * a->kp * HALF, *low = high + a->kp * HALF;
         __m512i h1, h2, l1, l2;
         four_rows(high, k, first_half, second_half, &h1, &h2);
@@ -303,7 +321,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
             if (a->q8) {
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
-                    const __m512i corrected = _mm512_sub_epi32(acc[i][v], _mm512_set1_epi32(128 * a->xqsum[at]));
+                    const __m512i corrected = _mm512_sub_epi32(acc[i][v], _mm512_set1_epi32((a->q6 ? 32 : 128) * a->xqsum[at]));
                     sum[i][v] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(a->sx[at])), _mm512_cvtepi32_ps(corrected),
                                                 sum[i][v]);
                 }
@@ -817,7 +835,13 @@ static void round_group(const void *x, int x_dtype, int64_t group, int64_t at, i
 int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void *scale_zero, void *out,
                       int out_dtype, int64_t m, int64_t k, int64_t copies, int64_t tiles, int64_t group,
                       int64_t n_out, int64_t out_stride, int exact, int pairs, int num_threads) {
-    /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side. */
+    /* Int8GroupLinear (copies 2) runs the Q8_0 kernel over K with its halves side by side;
+     * Int6GroupLinear (copies 3) its 6-bit codes, on VNNI CPUs only (Python checks first). */
+#ifdef VNNI
+    if (copies == 3 && exact) return TUILI_BAD_SHAPE;
+#else
+    if (copies == 3) return TUILI_BAD_SHAPE;
+#endif
     const int64_t groups = k / group;
 #ifdef AVX2_DOTS
     const int64_t x16_values = m * k;
@@ -844,8 +868,8 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     cache_bytes *= 2; /* int16 codes */
 #endif
     const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, x16};
-    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, x16, packed, scale_zero, out, out_dtype, copies == 2,
-                         pairs != 0 && copies != 2, exact != 0, m, k, group, tiles * TILE, n_out, out_stride};
+    const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, x16, packed, scale_zero, out, out_dtype, copies >= 2,
+                         copies == 3, pairs != 0 && copies == 1, exact != 0, m, k, group, tiles * TILE, n_out, out_stride};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -883,4 +907,13 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     }
     free(xf);
     return failed ? TUILI_NO_MEMORY : TUILI_OK;
+}
+
+/* Whether this build reads 6-bit codes (copies 3): the VNNI kernel's unpacking only. */
+int tuili_linear_int6_available(void) {
+#ifdef VNNI
+    return 1;
+#else
+    return 0;
+#endif
 }

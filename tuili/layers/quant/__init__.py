@@ -25,10 +25,12 @@ from tuili.layers.quant.linear import (
     Q8_0_GEMV_MAX_ROWS,
     Q8_0_OP_MAX_ROWS,
     Int4Linear,
+    Int6GroupLinear,
     Int8GroupLinear,
     Int8Linear,
     QuantizedLinear,
     StackedLinear,
+    int6_fits,
     make_linear,
 )
 from tuili.platform import INT4_TILE_ROWS
@@ -44,6 +46,7 @@ __all__ = [
     "Q8_0_OP_MAX_ROWS",
     "Int4Linear",
     "Int4Weight",
+    "Int6GroupLinear",
     "Int8GroupLinear",
     "StackedLinear",
     "Int8GroupWeight",
@@ -52,6 +55,7 @@ __all__ = [
     "QuantizedLinear",
     "QuantizedWeight",
     "int8_group_size",
+    "int6_fits",
     "make_linear",
     "quantize_int4",
     "quantize_int8",

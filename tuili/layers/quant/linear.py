@@ -427,6 +427,80 @@ class Int8GroupLinear(Int4Linear):
         return out[:, : self.out_features]
 
 
+class Int6GroupLinear(QuantizedLinear):
+    """An Int8GroupWeight whose codes all lie in -32..31 (GGUF Q6_K and Q5_0 are such), held at
+    6 bits where linear_int4 reads them (`int6_fits`): u = q + 32 = 16h + l, the nibbles l in
+    Int4Linear's tiles and, after each tile's K rows of them, the 2-bit h as K / 4 planes of 64
+    bytes in the VNNI kernel's order (csrc/linear_int4.c, unpack_quad): packed [N / 64, 3K / 2,
+    32], and the scales alone, `scale` [K / group, N] bf16. 0.875 bytes per value at Q6_K's
+    groups of 16 (its own 0.82), 0.8125 at Q5_0's 32 (0.69), against 1.125 and 1.0625 as an
+    Int8GroupLinear. The gemv takes every row count (no other kernel reads the planes)."""
+
+    max_gemv_rows = 1 << 62
+
+    def __init__(self, weight: Int8GroupWeight, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16, *, platform: Platform) -> None:  # fmt: skip
+        n, k = weight.q.shape
+        super().__init__(k, n, bias, platform)
+        self.group_size = weight.group_size
+        rows = -n % INT4_TILE_ROWS  # padding rows: code 0 and scale 0, so weight 0
+        u = F.pad((weight.q.to(torch.int16) + 32).to(torch.uint8), (0, 0, 0, rows))
+        tiles = u.shape[0] // INT4_TILE_ROWS
+        low = (u & 0x0F).view(tiles, 2, INT4_TILE_ROWS // 2, k)
+        nibbles = (low[:, 0] | (low[:, 1] << 4)).transpose(1, 2)  # [tiles, K, 32], Int4Linear's
+        high = (u >> 4).view(tiles, 4, 16, k // 4, 4)  # [tile, row group, row, quad, k in quad]
+        planes = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)  # [tile, row, quad, k]
+        planes = planes.permute(0, 2, 1, 3)  # byte 4 row + k of quad q at 64 q
+        packed = torch.cat([nibbles.reshape(tiles, -1), planes.reshape(tiles, -1)], dim=1)
+        self.register_buffer("packed", packed.view(tiles, 3 * k // 2, INT4_TILE_ROWS // 2))
+        self.register_buffer("scale", F.pad(weight.scale.to(compute_dtype), (0, 0, 0, rows)).t().contiguous())
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.scale)
+
+    def _weight(self) -> Int8GroupWeight:
+        """The stored weight unpacked (padding rows included)."""
+        tiles, k = self.packed.shape[0], self.in_features
+        flat = self.packed.view(tiles, -1)
+        nibbles = flat[:, : k * INT4_TILE_ROWS // 2].view(tiles, k, INT4_TILE_ROWS // 2).transpose(1, 2)
+        low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1)  # [tiles, 64, K]
+        planes = flat[:, k * INT4_TILE_ROWS // 2 :].view(tiles, k // 4, 16, 4).permute(0, 2, 1, 3)
+        high = torch.stack([(planes >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(tiles, 64, k)
+        q = ((high << 4 | low).to(torch.int16) - 32).to(torch.int8).reshape(-1, k)
+        return Int8GroupWeight(q, self.scale.t(), self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        return self._weight().dequantize()[: self.out_features]
+
+    def _gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        kernels.linear_int4(x, self.packed, self.scale, out, 3)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        # Off the CPU's gemv only (another device, or a compute dtype the kernel does not take).
+        return x @ self.dequantize().to(x.dtype).t()
+
+
+def int6_fits(weight: QuantizedWeight, compute_dtype: torch.dtype, platform: Platform) -> bool:
+    """Whether `weight` runs as an Int6GroupLinear on `platform`: int8 codes per group, all in
+    -32..31, computing in bf16 on a CPU whose kernels read 6-bit codes."""
+    return (
+        isinstance(weight, Int8GroupWeight)
+        and compute_dtype == torch.bfloat16
+        and platform.native_kernels
+        and platform.device.type == "cpu"
+        and kernels.linear_int6_available()
+        and weight.q.shape[1] % 4 == 0
+        and bool(weight.q.numel())
+        and int(weight.q.min()) >= -32
+        and int(weight.q.max()) <= 31
+    )
+
+
 class StackedLinear(QuantizedLinear):
     """Quantized linears of one input run as one, their outputs side by side in order: a fused
     projection whose parts a GGUF file stores in different types (`stack_parts`: a Q4_K_M file's
@@ -476,8 +550,12 @@ def make_linear(
     *,
     platform: Platform,
     keep_zeros: bool = False,
+    six_bit: bool = True,
 ) -> QuantizedLinear:
-    """The module that runs `weight` on `platform` (keep_zeros: Int4Linear's)."""
+    """The module that runs `weight` on `platform` (keep_zeros: Int4Linear's; six_bit: an
+    Int8GroupWeight may run as an Int6GroupLinear where it fits)."""
+    if six_bit and int6_fits(weight, compute_dtype, platform):
+        return Int6GroupLinear(weight, bias, compute_dtype, platform=platform)  # type: ignore[arg-type]
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight, bias, compute_dtype, platform=platform)
     if isinstance(weight, Int4Weight):
