@@ -275,3 +275,28 @@ def test_6_bit_codes_give_the_bits_of_the_same_weight_as_q8_0_halves(m):
             kernels.linear_int4(x, module.packed, module.scale, torch.empty(m, n), 3, exact=True)
     # Codes outside -32..31 (Q8_0's) keep the 8-bit halves.
     assert type(make_linear(Int8GroupWeight(q * 0 + 40, weight.scale, group), platform=HERE)) is Int8GroupLinear
+
+
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_6_bit_codes_with_zeros_add_each_group_zero_times_the_sum_of_x(m):
+    """GGUF Q5_1 and Q5_K: w = scale * q + zero per group. The product is the same codes' product
+    without zeros plus sum_g zero_g * sum of x over g (float32 sums), where 6-bit codes run."""
+    n, k, group = 130, 256, 32
+    generator = torch.Generator().manual_seed(m)
+    q = torch.randint(-16, 16, (n, k), generator=generator, dtype=torch.int8)
+    scale, zero = torch.rand(n, k // group, generator=generator) / 50, torch.randn(n, k // group, generator=generator) / 10
+    with_zeros = make_linear(Int8GroupWeight(q, scale, group, zero), platform=HERE) if kernels.linear_int6_available() else None
+    if with_zeros is None:  # builds without AVX512-VNNI and VBMI: no module takes zeros, the loader dequantizes
+        with pytest.raises(ValueError, match="run only as 6-bit codes"):
+            make_linear(Int8GroupWeight(q, scale, group, zero), platform=HERE)
+        return
+    without = make_linear(Int8GroupWeight(q, scale, group), platform=HERE)
+    assert type(with_zeros) is type(without) is Int6GroupLinear and with_zeros.kernel_scales.dim() == 3
+    held = Int8GroupWeight(q, scale.bfloat16().float(), group, zero.bfloat16().float())  # as rounded once to bf16
+    torch.testing.assert_close(with_zeros.dequantize(), held.dequantize(), rtol=0, atol=0)
+    x = torch.randn(m, k, generator=generator).bfloat16()
+    zero_bf16 = with_zeros.kernel_scales[..., 1].t()[:n].double()  # [n, groups] as held
+    term = x.double().view(m, -1, group).sum(-1) @ zero_bf16.T
+    difference = with_zeros(x, torch.float32).double() - without(x, torch.float32).double()
+    bound = 2**-20 * (x.double().abs().view(m, -1, group).sum(-1) @ zero_bf16.abs().T + (x.double().abs() @ without.dequantize().double().abs().T))
+    assert ((difference - term).abs() <= bound).all()

@@ -274,11 +274,11 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 # A Q4_K_M file's mix of types (llama.cpp's choice for it: Q6_K for v and half the downs, Q5_0
-# where a row is not whole 256-value blocks), as random blocks scaled like trained weights
-# (~0.03): the scale fields' std, per type.
+# where a row is not whole 256-value blocks) and a Q5_K one, as random blocks scaled like trained
+# weights (~0.03): the scale fields' std, per type.
 K_QUANT_MIX = {
     "attn_q": (Q.Q4_K, 1e-4), "attn_k": (Q.Q4_K, 1e-4), "attn_v": (Q.Q6_K, 3e-5), "attn_output": (Q.Q4_K, 1e-4),
-    "ffn_gate": (Q.Q5_0, 3e-3), "ffn_up": (Q.Q5_0, 3e-3), "ffn_down": (Q.Q6_K, 3e-5),
+    "ffn_gate": (Q.Q5_0, 3e-3), "ffn_up": (Q.Q5_K, 3e-5), "ffn_down": (Q.Q6_K, 3e-5),
 }  # fmt: skip
 
 
@@ -312,12 +312,18 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
     # q and k (Q4_K) stacked with v (Q6_K) in int8 groups of 16; o as Q4_K's own codes; gate and
     # up (Q5_0) as int8 groups of 32; down (Q6_K) as int8 groups of 16.
     # q and k (Q4_K) as Int4Linear codes beside v (Q6_K) in groups of 16, run as one linear; o as
-    # Q4_K's codes; gate and up (Q5_0) in groups of 32; down (Q6_K) in groups of 16. The 6-bit
-    # and 5-bit codes at 6 bits where the kernels read them (VNNI builds), else as int8 halves.
+    # Q4_K's codes; gate (Q5_0) and up (Q5_K, with zeros) in groups of 32; down (Q6_K) in groups
+    # of 16. The 5- and 6-bit codes at 6 bits where the kernels read them (VNNI builds); else as
+    # int8 halves, and gate/up as floats (no other module takes codes with zeros).
     assert type(layer.self_attn.qkv_proj) is StackedLinear
-    eight = Int6GroupLinear if kernels.linear_int6_available() else Int8GroupLinear
     kinds = [(type(m), m.group_size) for m in layer.modules() if isinstance(m, (Int4Linear, Int6GroupLinear, Int8GroupLinear))]
-    assert kinds == [(Int4Linear, 32), (eight, 16), (Int4Linear, 32), (eight, 32), (eight, 16)], kinds
+    if kernels.linear_int6_available():
+        assert kinds == [(Int4Linear, 32), (Int6GroupLinear, 16), (Int4Linear, 32), (Int6GroupLinear, 32),
+                         (Int6GroupLinear, 16)], kinds  # fmt: skip
+        assert layer.mlp.gate_up_proj.kernel_scales.dim() == 3  # Q5_K's zeros (Q5_0's as 0)
+    else:
+        assert kinds == [(Int4Linear, 32), (Int8GroupLinear, 16), (Int4Linear, 32), (Int8GroupLinear, 16)], kinds
+        assert not isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
     prompts = [[int(t) for t in rng.integers(3, TINY["vocab_size"], size=n)] for n in (5, 17)]
     expected, ours = prompt_logits(reference, prompts), prompt_logits(packed, prompts)
     # bf16 compute: the same file with Q8_0 linears measured mean 0.008 and max 0.05 of the

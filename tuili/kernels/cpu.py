@@ -456,7 +456,7 @@ def _int4_layout(
     tiles, packed_k, half_tile = packed.shape
     if half_tile != INT4_TILE_ROWS // 2:
         raise ValueError(f"packed has shape {list(packed.shape)}; expected [tiles, K, {INT4_TILE_ROWS // 2}]")
-    alone = halves >= 2 or (isinstance(scale_zero, torch.Tensor) and scale_zero.dim() == 2)
+    alone = halves == 2 or (isinstance(scale_zero, torch.Tensor) and scale_zero.dim() == 2)
     name, per_row = ("scales", ()) if alone else ("scale_zero", (2,))
     scale_zero = _check(name, scale_zero, scale_dtypes, 2 + len(per_row))
     if scale_zero.shape[1:] != (tiles * INT4_TILE_ROWS, *per_row):

@@ -859,10 +859,13 @@ def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * (_q5_0_codes(blocks).float() - 16)
 
 
-def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_1_codes(blocks: torch.Tensor) -> torch.Tensor:
     # d: f16 | m: f16 | fifth bits: 32 bits | q: 32 x 4 bits; x = d*q + m
-    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
-    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+    return _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+
+
+def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * _q5_1_codes(blocks).float() + _f16(blocks, 2)
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -893,16 +896,21 @@ def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return (step.unsqueeze(-1) * q.float() - offset.unsqueeze(-1)).reshape(-1, 256)
 
 
-def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    # d | dmin | scales and mins: 12 bytes | fifth bits: 32 bytes (bit j for sub-block j) | q: 256 x 4 bits
+def _q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q5_K block's codes [n_blocks, 8, 32] (0..31) and its sub-blocks' steps and offsets
+    [n_blocks, 8]: w = step * q - offset.
+
+    d | dmin | scales and mins: 12 bytes | fifth bits: 32 bytes (bit j for sub-block j) | q: 256 x 4 bits."""
     scales, mins = _k_scales(blocks[:, 4:16])
     low = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
     high = (blocks[:, 16:48].unsqueeze(1) >> shifts) & 1
-    q = (low | (high << 4)).float()
-    step = (_f16(blocks, 0) * scales).unsqueeze(-1)
-    offset = (_f16(blocks, 2) * mins).unsqueeze(-1)
-    return (step * q - offset).reshape(-1, 256)
+    return low | (high << 4), _f16(blocks, 0) * scales, _f16(blocks, 2) * mins
+
+
+def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    q, step, offset = _q5_k_parts(blocks)
+    return (step.unsqueeze(-1) * q.float() - offset.unsqueeze(-1)).reshape(-1, 256)
 
 
 def _q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -952,7 +960,11 @@ PACKED_GGUF_TYPES = (
     GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q5_K,
 )
+# Their codes and a zero per group: held only where 6-bit codes run (int6_fits), else dequantized.
+ZERO_CODE_GGUF_TYPES = (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
 
 
 def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> QuantizedWeight:
@@ -966,10 +978,13 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
     - Q8_0 (d, 32 int8, w = d*q): Int8GroupWeight in groups of 32;
     - Q5_0 (d, 5-bit q, w = d*(q - 16)): Int8GroupWeight in groups of 32, codes q - 16;
     - Q6_K (16 sub-blocks of 16 of a 256 block, w = step*(q - 32)): Int8GroupWeight in groups of
-      16, codes q - 32.
+      16, codes q - 32;
+    - Q5_1 (d, m, 5-bit q, w = d*q + m) and Q5_K (8 sub-blocks of 32, w = step*q - offset):
+      Int8GroupWeights with zeros in groups of 32, codes q - 16, zero m + 16d (16 step - offset).
 
-    The 5- and 6-bit codes take 8 bits this way (Q5_0 8.5 bits per weight in bf16 against its
-    own 5.5, Q6_K 9 against 6.56), half of what they take dequantized to 16 bits."""
+    The 5- and 6-bit codes lie in -32..31: Int6GroupLinear holds them at 6 bits where the kernels
+    read 6-bit codes, Int8GroupLinear at 8 elsewhere (but not those with zeros, ZERO_CODE_GGUF_TYPES,
+    which its kernels do not take: the loader dequantizes those there)."""
     ggml_type = GGMLQuantizationType(ggml_type)
     if ggml_type not in PACKED_GGUF_TYPES:
         raise UnsupportedModelError(
@@ -987,11 +1002,18 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
     if ggml_type == GGMLQuantizationType.Q6_K:
         q, step = _q6_k_parts(blocks)
         return Int8GroupWeight(q.reshape(n, k), step.view(n, k // 16), 16)
+    if ggml_type == GGMLQuantizationType.Q5_K:
+        q, step, offset = _q5_k_parts(blocks)
+        step, offset = step.view(n, k // 32), offset.view(n, k // 32)
+        return Int8GroupWeight((q.view(torch.int8) - 16).reshape(n, k), step, 32, 16 * step - offset)
     d = _f16(blocks, 0).view(n, k // 32)
     if ggml_type == GGMLQuantizationType.Q8_0:
         return Int8GroupWeight(blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k), d, 32)
     if ggml_type == GGMLQuantizationType.Q5_0:
         return Int8GroupWeight((_q5_0_codes(blocks).view(torch.int8) - 16).reshape(n, k), d, 32)
+    if ggml_type == GGMLQuantizationType.Q5_1:
+        m = _f16(blocks, 2).view(n, k // 32)
+        return Int8GroupWeight((_q5_1_codes(blocks).view(torch.int8) - 16).reshape(n, k), d, 32, m + 16 * d)
     q = _nibbles(blocks[:, 2:] if ggml_type == GGMLQuantizationType.Q4_0 else blocks[:, 4:]).reshape(n, k)
     if ggml_type == GGMLQuantizationType.Q4_0:
         return Int4Weight(q, d, torch.zeros_like(d), 32)
@@ -1017,12 +1039,14 @@ def _take_columns(weight: QuantizedWeight, columns: torch.Tensor, name: str) -> 
     if isinstance(weight, Int4Weight):
         return Int4Weight(weight.q[:, columns], weight.scale[:, groups], weight.zero[:, groups], weight.group_size)
     assert isinstance(weight, Int8GroupWeight)
-    return Int8GroupWeight(weight.q[:, columns], weight.scale[:, groups], weight.group_size)
+    zero = None if weight.zero is None else weight.zero[:, groups]
+    return Int8GroupWeight(weight.q[:, columns], weight.scale[:, groups], weight.group_size, zero)
 
 
 def _take_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
     if isinstance(weight, Int4Weight):
         return Int4Weight(weight.q[rows], weight.scale[rows], weight.zero[rows], weight.group_size)
     if isinstance(weight, Int8GroupWeight):
-        return Int8GroupWeight(weight.q[rows], weight.scale[rows], weight.group_size)
+        zero = None if weight.zero is None else weight.zero[rows]
+        return Int8GroupWeight(weight.q[rows], weight.scale[rows], weight.group_size, zero)
     return Int8Weight(weight.q[rows], weight.scale[rows])

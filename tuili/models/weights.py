@@ -5,7 +5,7 @@ A linear is held one of four ways, decided here once per module from the checkpo
 request and the platform (first match):
 
 1. **GGUF blocks as stored** (`gguf_packed`): a decoder linear whose parts are all of
-   PACKED_GGUF_TYPES (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; parts of different types stacked in
+   PACKED_GGUF_TYPES (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; parts of different types in
    one format, `stack_parts`) runs on the packed kernels (tuili/layers/quant), computing in
    `quantized_dtype`.
 2. **Quantized at load** (`quantization` "int8" | "int4"): the float weight (a GGUF file's
@@ -54,6 +54,7 @@ from tuili.layers.moe import Experts, QuantizedExperts, RoutedExperts
 from tuili.layers.quant import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
+    Int8GroupWeight,
     QuantizedLinear,
     QuantizedWeight,
     StackedLinear,
@@ -251,6 +252,8 @@ class WeightPlan:
                 f"{self.source}: tensor {path} has shape {ckpt.tensor_info(path).shape}, expected {whole} from the config"
             )
         stack = ckpt.quantized_tensor(path)  # [E * out, in], Hugging Face row order
+        if not _held_packed(stack, self.quantized_dtype, self.platform):
+            return None
         num, out = whole[0], whole[1]
         experts = [narrow(stack, 0, e * out, (e + 1) * out) for e in range(num)]
         if self.sharded is None:
@@ -404,6 +407,8 @@ class WeightPlan:
         elif bias and self.sharded is not None and self.sharded.shard.rank == 0:
             b = self._stacked([f"{p}.bias" for p in parts], (weights[0].q.shape[0],))
         runs = stack_parts(weights)  # type: ignore[arg-type]
+        if any(not _held_packed(run, self.quantized_dtype, self.platform) for run in runs):
+            return None
         if len(runs) == 1:
             return make_linear(runs[0], b, self.quantized_dtype, platform=self.platform).to(self.device)
         linears = [make_linear(run, None, self.quantized_dtype, platform=self.platform) for run in runs]
@@ -474,6 +479,14 @@ def check_int4_shapes(linears: list[tuple[str, int]], group_size: int) -> None:
         f"{group_size}, but {name} has {k} inputs ({k} % {group_size} = {k % group_size}"
         f"{f', and {len(bad) - 1} more layers' if len(bad) > 1 else ''}); {hint}"
     )
+
+
+def _held_packed(weight: QuantizedWeight, compute_dtype: torch.dtype, platform: Platform) -> bool:
+    """Whether a packed module takes `weight`: every format does, except int8 codes with zeros
+    (GGUF Q5_1, Q5_K), which run only as 6-bit codes (`int6_fits`); elsewhere they are read as
+    floats."""
+    with_zeros = isinstance(weight, Int8GroupWeight) and weight.zero is not None
+    return not with_zeros or int6_fits(weight, compute_dtype, platform)
 
 
 def _is_output(name: str) -> bool:

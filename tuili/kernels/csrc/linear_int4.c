@@ -247,7 +247,8 @@ static inline __attribute__((always_inline)) void fold_low(__m512i acc[VNNI_ROWS
  * them: K / 4 vectors of 64 bytes, quad k / 4's already in VPDPBUSD's order, byte 4j + i holding
  * h of tile columns j, 16 + j, 32 + j, 48 + j at k + i in bits 0-1, 2-3, 4-5, 6-7. A quad's
  * codes are thus 128 + 64 bytes: 0.75 bytes per value, with a bf16 scale per 16 values 0.875
- * (Q6_K's 6.56 bits against the 9 of its codes as Q8_0's halves). */
+ * (Q6_K's 6.56 bits against the 9 of its codes as Q8_0's halves). 6-bit codes may come with
+ * (scale, zero) pairs (GGUF Q5_1, Q5_K): tile_rows_vnni adds zero * sum x as for int4. */
 static inline __attribute__((always_inline)) void unpack_quad(const int4_args *a, int64_t tile, int64_t k,
                                                               __m512i w[4]) {
     const __m512i first_half = transpose_index(0), second_half = transpose_index(16);
@@ -319,11 +320,13 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
         UNROLLED for (int v = 0; v < 4; v++) {
             const __m512 s = scales16(sz, v * 16, a->pairs);
             if (a->q8) {
+                /* 6-bit codes may carry a zero per group (GGUF Q5_1, Q5_K): + zero * sum x */
+                const __m512 z = zeros16(sz, v * 16, a->pairs);
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
                     const __m512i corrected = _mm512_sub_epi32(acc[i][v], _mm512_set1_epi32((a->q6 ? 32 : 128) * a->xqsum[at]));
-                    sum[i][v] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(a->sx[at])), _mm512_cvtepi32_ps(corrected),
-                                                sum[i][v]);
+                    const __m512 t = a->pairs ? _mm512_fmadd_ps(z, _mm512_set1_ps(a->xsum[at]), sum[i][v]) : sum[i][v];
+                    sum[i][v] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(a->sx[at])), _mm512_cvtepi32_ps(corrected), t);
                 }
             } else {
                 const __m512 z = zeros16(sz, v * 16, a->pairs);
@@ -869,7 +872,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 #endif
     const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, x16};
     const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, x16, packed, scale_zero, out, out_dtype, copies >= 2,
-                         copies == 3, pairs != 0 && copies == 1, exact != 0, m, k, group, tiles * TILE, n_out, out_stride};
+                         copies == 3, pairs != 0 && copies != 2, exact != 0, m, k, group, tiles * TILE, n_out, out_stride};
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

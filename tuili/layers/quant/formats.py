@@ -68,23 +68,31 @@ class Int4Weight:
 
 @dataclass
 class Int8GroupWeight:
-    """Symmetric 8-bit weight with a scale per group of inputs (GGUF Q8_0: groups of 32):
-    w[n, k] = scale[n, k // group_size] * q[n, k]."""
+    """8-bit weight with a scale per group of inputs (GGUF Q8_0: groups of 32), symmetric, or
+    with a zero per group where `zero` is given (GGUF Q5_1 and Q5_K, whose codes are 5-bit):
+    w[n, k] = scale[n, k // group_size] * q[n, k] (+ zero[n, k // group_size])."""
 
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float [N, K // group_size]
     group_size: int
+    zero: torch.Tensor | None = None  # float [N, K // group_size], or None: all 0
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        grouped = self.q.float().view(n, k // self.group_size, self.group_size)
-        return (grouped * self.scale.float()[..., None]).view(n, k)
+        grouped = self.q.float().view(n, k // self.group_size, self.group_size) * self.scale.float()[..., None]
+        if self.zero is not None:
+            grouped = grouped + self.zero.float()[..., None]
+        return grouped.view(n, k)
 
     @staticmethod
     def cat(parts: list[Int8GroupWeight]) -> Int8GroupWeight:
-        """Stack along the output dimension; all parts must share a group size."""
+        """Stack along the output dimension; all parts must share a group size (zeros of 0 for
+        the parts without, where another has them)."""
         group_size = _common_group_size(parts)
-        return Int8GroupWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), group_size)
+        zero = None
+        if any(p.zero is not None for p in parts):
+            zero = torch.cat([torch.zeros_like(p.scale) if p.zero is None else p.zero for p in parts])
+        return Int8GroupWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), group_size, zero)
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Int8GroupWeight

@@ -432,9 +432,11 @@ class Int6GroupLinear(QuantizedLinear):
     6 bits where linear_int4 reads them (`int6_fits`): u = q + 32 = 16h + l, the nibbles l in
     Int4Linear's tiles and, after each tile's K rows of them, the 2-bit h as K / 4 planes of 64
     bytes in the VNNI kernel's order (csrc/linear_int4.c, unpack_quad): packed [N / 64, 3K / 2,
-    32], and the scales alone, `scale` [K / group, N] bf16. 0.875 bytes per value at Q6_K's
-    groups of 16 (its own 0.82), 0.8125 at Q5_0's 32 (0.69), against 1.125 and 1.0625 as an
-    Int8GroupLinear. The gemv takes every row count (no other kernel reads the planes)."""
+    32], and the scales alone, `scale` [K / group, N] bf16, or (scale, zero) pairs `scale_zero`
+    [K / group, N, 2] for a weight with zeros (GGUF Q5_1, Q5_K; w = scale * q + zero). 0.875 bytes
+    per value at Q6_K's groups of 16 (its own 0.82), 0.8125 at Q5_0's 32 (0.69), 0.875 with
+    Q5_K's zeros (0.69), against 1.125 and 1.0625 as an Int8GroupLinear (which has no zeros).
+    The gemv takes every row count (no other kernel reads the planes)."""
 
     max_gemv_rows = 1 << 62
 
@@ -453,15 +455,25 @@ class Int6GroupLinear(QuantizedLinear):
         planes = planes.permute(0, 2, 1, 3)  # byte 4 row + k of quad q at 64 q
         packed = torch.cat([nibbles.reshape(tiles, -1), planes.reshape(tiles, -1)], dim=1)
         self.register_buffer("packed", packed.view(tiles, 3 * k // 2, INT4_TILE_ROWS // 2))
-        self.register_buffer("scale", F.pad(weight.scale.to(compute_dtype), (0, 0, 0, rows)).t().contiguous())
+        scale = F.pad(weight.scale.to(compute_dtype), (0, 0, 0, rows)).t()
+        if weight.zero is None:
+            self.register_buffer("scale", scale.contiguous())
+        else:
+            zero = F.pad(weight.zero.to(compute_dtype), (0, 0, 0, rows)).t()
+            self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).contiguous())
+
+    @property
+    def kernel_scales(self) -> torch.Tensor:
+        """The scales, or the (scale, zero) pairs, that linear_int4 reads with `packed`."""
+        return self._buffers["scale_zero"] if "scale_zero" in self._buffers else self.scale
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.scale.dtype
+        return self.kernel_scales.dtype
 
     @property
     def weight_bytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.scale)
+        return _nbytes(self.packed) + _nbytes(self.kernel_scales)
 
     def _weight(self) -> Int8GroupWeight:
         """The stored weight unpacked (padding rows included)."""
@@ -472,13 +484,16 @@ class Int6GroupLinear(QuantizedLinear):
         planes = flat[:, k * INT4_TILE_ROWS // 2 :].view(tiles, k // 4, 16, 4).permute(0, 2, 1, 3)
         high = torch.stack([(planes >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(tiles, 64, k)
         q = ((high << 4 | low).to(torch.int16) - 32).to(torch.int8).reshape(-1, k)
+        if "scale_zero" in self._buffers:
+            scale, zero = self.scale_zero.unbind(-1)
+            return Int8GroupWeight(q, scale.t(), self.group_size, zero.t())
         return Int8GroupWeight(q, self.scale.t(), self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         return self._weight().dequantize()[: self.out_features]
 
     def _gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        kernels.linear_int4(x, self.packed, self.scale, out, 3)
+        kernels.linear_int4(x, self.packed, self.kernel_scales, out, 3)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         # Off the CPU's gemv only (another device, or a compute dtype the kernel does not take).
@@ -487,7 +502,8 @@ class Int6GroupLinear(QuantizedLinear):
 
 def int6_fits(weight: QuantizedWeight, compute_dtype: torch.dtype, platform: Platform) -> bool:
     """Whether `weight` runs as an Int6GroupLinear on `platform`: int8 codes per group, all in
-    -32..31, computing in bf16 on a CPU whose kernels read 6-bit codes."""
+    -32..31, computing in bf16 on a CPU whose kernels read 6-bit codes. A weight with zeros runs
+    only so (Int8GroupLinear has none)."""
     return (
         isinstance(weight, Int8GroupWeight)
         and compute_dtype == torch.bfloat16
@@ -556,6 +572,11 @@ def make_linear(
     Int8GroupWeight may run as an Int6GroupLinear where it fits)."""
     if six_bit and int6_fits(weight, compute_dtype, platform):
         return Int6GroupLinear(weight, bias, compute_dtype, platform=platform)  # type: ignore[arg-type]
+    if isinstance(weight, Int8GroupWeight) and weight.zero is not None:
+        raise ValueError(
+            "int8 codes with zeros per group (GGUF Q5_1, Q5_K) run only as 6-bit codes, on CPUs whose "
+            "kernels read them (kernels.linear_int6_available()) in bf16; dequantize them elsewhere"
+        )
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight, bias, compute_dtype, platform=platform)
     if isinstance(weight, Int4Weight):
