@@ -218,7 +218,26 @@ class Int8Linear(QuantizedLinear):
         return out.mul_(self.scale)
 
 
-class Int4Linear(QuantizedLinear):
+class _PackedLinear(QuantizedLinear):
+    """A module whose codes linear_int4 reads: `packed` and its scales, held alone (`scale`) or
+    as (scale, zero) pairs (`scale_zero`); the compute dtype is theirs."""
+
+    @property
+    def kernel_scales(self) -> torch.Tensor:
+        """The scales the native kernels read with `packed`: scale_zero, or `scale` where the
+        module holds the scales alone (Int8GroupLinear: always)."""
+        return self._buffers["scale_zero"] if "scale_zero" in self._buffers else self.scale
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.kernel_scales.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.kernel_scales)
+
+
+class Int4Linear(_PackedLinear):
     """Int4Weight, packed two codes a byte in the layout of the CPU int4 kernel on AVX-512
     (`aten._convert_weight_to_int4pack_for_cpu`): rows in tiles of 64, each tile [K, 32] bytes
     whose byte [k, j] holds row j's code in the low nibble and row 32 + j's in the high nibble.
@@ -264,14 +283,6 @@ class Int4Linear(QuantizedLinear):
         else:
             self.register_buffer("scale_zero", scale_zero)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.kernel_scales.dtype
-
-    @property
-    def weight_bytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.kernel_scales)
-
     def dequantize(self) -> torch.Tensor:
         return self._int4_weight().dequantize()[: self.out_features]
 
@@ -296,12 +307,6 @@ class Int4Linear(QuantizedLinear):
 
     def _repeat(self, x: torch.Tensor) -> torch.Tensor:
         return x if self._input_copies == 1 else x.repeat(1, self._input_copies)
-
-    @property
-    def kernel_scales(self) -> torch.Tensor:
-        """The scales the native kernels read with `packed`: scale_zero, or `scale` where the
-        module holds the scales alone (Int8GroupLinear: always)."""
-        return self._buffers["scale_zero"] if "scale_zero" in self._buffers else self.scale
 
     def _gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
         kernels.linear_int4(x, self.packed, self.kernel_scales, out, self._input_copies)
@@ -427,7 +432,7 @@ class Int8GroupLinear(Int4Linear):
         return out[:, : self.out_features]
 
 
-class Int6GroupLinear(QuantizedLinear):
+class Int6GroupLinear(_PackedLinear):
     """An Int8GroupWeight whose codes all lie in -32..31 (GGUF Q6_K and Q5_0 are such), held at
     6 bits where linear_int4 reads them (`int6_fits`): u = q + 32 = 16h + l, the nibbles l in
     Int4Linear's tiles and, after each tile's K rows of them, the 2-bit h as K / 4 planes of 64
@@ -461,19 +466,6 @@ class Int6GroupLinear(QuantizedLinear):
         else:
             zero = F.pad(weight.zero.to(compute_dtype), (0, 0, 0, rows)).t()
             self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).contiguous())
-
-    @property
-    def kernel_scales(self) -> torch.Tensor:
-        """The scales, or the (scale, zero) pairs, that linear_int4 reads with `packed`."""
-        return self._buffers["scale_zero"] if "scale_zero" in self._buffers else self.scale
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.kernel_scales.dtype
-
-    @property
-    def weight_bytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.kernel_scales)
 
     def _weight(self) -> Int8GroupWeight:
         """The stored weight unpacked (padding rows included)."""
