@@ -154,7 +154,7 @@ def qwen35_08b_gguf(ftype: str) -> Path:
 
 def converted_gguf(name: str, checkpoint: Callable[[], Path], ftype: str, convert_options: tuple[str, ...] = ()) -> Path:
     """`checkpoint()` as GGUF, written once: "bf16" and "f16" by llama.cpp's convert_hf_to_gguf.py,
-    "Q8_0", "Q4_0", "Q4_K_M" by its llama-quantize from the bf16 file (with llama-quantize's usual choice
+    "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M" by its llama-quantize from the bf16 file (with llama-quantize's usual choice
     for the tied embedding / output matrix).
 
     The converter wants a tokenizer and the random checkpoints have none: it is given SmolLM2's

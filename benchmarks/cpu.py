@@ -3,7 +3,7 @@
 
 Models (--models):
   qwen3-0.6b    a random checkpoint with Qwen3-0.6B's shape (bf16 safetensors for tuili and vLLM;
-                bf16, f16, Q8_0, Q4_0 and Q4_K_M GGUF converted from it for llama.cpp and tuili)
+                bf16, f16, Q8_0, Q4_0, Q4_K_M and Q5_K_M GGUF converted from it for llama.cpp and tuili)
   smollm2       the embedded SmolLM2-135M-Instruct Q4_1 GGUF (tuili and llama.cpp)
   qwen3.5-0.8b  a random Qwen3.5 hybrid of ~0.8B parameters (hidden 1024, 24 layers, three Gated
                 DeltaNet layers per full-attention layer; benchmarks/common.py QWEN35_08B): tuili
@@ -33,14 +33,14 @@ its CPU repacking of the weights (`--repack 0`, `--no-repack`) and with it ("rep
 tuili is held to the better of the two. transformers runs in a cpu_worker.py process too
 (`model.generate`, greedy, exactly N new tokens), timed by the same calls as tuili and vLLM.
 
-Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit, 4-bit K),
-MBU of tuili's batch-1 decode and MFU of its prefill against this machine's read bandwidth and
-matmul peak (read right before and after each sample, as `tuili probe` measures them; or a
---hardware spec), and the model's targets with PASS / MISS: issue 24's (issue 7's, raised for
-CPUs without AMX) on the Qwen3-0.6B shape, issue 19's on the Qwen3.5 shape. A decode step's
-bytes for MBU are the weights it reads, the KV of its context and, for a hybrid model, each
-sequence's linear-attention state (recurrent and conv, as tuili's pool holds it) read and
-written back once: 2 x state bytes per sequence.
+Printed: a table per model, tuili / the best peer in the same precision (16-bit, 8-bit, 4-bit;
+4-bit K and 5-bit K: the Q4_K_M and Q5_K_M files), MBU of tuili's batch-1 decode and MFU of its
+prefill against this machine's read bandwidth and matmul peak (read right before and after each
+sample, as `tuili probe` measures them; or a --hardware spec), and the model's targets with PASS /
+MISS: issue 24's (issue 7's, raised for CPUs without AMX) on the Qwen3-0.6B shape, issue 19's on
+the Qwen3.5 shape. A decode step's bytes for MBU are the weights it reads, the KV of its context
+and, for a hybrid model, each sequence's linear-attention state (recurrent and conv, as tuili's
+pool holds it) read and written back once: 2 x state bytes per sequence.
 
     bash benchmarks/build_peers.sh              # once per machine: llama.cpp and the vLLM venv
     python benchmarks/cpu.py                    # everything (the better part of an hour on 2 cores)
@@ -138,7 +138,7 @@ class Variant:
 
     engine: str  # tuili | llama | vllm | transformers
     label: str
-    precision: str  # the class peers are compared in: 16-bit, 8-bit, 4-bit, 4-bit K
+    precision: str  # the class peers are compared in: 16-bit, 8-bit, 4-bit, 4-bit K, 5-bit K
     source: Callable[[], Path]  # the checkpoint, made on first use
     options: dict = field(default_factory=dict)  # extra LLM(...) options
     needs_llama: bool = False  # its file is made by llama.cpp's tools
@@ -230,6 +230,9 @@ def models(args: argparse.Namespace) -> list[Model]:
         Variant("tuili", "tuili Q4_K_M", "4-bit K", gguf("Q4_K_M"), needs_llama=True),
         Variant("llama", "llama Q4_K_M", "4-bit K", gguf("Q4_K_M"), needs_llama=True),
         Variant("llama", "llama Q4_K_M repack", "4-bit K", gguf("Q4_K_M"), {"repack": True}, needs_llama=True),
+        Variant("tuili", "tuili Q5_K_M", "5-bit K", gguf("Q5_K_M"), needs_llama=True),
+        Variant("llama", "llama Q5_K_M", "5-bit K", gguf("Q5_K_M"), needs_llama=True),
+        Variant("llama", "llama Q5_K_M repack", "5-bit K", gguf("Q5_K_M"), {"repack": True}, needs_llama=True),
     ]
     if args.vllm_eager:
         qwen.insert(2, Variant("vllm", "vllm bf16 eager", "16-bit", hf, {"enforce_eager": True}))
