@@ -8,7 +8,9 @@
  * holds the scales alone, [K' / group, N] (`pairs` 0), and the kernel takes the zeros as 0.
  * Int8GroupLinear (Q8_0) is the same code layout over K' = 2K (its high and low nibble halves)
  * with its scales alone, [K / group, N] bfloat16 (w = scale * q); `copies` = 2 selects its own
- * kernel (q8 below), which reads both halves at once.
+ * kernel (q8 below), which reads both halves at once. Int6GroupLinear (GGUF Q6_K, Q5_0, Q5_1,
+ * Q5_K: codes in -32..31) is K rows of nibbles and K / 2 rows of 2-bit planes a tile, `copies`
+ * = 3, read by the VNNI path alone (unpack_quad). Output rows lie `out_stride` values apart.
  *
  * Per group g of K' the product needs no dequantized weight:
  *   y[n] += scale[g, n] * sum_k x[k] * q[n, k] + (zero[g, n] - 8 scale[g, n]) * sum_k x[k]

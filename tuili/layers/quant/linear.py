@@ -504,15 +504,19 @@ def int6_fits(weight: QuantizedWeight, compute_dtype: torch.dtype, platform: Pla
         and kernels.linear_int6_available()
         and weight.q.shape[1] % 4 == 0
         and bool(weight.q.numel())
-        and int(weight.q.min()) >= -32
-        and int(weight.q.max()) <= 31
+        and _codes_within(weight.q, -32, 31)
     )
+
+
+def _codes_within(q: torch.Tensor, low: int, high: int) -> bool:
+    smallest, largest = torch.aminmax(q)
+    return int(smallest) >= low and int(largest) <= high
 
 
 class StackedLinear(QuantizedLinear):
     """Quantized linears of one input run as one, their outputs side by side in order: a fused
     projection whose parts a GGUF file stores in different types (`stack_parts`: a Q4_K_M file's
-    [q k] in Q4_K as an Int4Linear, v in Q6_K as an Int8GroupLinear), each held as stored. The
+    [q k] in Q4_K as an Int4Linear, v in Q6_K as an Int6GroupLinear), each held as stored. The
     gemv writes each part's columns of one output in place (linear_int4 takes output rows further
     apart than a part's width), so a CPU graph replays the parts' kernel calls and nothing else;
     the other kernels concatenate the parts' products. The bias is the whole output's."""
