@@ -14,12 +14,14 @@ from gguf import GGMLQuantizationType
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from tuili import kernels
 from tuili.config import ModelConfig
 from tuili.errors import TuiliError
 from tuili.layers import moe as moe_module
 from tuili.layers.moe import Experts, QuantizedExperts, SparseMoE, route
 from tuili.layers.quant import (
     Int4Linear,
+    Int6GroupLinear,
     Int8GroupLinear,
     Int8Linear,
     QuantizedLinear,
@@ -156,7 +158,8 @@ def test_experts_refuse_mismatched_shapes():
 
 HERE = Platform.detect(batch_invariant=False)  # kernels picked by row count, so that all of them run
 QUANT_PLATFORMS = {"native": lambda: HERE, "torch": Platform.portable}
-GGUF_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+GGUF_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
+              "q5_0": GGMLQuantizationType.Q5_0}  # fmt: skip
 
 
 def _quantized_experts(
@@ -194,16 +197,18 @@ def _routing(tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, ids
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0"])
 @pytest.mark.parametrize("platform", list(QUANT_PLATFORMS))
 @pytest.mark.parametrize("top_k", [1, 8])
 def test_packed_experts_compute_their_dequantized_weights(kind, platform, top_k):
     """Packed experts against float experts holding the weights they dequantize to: exactly (to
     float32 rounding) when they compute in float32; within bf16 rounding when in bf16. Token
     counts 3 and 100 put the few-row kernels (gemv / op) and the tiled one to work."""
-    expected_linear = {"int8": Int8Linear, "int4": Int4Linear, "q4_0": Int4Linear, "q4_1": Int4Linear,
-                       "q8_0": Int8GroupLinear}[kind]  # fmt: skip
     for compute_dtype in (torch.float32, torch.bfloat16):
+        # Q5_0's codes (-16..15) at 6 bits where the kernels read them, in bf16 (every expert's)
+        six_bit = compute_dtype == torch.bfloat16 and platform == "native" and kernels.linear_int6_available()
+        expected_linear = {"int8": Int8Linear, "int4": Int4Linear, "q4_0": Int4Linear, "q4_1": Int4Linear,
+                           "q8_0": Int8GroupLinear, "q5_0": Int6GroupLinear if six_bit else Int8GroupLinear}[kind]  # fmt: skip
         packed, gate_up, down = _quantized_experts(kind, compute_dtype, QUANT_PLATFORMS[platform]())
         assert type(packed.linear("down_proj", 0)) is expected_linear and packed.compute_dtype == compute_dtype
         if compute_dtype == torch.float32:  # the module's own dequantization agrees, expert by expert
