@@ -451,7 +451,7 @@ class Int6GroupLinear(_PackedLinear):
         super().__init__(k, n, bias, platform)
         self.group_size = weight.group_size
         rows = -n % INT4_TILE_ROWS  # padding rows: code 0 and scale 0, so weight 0
-        u = F.pad((weight.q.to(torch.int16) + 32).to(torch.uint8), (0, 0, 0, rows))
+        u = F.pad((weight.q + 32).view(torch.uint8), (0, 0, 0, rows))  # 0..63: no int8 overflow
         tiles = u.shape[0] // INT4_TILE_ROWS
         low = (u & 0x0F).view(tiles, 2, INT4_TILE_ROWS // 2, k)
         nibbles = (low[:, 0] | (low[:, 1] << 4)).transpose(1, 2)  # [tiles, K, 32], Int4Linear's
@@ -475,7 +475,7 @@ class Int6GroupLinear(_PackedLinear):
         low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1)  # [tiles, 64, K]
         planes = flat[:, k * INT4_TILE_ROWS // 2 :].view(tiles, k // 4, 16, 4).permute(0, 2, 1, 3)
         high = torch.stack([(planes >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(tiles, 64, k)
-        q = ((high << 4 | low).to(torch.int16) - 32).to(torch.int8).reshape(-1, k)
+        q = ((high << 4 | low).view(torch.int8) - 32).reshape(-1, k)  # 0..63 - 32
         if "scale_zero" in self._buffers:
             scale, zero = self.scale_zero.unbind(-1)
             return Int8GroupWeight(q, scale.t(), self.group_size, zero.t())
