@@ -106,7 +106,7 @@ def test_synthetic_gguf_blocks_compute_the_gguf_dequantization(ggml_type, comput
     run_both_kernels(module, 128, bias, reference, FP32_BOUND if compute_dtype == torch.float32 else BF16_BOUND)
 
 
-@pytest.mark.parametrize("ggml_type", [Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q5_1, Q.Q5_K])
+@pytest.mark.parametrize("ggml_type", [Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q5_1, Q.Q5_K, Q.Q3_K, Q.Q2_K])
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 def test_random_k_quant_and_5_bit_blocks_run_packed_as_their_codes(ggml_type, compute_dtype, dequantizer):
     # gguf.quants cannot quantize the K types, so every bit pattern of random blocks (finite
@@ -115,13 +115,14 @@ def test_random_k_quant_and_5_bit_blocks_run_packed_as_their_codes(ggml_type, co
     reference = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type).copy())
     weight = gguf_weight(raw, ggml_type, (128, 512))
     expected = {Q.Q5_0: (Int8GroupWeight, 32), Q.Q4_K: (Int4Weight, 32), Q.Q6_K: (Int8GroupWeight, 16),
-                Q.Q5_1: (Int8GroupWeight, 32), Q.Q5_K: (Int8GroupWeight, 32)}[ggml_type]  # fmt: skip
+                Q.Q5_1: (Int8GroupWeight, 32), Q.Q5_K: (Int8GroupWeight, 32), Q.Q3_K: (Int8GroupWeight, 16),
+                Q.Q2_K: (Int8GroupWeight, 16)}[ggml_type]  # fmt: skip
     assert (type(weight), weight.group_size) == expected
     # Q4_K's zero (8 step - offset) and scale cancel to float32 rounding of the block's size.
     atol = 1e-6 * reference.abs().max().item()
     torch.testing.assert_close(weight.dequantize(), reference, rtol=1e-6, atol=atol)
     bias = torch.randn(128)
-    if ggml_type in (Q.Q5_1, Q.Q5_K) and not int6_fits(weight, compute_dtype, dequantizer):
+    if ggml_type in (Q.Q5_1, Q.Q5_K, Q.Q2_K) and not int6_fits(weight, compute_dtype, dequantizer):
         # codes with zeros run only as 6-bit codes (VNNI builds, bf16); the loader reads them as floats elsewhere
         with pytest.raises(ValueError, match="run only as 6-bit codes"):
             make_linear(weight, bias, compute_dtype, platform=dequantizer)
@@ -537,9 +538,9 @@ def test_int4_on_an_indivisible_input_size_names_the_tensor_and_sizes():
 
 
 def test_unsupported_gguf_type_names_it_and_the_packed_ones():
-    raw = np.zeros(4 * 110, dtype=np.uint8)  # four rows of one 256-value Q3_K block
-    with pytest.raises(UnsupportedModelError, match="Q3_K cannot run packed; packed types: Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, Q5_1, Q5_K"):
-        gguf_weight(raw, Q.Q3_K, (4, 256))
+    raw = np.zeros(4 * 136, dtype=np.uint8)  # four rows of one 256-value IQ4_XS block
+    with pytest.raises(UnsupportedModelError, match="IQ4_XS cannot run packed; packed types: Q4_0, .*, Q3_K, Q2_K"):
+        gguf_weight(raw, Q.IQ4_XS, (4, 256))
 
 
 def test_gguf_bytes_that_do_not_fit_the_shape_are_refused():

@@ -274,10 +274,10 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 # A Q4_K_M file's mix of types (llama.cpp's choice for it: Q6_K for v and half the downs, Q5_0
-# where a row is not whole 256-value blocks) and a Q5_K one, as random blocks scaled like trained
-# weights (~0.03): the scale fields' std, per type.
+# where a row is not whole 256-value blocks) with Q5_K, Q3_K and Q2_K parts, as random blocks
+# scaled like trained weights (~0.03): the scale fields' std, per type.
 K_QUANT_MIX = {
-    "attn_q": (Q.Q4_K, 1e-4), "attn_k": (Q.Q4_K, 1e-4), "attn_v": (Q.Q6_K, 3e-5), "attn_output": (Q.Q4_K, 1e-4),
+    "attn_q": (Q.Q4_K, 1e-4), "attn_k": (Q.Q4_K, 1e-4), "attn_v": (Q.Q6_K, 3e-5), "attn_output": (Q.Q3_K, 3e-4),
     "ffn_gate": (Q.Q5_0, 3e-3), "ffn_up": (Q.Q5_K, 3e-5), "ffn_down": (Q.Q6_K, 3e-5),
 }  # fmt: skip
 
@@ -299,7 +299,7 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
             continue
         qtype, scale_std = K_QUANT_MIX[part]
         if gguf_name == "blk.1.ffn_down.weight":
-            qtype, scale_std = Q.Q4_K, 1e-4  # the other half of the downs
+            qtype, scale_std = Q.Q2_K, 1e-3  # another layer's down in Q2_K
         rows, cols = state.pop(hf_name).shape
         raw[gguf_name] = (random_blocks(qtype, rows, cols, rng, scale_std), qtype)
     path = write_gguf(tmp_path / "k_quants.gguf", "qwen3", config, state, raw_tensors=raw)
@@ -311,18 +311,18 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
     layer = packed.engine.runner.model.model.layers[0]
     # q and k (Q4_K) stacked with v (Q6_K) in int8 groups of 16; o as Q4_K's own codes; gate and
     # up (Q5_0) as int8 groups of 32; down (Q6_K) as int8 groups of 16.
-    # q and k (Q4_K) as Int4Linear codes beside v (Q6_K) in groups of 16, run as one linear; o as
-    # Q4_K's codes; gate (Q5_0) and up (Q5_K, with zeros) in groups of 32; down (Q6_K) in groups
-    # of 16. The 5- and 6-bit codes at 6 bits where the kernels read them (VNNI builds); else as
-    # int8 halves, and gate/up as floats (no other module takes codes with zeros).
+    # q and k (Q4_K) as Int4Linear codes beside v (Q6_K) in groups of 16, run as one linear; o
+    # (Q3_K) in groups of 16; gate (Q5_0) and up (Q5_K, with zeros) in groups of 32; down (Q6_K)
+    # in groups of 16. The 3- to 6-bit codes at 6 bits where the kernels read them (VNNI builds);
+    # else as int8 halves, and gate/up as floats (no other module takes codes with zeros).
     assert type(layer.self_attn.qkv_proj) is StackedLinear
     kinds = [(type(m), m.group_size) for m in layer.modules() if isinstance(m, (Int4Linear, Int6GroupLinear, Int8GroupLinear))]
     if kernels.linear_int6_available():
-        assert kinds == [(Int4Linear, 32), (Int6GroupLinear, 16), (Int4Linear, 32), (Int6GroupLinear, 32),
+        assert kinds == [(Int4Linear, 32), (Int6GroupLinear, 16), (Int6GroupLinear, 16), (Int6GroupLinear, 32),
                          (Int6GroupLinear, 16)], kinds  # fmt: skip
         assert layer.mlp.gate_up_proj.kernel_scales.dim() == 3  # Q5_K's zeros (Q5_0's as 0)
     else:
-        assert kinds == [(Int4Linear, 32), (Int8GroupLinear, 16), (Int4Linear, 32), (Int8GroupLinear, 16)], kinds
+        assert kinds == [(Int4Linear, 32), (Int8GroupLinear, 16), (Int8GroupLinear, 16), (Int8GroupLinear, 16)], kinds
         assert not isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
     prompts = [[int(t) for t in rng.integers(3, TINY["vocab_size"], size=n)] for n in (5, 17)]
     expected, ours = prompt_logits(reference, prompts), prompt_logits(packed, prompts)

@@ -51,7 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "(default: this machine's `tuili probe` result, else a quick estimate)")
     group.add_argument("--quantization", default=None, choices=["int8", "int4"],
                        help="quantize a float checkpoint's linears at load: int8 per output channel, or int4 "
-                       "in groups of 32 with scale and zero point (GGUF Q4_0/Q4_1/Q8_0/Q5_x/Q4_K/Q5_K/Q6_K linears run as stored "
+                       "in groups of 32 with scale and zero point (GGUF Q4_0/Q4_1/Q5_x/Q8_0 and K-quant linears run as stored "
                        "without this flag)")
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                        help="KV cache storage: auto = the working dtype; fp8 = float8 e4m3 with a scale per KV "

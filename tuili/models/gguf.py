@@ -913,6 +913,49 @@ def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     return (step.unsqueeze(-1) * q.float() - offset.unsqueeze(-1)).reshape(-1, 256)
 
 
+def _q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q2_K block's codes [n_blocks, 16, 16] (0..3) and its sub-blocks' steps and offsets
+    [n_blocks, 16]: w = step * q - offset.
+
+    scales: 16 bytes (a sub-block's scale in the low nibble, its min in the high) | q: 64 bytes of
+    2-bit codes, values 0-31 of each 128 from bit pairs 0-1 of 32 bytes, 32-63 from 2-3, ... | d:
+    f16 | dmin: f16."""
+    scales = blocks[:, :16]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    q = ((blocks[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+    return q, _f16(blocks, 80) * (scales & 0x0F).float(), _f16(blocks, 82) * (scales >> 4).float()
+
+
+def _dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    q, step, offset = _q2_k_parts(blocks)
+    return (step.unsqueeze(-1) * q.float() - offset.unsqueeze(-1)).reshape(-1, 256)
+
+
+def _q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q3_K block's codes [n_blocks, 16, 16] (int8, -4..3) and its sub-blocks' steps
+    [n_blocks, 16]: w = step * q.
+
+    hmask: 32 bytes (a code's third bit, bit j of byte i for value 32j + i; set means no -4) | q:
+    64 bytes of 2-bit codes laid out as Q2_K's | scales: 12 bytes of 6-bit values less 32 (low
+    nibbles from bytes 0-7, low then high nibble; top two bits from bytes 8-11, bit pairs 0-1
+    to 6-7) | d: f16."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    low = ((blocks[:, 32:96].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+    bits = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = ((blocks[:, :32].unsqueeze(1) >> bits) & 1).reshape(-1, 16, 16)
+    q = low.view(torch.int8) - ((high ^ 1) << 2).view(torch.int8)
+    packed = blocks[:, 96:108]
+    nibbles = torch.stack([packed[:, :8] & 0x0F, packed[:, :8] >> 4], dim=1).reshape(-1, 16)
+    tops = ((packed[:, 8:12].unsqueeze(1) >> shifts.view(1, 4, 1)) & 3).reshape(-1, 16)
+    scales = (nibbles | (tops << 4)).view(torch.int8) - 32
+    return q, _f16(blocks, 108) * scales.float()
+
+
+def _dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    q, step = _q3_k_parts(blocks)
+    return (step.unsqueeze(-1) * q.float()).reshape(-1, 256)
+
+
 def _q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q6_K block's codes [n_blocks, 16, 16] (int8, -32..31) and its sub-blocks' steps
     [n_blocks, 16]: w = step * q.
@@ -943,6 +986,8 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.Q4_1: _dequantize_q4_1,
     GGMLQuantizationType.Q5_0: _dequantize_q5_0,
     GGMLQuantizationType.Q5_1: _dequantize_q5_1,
+    GGMLQuantizationType.Q2_K: _dequantize_q2_k,
+    GGMLQuantizationType.Q3_K: _dequantize_q3_k,
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,
     GGMLQuantizationType.Q5_K: _dequantize_q5_k,
     GGMLQuantizationType.Q6_K: _dequantize_q6_k,
@@ -962,9 +1007,11 @@ PACKED_GGUF_TYPES = (
     GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q3_K,
+    GGMLQuantizationType.Q2_K,
 )
 # Their codes and a zero per group: held only where 6-bit codes run (int6_fits), else dequantized.
-ZERO_CODE_GGUF_TYPES = (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
+ZERO_CODE_GGUF_TYPES = (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q2_K)
 
 
 def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> QuantizedWeight:
@@ -980,9 +1027,12 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
     - Q6_K (16 sub-blocks of 16 of a 256 block, w = step*(q - 32)): Int8GroupWeight in groups of
       16, codes q - 32;
     - Q5_1 (d, m, 5-bit q, w = d*q + m) and Q5_K (8 sub-blocks of 32, w = step*q - offset):
-      Int8GroupWeights with zeros in groups of 32, codes q - 16, zero m + 16d (16 step - offset).
+      Int8GroupWeights with zeros in groups of 32, codes q - 16, zero m + 16d (16 step - offset);
+    - Q3_K (16 sub-blocks of 16, w = step*q, q in -4..3): Int8GroupWeight in groups of 16;
+    - Q2_K (16 sub-blocks of 16, w = step*q - offset, q in 0..3): Int8GroupWeight with zeros in
+      groups of 16, codes q - 2, zero 2 step - offset.
 
-    The 5- and 6-bit codes lie in -32..31: Int6GroupLinear holds them at 6 bits where the kernels
+    The 2- to 6-bit codes lie in -32..31: Int6GroupLinear holds them at 6 bits where the kernels
     read 6-bit codes, Int8GroupLinear at 8 elsewhere (but not those with zeros, ZERO_CODE_GGUF_TYPES,
     which its kernels do not take: the loader dequantizes those there)."""
     ggml_type = GGMLQuantizationType(ggml_type)
@@ -1002,6 +1052,13 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
     if ggml_type == GGMLQuantizationType.Q6_K:
         q, step = _q6_k_parts(blocks)
         return Int8GroupWeight(q.reshape(n, k), step.view(n, k // 16), 16)
+    if ggml_type == GGMLQuantizationType.Q3_K:
+        q, step = _q3_k_parts(blocks)
+        return Int8GroupWeight(q.reshape(n, k), step.view(n, k // 16), 16)
+    if ggml_type == GGMLQuantizationType.Q2_K:
+        q, step, offset = _q2_k_parts(blocks)
+        step, offset = step.view(n, k // 16), offset.view(n, k // 16)
+        return Int8GroupWeight((q.view(torch.int8) - 2).reshape(n, k), step, 16, 2 * step - offset)
     if ggml_type == GGMLQuantizationType.Q5_K:
         q, step, offset = _q5_k_parts(blocks)
         step, offset = step.view(n, k // 32), offset.view(n, k // 32)

@@ -5,7 +5,7 @@ A linear is held one of four ways, decided here once per module from the checkpo
 request and the platform (first match):
 
 1. **GGUF blocks as stored** (`gguf_packed`): a decoder linear whose parts are all of
-   PACKED_GGUF_TYPES (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; parts of different types in
+   PACKED_GGUF_TYPES (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K to Q6_K; parts of different types in
    one format, `stack_parts`) runs on the packed kernels (tuili/layers/quant), computing in
    `quantized_dtype`.
 2. **Quantized at load** (`quantization` "int8" | "int4"): the float weight (a GGUF file's

@@ -50,7 +50,7 @@ def register(subparsers) -> None:
                       "--tp/--pp it starts the other ranks here and compares their communication too")
     plan.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                       help="the engine's working dtype for --measure (default auto: bf16 on a CPU with bf16 "
-                      "arithmetic, else float32; GGUF Q4_0/Q4_1/Q8_0/Q5_x/Q4_K/Q5_K/Q6_K linears stay packed unless float32 "
+                      "arithmetic, else float32; GGUF Q4_0/Q4_1/Q5_x/Q8_0 and K-quant linears stay packed unless float32 "
                       "is named)")
     plan.add_argument("--speculative-config", type=parse_json_object, default=None, metavar="JSON",
                       help="plan a speculating engine: the same dict as `tuili serve --speculative-config` "
