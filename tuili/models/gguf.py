@@ -1010,8 +1010,6 @@ PACKED_GGUF_TYPES = (
     GGMLQuantizationType.Q3_K,
     GGMLQuantizationType.Q2_K,
 )
-# Their codes and a zero per group: held only where 6-bit codes run (int6_fits), else dequantized.
-ZERO_CODE_GGUF_TYPES = (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q2_K)
 
 
 def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> QuantizedWeight:
@@ -1033,8 +1031,8 @@ def quantized_weight(raw: Any, ggml_type: GGMLQuantizationType | int, shape: tup
       groups of 16, codes q - 2, zero 2 step - offset.
 
     The 2- to 6-bit codes lie in -32..31: Int6GroupLinear holds them at 6 bits where the kernels
-    read 6-bit codes, Int8GroupLinear at 8 elsewhere (but not those with zeros, ZERO_CODE_GGUF_TYPES,
-    which its kernels do not take: the loader dequantizes those there)."""
+    read 6-bit codes, Int8GroupLinear at 8 elsewhere, except those with zeros (Q5_1, Q5_K, Q2_K),
+    which its kernels do not take: the loader dequantizes those there."""
     ggml_type = GGMLQuantizationType(ggml_type)
     if ggml_type not in PACKED_GGUF_TYPES:
         raise UnsupportedModelError(
