@@ -823,6 +823,20 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
 
 
+def _bit_planes(packed: torch.Tensor) -> torch.Tensor:
+    """[..., m] bytes → [..., 8m] bits, plane by plane: value j·m + i is bit j of byte i (the
+    K-quants' extra code bits)."""
+    shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+    return ((packed.unsqueeze(-2) >> shifts) & 1).flatten(-2)
+
+
+def _crumbs(packed: torch.Tensor) -> torch.Tensor:
+    """[..., m] bytes → [..., 4m] 2-bit values, pair by pair: value s·m + i is bits 2s, 2s + 1 of
+    byte i (Q2_K's and Q3_K's codes, Q6_K's high bits, Q3_K's scales' top bits)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    return ((packed.unsqueeze(-2) >> shifts) & 3).flatten(-2)
+
+
 def _dequantize_f32(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.view(torch.float32)
 
@@ -903,8 +917,7 @@ def _q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     d | dmin | scales and mins: 12 bytes | fifth bits: 32 bytes (bit j for sub-block j) | q: 256 x 4 bits."""
     scales, mins = _k_scales(blocks[:, 4:16])
     low = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    high = (blocks[:, 16:48].unsqueeze(1) >> shifts) & 1
+    high = _bit_planes(blocks[:, 16:48]).reshape(-1, 8, 32)
     return low | (high << 4), _f16(blocks, 0) * scales, _f16(blocks, 2) * mins
 
 
@@ -921,8 +934,7 @@ def _q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     2-bit codes, values 0-31 of each 128 from bit pairs 0-1 of 32 bytes, 32-63 from 2-3, ... | d:
     f16 | dmin: f16."""
     scales = blocks[:, :16]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    q = ((blocks[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+    q = _crumbs(blocks[:, 16:80].reshape(-1, 2, 32)).reshape(-1, 16, 16)
     return q, _f16(blocks, 80) * (scales & 0x0F).float(), _f16(blocks, 82) * (scales >> 4).float()
 
 
@@ -939,14 +951,12 @@ def _q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     64 bytes of 2-bit codes laid out as Q2_K's | scales: 12 bytes of 6-bit values less 32 (low
     nibbles from bytes 0-7, low then high nibble; top two bits from bytes 8-11, bit pairs 0-1
     to 6-7) | d: f16."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    low = ((blocks[:, 32:96].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
-    bits = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
-    high = ((blocks[:, :32].unsqueeze(1) >> bits) & 1).reshape(-1, 16, 16)
+    low = _crumbs(blocks[:, 32:96].reshape(-1, 2, 32)).reshape(-1, 16, 16)
+    high = _bit_planes(blocks[:, :32]).reshape(-1, 16, 16)
     q = low.view(torch.int8) - ((high ^ 1) << 2).view(torch.int8)
     packed = blocks[:, 96:108]
-    nibbles = torch.stack([packed[:, :8] & 0x0F, packed[:, :8] >> 4], dim=1).reshape(-1, 16)
-    tops = ((packed[:, 8:12].unsqueeze(1) >> shifts.view(1, 4, 1)) & 3).reshape(-1, 16)
+    nibbles = _nibbles(packed[:, :8])
+    tops = _crumbs(packed[:, 8:12])
     scales = (nibbles | (tops << 4)).view(torch.int8) - 32
     return q, _f16(blocks, 108) * scales.float()
 
@@ -965,8 +975,7 @@ def _q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles); 32 high-bit bytes give values 0-31, 32-63, 64-95, 96-127 from bit pairs 0-1, 2-3,
     4-5, 6-7."""
     low = _nibbles(blocks[:, :128].reshape(-1, 2, 64))
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high = ((blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 2, 128)
+    high = _crumbs(blocks[:, 128:192].reshape(-1, 2, 32)).reshape(-1, 2, 128)
     q = ((low | (high << 4)).view(torch.int8) - 32).reshape(-1, 16, 16)
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
     return q, _f16(blocks, 208) * scales
