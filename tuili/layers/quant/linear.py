@@ -301,9 +301,7 @@ class Int4Linear(_PackedLinear):
 
     def _codes(self) -> torch.Tensor:
         """The stored codes unpacked, uint8 [N padded to 64, K'] (0..15)."""
-        tiles, k, _ = self.packed.shape
-        codes = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=1)  # [tile, half, K, 32]
-        return codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
+        return _unpack_nibbles(self.packed)
 
     def _repeat(self, x: torch.Tensor) -> torch.Tensor:
         return x if self._input_copies == 1 else x.repeat(1, self._input_copies)
@@ -453,8 +451,7 @@ class Int6GroupLinear(_PackedLinear):
         rows = -n % INT4_TILE_ROWS  # padding rows: code 0 and scale 0, so weight 0
         u = F.pad((weight.q + 32).view(torch.uint8), (0, 0, 0, rows))  # 0..63: no int8 overflow
         tiles = u.shape[0] // INT4_TILE_ROWS
-        low = (u & 0x0F).view(tiles, 2, INT4_TILE_ROWS // 2, k)
-        nibbles = (low[:, 0] | (low[:, 1] << 4)).transpose(1, 2)  # [tiles, K, 32], Int4Linear's
+        nibbles = _pack_nibbles(u & 0x0F)  # [tiles, K, 32], Int4Linear's
         high = (u >> 4).view(tiles, 4, 16, k // 4, 4)  # [tile, row group, row, quad, k in quad]
         planes = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)  # [tile, row, quad, k]
         planes = planes.permute(0, 2, 1, 3)  # byte 4 row + k of quad q at 64 q
@@ -471,8 +468,7 @@ class Int6GroupLinear(_PackedLinear):
         """The stored weight unpacked (padding rows included)."""
         tiles, k = self.packed.shape[0], self.in_features
         flat = self.packed.view(tiles, -1)
-        nibbles = flat[:, : k * INT4_TILE_ROWS // 2].view(tiles, k, INT4_TILE_ROWS // 2).transpose(1, 2)
-        low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1)  # [tiles, 64, K]
+        low = _unpack_nibbles(flat[:, : k * INT4_TILE_ROWS // 2].view(tiles, k, -1)).view(tiles, 64, k)
         planes = flat[:, k * INT4_TILE_ROWS // 2 :].view(tiles, k // 4, 16, 4).permute(0, 2, 1, 3)
         high = torch.stack([(planes >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(tiles, 64, k)
         q = ((high << 4 | low).view(torch.int8) - 32).reshape(-1, k)  # 0..63 - 32
@@ -562,11 +558,14 @@ def make_linear(
     *,
     platform: Platform,
     keep_zeros: bool = False,
-    six_bit: bool = True,
+    six_bit: bool | None = None,
 ) -> QuantizedLinear:
-    """The module that runs `weight` on `platform` (keep_zeros: Int4Linear's; six_bit: an
-    Int8GroupWeight may run as an Int6GroupLinear where it fits)."""
-    if six_bit and int6_fits(weight, compute_dtype, platform):
+    """The module that runs `weight` on `platform` (keep_zeros: Int4Linear's; six_bit: whether an
+    Int8GroupWeight runs as an Int6GroupLinear, decided by the caller from `int6_fits` (a mixture
+    of experts for all its experts at once), or None: where it fits)."""
+    if six_bit is None:
+        six_bit = int6_fits(weight, compute_dtype, platform)
+    if six_bit:
         return Int6GroupLinear(weight, bias, compute_dtype, platform=platform)  # type: ignore[arg-type]
     if isinstance(weight, Int8GroupWeight) and weight.zero is not None:
         raise ValueError(
@@ -585,11 +584,23 @@ def _int4_operands(weight: Int4Weight, compute_dtype: torch.dtype) -> tuple[torc
     rows padded to a multiple of 64 with zero weights (code 0, scale 0, zero 0)."""
     padding = (0, 0, 0, -weight.q.shape[0] % INT4_TILE_ROWS)
     q, scale, zero = (F.pad(t, padding) for t in (weight.q, weight.scale, weight.zero))
-    n, k = q.shape
-    tiles = q.to(torch.uint8).view(n // INT4_TILE_ROWS, 2, INT4_TILE_ROWS // 2, k)
-    packed = (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).contiguous()
     scale_zero = torch.stack([scale.to(compute_dtype), zero.to(compute_dtype)], dim=-1)
-    return packed, scale_zero.transpose(0, 1).contiguous()
+    return _pack_nibbles(q.to(torch.uint8)).contiguous(), scale_zero.transpose(0, 1).contiguous()
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N (a multiple of 64), K] in the int4 tiles [N / 64, K, 32]: byte [t, k, j]
+    holds row 64t + j's code in its low nibble, row 64t + 32 + j's in its high nibble."""
+    n, k = codes.shape
+    tiles = codes.view(n // INT4_TILE_ROWS, 2, INT4_TILE_ROWS // 2, k)
+    return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """_pack_nibbles undone: the tiles [N / 64, K, 32] as codes [N, K]."""
+    tiles, k, _ = packed.shape
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=1)  # [tile, half, K, 32]
+    return codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
 
 
 def _tile_rows(k: int, multiple: int) -> int:
