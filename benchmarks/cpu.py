@@ -8,7 +8,7 @@ Models (--models):
   qwen3.5-0.8b  a random Qwen3.5 hybrid of ~0.8B parameters (hidden 1024, 24 layers, three Gated
                 DeltaNet layers per full-attention layer; benchmarks/common.py QWEN35_08B): tuili
                 and transformers on the bf16 safetensors, llama.cpp on the bf16 GGUF converted from
-                it, tuili and llama.cpp (with and without repacking) on its Q8_0 GGUF. Not run by
+                it, tuili and llama.cpp (with and without repacking) on its Q8_0 and Q4_K_M GGUF. Not run by
                 default: with its transformers column the model alone takes as long as the default
                 run or longer (`--rows prefill b1 b16`: 67 minutes on 2 cores shared with other
                 work, 2026-12-02).
@@ -226,7 +226,8 @@ def models(args: argparse.Namespace) -> list[Model]:
         Variant("llama", "llama Q4_0 repack", "4-bit", gguf("Q4_0"), {"repack": True}, needs_llama=True),
         Variant("tuili", "tuili int4", "4-bit", hf, {"quantization": "int4"}),
         # The mix most GGUF files are published in: Q4_K, with Q6_K for v, half the downs and the
-        # output matrix (tuili: Q4_K as its codes, Q6_K as int8 groups of 16; docs/engine.md).
+        # output matrix (tuili: Q4_K as its codes, Q6_K as 6-bit codes in groups of 16 where the
+        # kernels read them, else int8 groups; docs/engine.md).
         Variant("tuili", "tuili Q4_K_M", "4-bit K", gguf("Q4_K_M"), needs_llama=True),
         Variant("llama", "llama Q4_K_M", "4-bit K", gguf("Q4_K_M"), needs_llama=True),
         Variant("llama", "llama Q4_K_M repack", "4-bit K", gguf("Q4_K_M"), {"repack": True}, needs_llama=True),
@@ -254,6 +255,11 @@ def models(args: argparse.Namespace) -> list[Model]:
         Variant("tuili", "tuili Q8_0", "8-bit", gguf35("Q8_0"), needs_llama=True),
         Variant("llama", "llama Q8_0", "8-bit", gguf35("Q8_0"), needs_llama=True),
         Variant("llama", "llama Q8_0 repack", "8-bit", gguf35("Q8_0"), {"repack": True}, needs_llama=True),
+        # The hybrid as most of its GGUF files are published: Q4_K, with Q6_K where llama-quantize
+        # keeps more bits (the embedding, half the downs, some q/k/v projections).
+        Variant("tuili", "tuili Q4_K_M", "4-bit K", gguf35("Q4_K_M"), needs_llama=True),
+        Variant("llama", "llama Q4_K_M", "4-bit K", gguf35("Q4_K_M"), needs_llama=True),
+        Variant("llama", "llama Q4_K_M repack", "4-bit K", gguf35("Q4_K_M"), {"repack": True}, needs_llama=True),
     ]
     found = {
         "qwen3-0.6b": Model("Qwen3-0.6B shape (random weights)", QWEN3_06B["vocab_size"], sizes, qwen,
