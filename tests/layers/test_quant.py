@@ -133,6 +133,25 @@ def test_random_k_quant_and_5_bit_blocks_run_packed_as_their_codes(ggml_type, co
     run_both_kernels(module, 512, bias, reference, FP32_BOUND if compute_dtype == torch.float32 else BF16_BOUND)
 
 
+@pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q5_K])
+def test_rows_read_from_the_tiles_are_the_dequantized_rows(ggml_type):
+    # A token lookup from a packed table (PackedEmbedding) reads single rows out of the tiles:
+    # rows in both nibble halves and every 16-row group of the 6-bit planes, the last real row
+    # of a padded tile, repeats, any index shape.
+    raw = random_blocks(ggml_type, 150, 256, np.random.default_rng(int(ggml_type)))
+    weight = gguf_weight(raw, ggml_type, (150, 256))
+    if ggml_type == Q.Q5_K and not int6_fits(weight, torch.bfloat16, HERE):
+        return  # codes with zeros run packed only as 6-bit codes (VNNI builds): read as floats elsewhere
+    module = make_linear(weight, None, torch.bfloat16, platform=HERE)
+    ids = torch.tensor([[0, 15, 16, 31, 32, 47], [48, 63, 64, 149, 3, 3]])
+    rows = module.rows(ids)
+    assert rows.shape == (2, 6, 256) and rows.dtype == torch.float32
+    assert torch.equal(rows, module.dequantize()[ids])
+    assert module.rows(torch.zeros(0, dtype=torch.int64)).shape == (0, 256)
+    with pytest.raises(IndexError, match="150 rows"):
+        module.rows(torch.tensor([150]))
+
+
 def test_parts_of_different_gguf_types_run_as_one_linear_each_as_stored():
     # A Q4_K_M file's fused q, k, v: q and k in Q4_K, v in Q6_K (and a Q5_0 part, as some files
     # hold): runs of one format stack, and one module runs them side by side.

@@ -14,7 +14,14 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from tests.models.test_gguf_dequant import random_blocks
 from tuili import LLM, SamplingParams, kernels
 from tuili.errors import CheckpointError, UnsupportedModelError
-from tuili.layers.quant import Int4Linear, Int6GroupLinear, Int8GroupLinear, QuantizedLinear, StackedLinear
+from tuili.layers.quant import (
+    Int4Linear,
+    Int6GroupLinear,
+    Int8GroupLinear,
+    PackedEmbedding,
+    QuantizedLinear,
+    StackedLinear,
+)
 from tuili.models import default_model
 from tuili.models.default_model import default_model_path
 from tuili.models.gguf import dequantize, open_gguf
@@ -308,6 +315,9 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
             qtype, scale_std = Q.Q2_K, 1e-3  # another layer's down in Q2_K
         rows, cols = state.pop(hf_name).shape
         raw[gguf_name] = (random_blocks(qtype, rows, cols, rng, scale_std), qtype)
+    # The tied table in Q6_K, as llama-quantize writes it: values of about the checkpoint's 0.02.
+    rows, cols = state.pop("model.embed_tokens.weight").shape
+    raw["token_embd.weight"] = (random_blocks(Q.Q6_K, rows, cols, rng, 5e-6), Q.Q6_K)
     path = write_gguf(tmp_path / "k_quants.gguf", "qwen3", config, state, raw_tensors=raw)
 
     args = dict(model=str(path), device="cpu", max_model_len=64, kv_cache_memory=16 << 20)
@@ -324,6 +334,11 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
         assert packed_kinds(layer) == [(Int4Linear, 32), (Int6GroupLinear, 16), (Int6GroupLinear, 16),
                                        (Int6GroupLinear, 32), (Int6GroupLinear, 16)]  # fmt: skip
         assert layer.mlp.gate_up_proj.kernel_scales.dim() == 3  # Q5_K's zeros (Q5_0's as 0)
+        # The table is held once, as the head's copy of its 6-bit codes: the token lookup reads
+        # its rows there, and no float table is held (the logits below check the rows' values).
+        model = packed.engine.runner.model
+        assert isinstance(model.model.embed_tokens, PackedEmbedding) and model.lm_head.projection is None
+        assert isinstance(model.lm_head.decode_copy, Int6GroupLinear)
     # Where 6-bit codes do not run (forced: the portable platform, as on CPUs without VNNI), the
     # same file loads with the codes as int8 halves, and gate/up read as floats.
     other = load_model(str(path), torch.float32, Platform.portable(), packed_dtype=torch.bfloat16).model.model.layers[0]

@@ -36,9 +36,10 @@ from torch import nn
 from tuili import LLM, SamplingParams
 from tuili.engine.request import Sequence
 from tuili.engine.scheduler import ScheduledSeq
-from tuili.layers.linear import Linear
+from tuili.layers.linear import Linear, PanelLinear, panel_holds
 from tuili.layers.logits import OutputHead
 from tuili.layers.quant import QuantizedLinear
+from tuili.models.weights import WeightPlan
 
 DATA = Path(__file__).parents[1] / "data"
 MAX_MODEL_LEN = 2560  # the text is 2,281 tokens
@@ -155,8 +156,15 @@ def bf16(float32_llm, prompt_logits, text_ids, prompts) -> Measured:
     float linears (the float32 model's class) holding its weights rounded to bf16."""
     llm = LLM(dtype="bfloat16", **OPTIONS)
     model, float_modules = llm.engine.runner.model, dict(float32_llm.engine.runner.model.named_modules())
-    # the logits read the float output matrix, as the float32 model's do
-    model.lm_head = OutputHead(model.lm_head.projection)
+    # The logits and the token lookup read the float table rounded to bf16, as the float32
+    # model's read it unrounded (the packed model reads both from its Q8_0 copy), held as the
+    # loader holds a bf16 table: panels where they run, the lookup reading its rows back.
+    table = float_modules["model.embed_tokens"].weight.detach().to(torch.bfloat16)
+    if panel_holds(table, None, model.platform):
+        model.lm_head = OutputHead(PanelLinear(table, None, one_path=model.platform.batch_invariant))
+    else:
+        model.lm_head = OutputHead(Linear.holding(table, None, model.platform))
+    model.model.embed_tokens = WeightPlan.token_lookup(nn.Embedding.from_pretrained(table, freeze=True), model.lm_head)
     swapped = 0
     for path, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):

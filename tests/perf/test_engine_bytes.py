@@ -168,17 +168,21 @@ def test_plan_measure_takes_this_machines_rates_again_around_the_runs(tmp_path, 
 
 
 def test_a_packed_copy_of_the_output_matrix_stands_for_it():
-    # The embedded GGUF runs packed, and its decode logits read a packed copy of the tied
-    # embedding: the bytes the planner takes for the embedding are the copy's, and the runner's
-    # decode bytes count the copy and not the float matrix.
+    # The embedded GGUF runs packed, and its tied embedding (Q8_0 in the file) is held once, as
+    # the file's codes: the logits and the token lookup both read the packed copy, no float table
+    # is held beside it, and the bytes the planner and the runner count for it are the copy's.
+    from tuili.layers.quant import PackedEmbedding
     from tuili.perf.measure import engine_storage
 
     llm = LLM(max_model_len=64, kv_cache_memory=16 << 20)
     engine = llm.engine
     model = engine.model
     copy = model.lm_head.decode_copy
-    assert copy is not None and model.config.tie_word_embeddings
+    assert copy is not None and model.config.tie_word_embeddings and model.lm_head.projection is None
+    assert isinstance(model.model.embed_tokens, PackedEmbedding)
     assert engine_storage(model).bytes_by_kind["embedding"] == copy.weight_bytes
-    embedding = model.model.embed_tokens.weight
-    float_matrix = embedding.numel() * embedding.element_size()
-    assert engine.decode_weight_bytes() == engine.weight_bytes() - float_matrix
+    table = model.config.vocab_size * model.config.hidden_size
+    held = [*model.parameters(), *model.buffers()]
+    assert not [t for t in held if t.is_floating_point() and t.numel() >= table]  # no float table
+    # A decode step reads every byte held: the layers, the norms, the copy (the lookup a few rows).
+    assert engine.decode_weight_bytes() == engine.weight_bytes()

@@ -273,7 +273,8 @@ class DecodeGraphs:
             meta.states = StateBatch(nothing, torch.arange(batch_size), state_slots, [], nothing, nothing, {}, nothing,
                                      nothing)  # fmt: skip
         return _StepBuffers(
-            x=embedding.weight.new_empty(rows, embedding.embedding_dim),
+            # the lookup's rows: the table's dtype, or what a packed table's lookup returns
+            x=torch.empty(rows, embedding.embedding_dim, dtype=getattr(embedding, "out_dtype", embedding.weight.dtype)),
             cos=torch.empty(rows, 1, half_dim),
             sin=torch.empty(rows, 1, half_dim),
             slot_mapping=slot_mapping,

@@ -13,6 +13,10 @@ One module owns every way a model's output matrix is held, so that the model fil
   (a measured crossover: docs/kernels.md). More rows read the float matrix, except in the
   batch-invariant mode (`Platform.batch_invariant`), where the copy serves every row count: the
   two hold different roundings of the matrix, so a row's logits would depend on its step's rows.
+- where the copy holds the file's own codes of a tied matrix (Q8_0, Q6_K at 6 bits) and the
+  copy serves every row count anyway (the batch-invariant mode), there is no `projection`: the
+  token lookup reads its rows from the copy too (`PackedEmbedding`), so the matrix is held once,
+  at the file's size (a Qwen3-0.6B-shape Q4_0 file: 0.38 GB held instead of 0.70);
 - a float `Linear` head takes a few rows more than its GEMV's `NATIVE_MAX_ROWS` (speculative
   decoding's verification steps: 1 + k rows per sequence) in slices of at most that many rows,
   up to `GEMV_SLICES` slices: on SmolLM2's 49152 x 576 bf16 matrix the GEMV took 1.8-2.0 ms per
@@ -34,8 +38,10 @@ GEMV_SLICES = 3
 
 
 class OutputHead(nn.Module):
-    def __init__(self, projection: nn.Module, decode_copy: QuantizedLinear | None = None) -> None:
+    def __init__(self, projection: nn.Module | None, decode_copy: QuantizedLinear | None = None) -> None:
         super().__init__()
+        if projection is None and decode_copy is None:
+            raise ValueError("an output head needs a projection, a decode copy, or both")
         self.projection = projection
         self.decode_copy = decode_copy
 
@@ -62,4 +68,6 @@ class OutputHead(nn.Module):
         copy = self.decode_copy
         if copy is None:
             return False
+        if self.projection is None:
+            return True
         return (rows <= DECODE_COPY_MAX_ROWS or copy.platform.batch_invariant) and copy.kernel_for(rows, device) == "gemv"

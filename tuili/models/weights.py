@@ -55,6 +55,7 @@ from tuili.layers.quant import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
     Int8GroupWeight,
+    PackedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
     StackedLinear,
@@ -293,7 +294,13 @@ class WeightPlan:
             # A tied matrix is also the token lookup's table, which keeps reading the float one.
             weight = quantize_int8_for_kernels(matrix, self.quantized_dtype)
             projection = make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
-        decode_copy = self._gguf_decode_copy() if self.gguf_packed is not None else None
+        decode_copy, stored = self._gguf_decode_copy() if self.gguf_packed is not None else (None, False)
+        if tied and stored and self.sharded is None and self.platform.batch_invariant:
+            # The copy is the file's own matrix and, in the batch-invariant mode, already serves
+            # every logit: it serves the token lookup too (token_lookup), and no float table is held
+            # beside it. (Outside that mode the float table stays for steps of more rows, where it
+            # is faster: tuili/layers/logits.py.)
+            projection = None
         head = OutputHead(projection, decode_copy)
         if self.sharded is None:
             return head
@@ -312,10 +319,14 @@ class WeightPlan:
     @staticmethod
     def token_lookup(embedding: nn.Module, head: nn.Module) -> nn.Module:
         """The token lookup a tied model keeps: read from the output head's panels when the head
-        holds the table as a PanelLinear (then the model holds the matrix once), else `embedding`."""
+        holds the table as a PanelLinear, from its packed copy when it holds no float table (then
+        the model holds the matrix once either way), else `embedding`."""
         projection = getattr(head, "projection", None)
-        if isinstance(projection, PanelLinear) and isinstance(embedding, nn.Embedding):
-            return PanelEmbedding(projection)
+        if isinstance(embedding, nn.Embedding):
+            if isinstance(projection, PanelLinear):
+                return PanelEmbedding(projection)
+            if projection is None and isinstance(head, OutputHead):
+                return PackedEmbedding(head.decode_copy, embedding.weight.dtype)  # type: ignore[arg-type]
         return embedding
 
     def fill(self, model: nn.Module) -> None:
@@ -414,32 +425,33 @@ class WeightPlan:
         linears = [make_linear(run, None, self.quantized_dtype, platform=self.platform) for run in runs]
         return StackedLinear(linears, b, platform=self.platform).to(self.device)
 
-    def _gguf_decode_copy(self) -> QuantizedLinear | None:
+    def _gguf_decode_copy(self) -> tuple[QuantizedLinear | None, bool]:
         """A quantized copy of the output matrix (the embedding when tied) for few-row logits, as
-        llama.cpp reads its output matrix quantized: the file's own blocks when they are Q8_0, or
-        Q6_K where they run at 6 bits (`int6_fits`: the same bytes per step as llama.cpp, almost),
-        else int8 per group (`int8_group_size`) of the dequantized matrix. None when the input
-        size takes no group."""
+        llama.cpp reads its output matrix quantized, and whether it holds the file's own codes:
+        the file's own blocks when they are Q8_0, or Q6_K where they run at 6 bits (`int6_fits`:
+        the same bytes per step as llama.cpp, almost), else int8 per group (`int8_group_size`) of
+        the dequantized matrix. None when the input size takes no group."""
         ckpt = self.gguf_packed
         assert ckpt is not None
         name = "lm_head.weight" if "lm_head.weight" in ckpt.tensor_names() else "model.embed_tokens.weight"
         shape = ckpt.tensor_info(name).shape
         kind = ckpt.tensor_info(name).ggml_type.name if ckpt.runs_packed(name) else None
         stored = ckpt.quantized_tensor(name) if kind in ("Q8_0", "Q6_K") else None
-        if kind == "Q8_0" or (kind == "Q6_K" and int6_fits(stored, self.quantized_dtype, self.platform)):  # type: ignore[arg-type]
+        own = kind == "Q8_0" or (kind == "Q6_K" and int6_fits(stored, self.quantized_dtype, self.platform))  # type: ignore[arg-type]
+        if own:
             weight = stored
             if self.sharded is not None:
                 weight = narrow(weight, 0, *self.sharded.vocab())
         else:
             group = int8_group_size(shape[1]) if len(shape) == 2 else None
             if group is None:
-                return None
+                return None, False
             matrix = ckpt.load_tensor(name, torch.float32)
             if self.sharded is not None:
                 start, stop = self.sharded.vocab()
                 matrix = matrix[start:stop]
             weight = quantize_int8_group(matrix, group, self.quantized_dtype)
-        return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
+        return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device), own
 
     def _linear_weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(checkpoint name, [out, in]) of every linear weight the checkpoint holds (for checks

@@ -236,6 +236,25 @@ class _PackedLinear(QuantizedLinear):
     def weight_bytes(self) -> int:
         return _nbytes(self.packed) + _nbytes(self.kernel_scales)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) of the weight, float32 [*ids.shape, K]: dequantize()'s
+        rows, read from the tiles without unpacking the rest (a token lookup from a packed table)."""
+        flat = ids.reshape(-1)
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
+            raise IndexError(f"rows {flat.min().item()}..{flat.max().item()} of a weight of {self.out_features} rows")
+        return self._row_weight(flat).dequantize().view(*ids.shape, self.in_features)
+
+    def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
+        """Rows `ids` (int64 [R], valid) of the stored weight, in its format."""
+        raise NotImplementedError
+
+    def _row_scales(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scales [R, K / group] of rows `ids`, and their zeros where the module holds pairs."""
+        if "scale_zero" in self._buffers:
+            scale, zero = self.scale_zero[:, ids].unbind(-1)
+            return scale.t(), zero.t()
+        return self.scale[:, ids].t(), None
+
 
 class Int4Linear(_PackedLinear):
     """Int4Weight, packed two codes a byte in the layout of the CPU int4 kernel on AVX-512
@@ -302,6 +321,11 @@ class Int4Linear(_PackedLinear):
     def _codes(self) -> torch.Tensor:
         """The stored codes unpacked, uint8 [N padded to 64, K'] (0..15)."""
         return _unpack_nibbles(self.packed)
+
+    def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
+        scale, zero = self._row_scales(ids)
+        return Int4Weight(_row_nibbles(self.packed, ids), scale, torch.zeros_like(scale) if zero is None else zero,
+                          self.group_size)  # fmt: skip
 
     def _repeat(self, x: torch.Tensor) -> torch.Tensor:
         return x if self._input_copies == 1 else x.repeat(1, self._input_copies)
@@ -408,6 +432,11 @@ class Int8GroupLinear(Int4Linear):
         weight = Int8GroupWeight(q, self.scale.t(), self.group_size)
         return weight.dequantize()[: self.out_features]
 
+    def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
+        codes = _row_nibbles(self.packed, ids).to(torch.int16)  # [R, 2K]: h then l
+        q = ((codes[:, : self.in_features] << 4 | codes[:, self.in_features :]) - 128).to(torch.int8)
+        return Int8GroupWeight(q, self.scale[:, ids].t(), self.group_size)
+
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         if self._native(x):
             return self._native_tiled(x, kernels.dequantize_int8_group_tiles)
@@ -480,12 +509,50 @@ class Int6GroupLinear(_PackedLinear):
     def dequantize(self) -> torch.Tensor:
         return self._weight().dequantize()[: self.out_features]
 
+    def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
+        tiles, k = self.packed.shape[0], self.in_features
+        low = _row_nibbles(self.packed[:, :k], ids)
+        # Row r of a tile sits in bits 2 (r // 16) .. +1 of byte 4 (r % 16) + i of each quad's 64.
+        planes = self.packed.view(tiles, -1)[:, k * INT4_TILE_ROWS // 2 :].view(tiles, k // 4, 16, 4)
+        lane = ids % INT4_TILE_ROWS
+        high = planes[ids // INT4_TILE_ROWS, :, lane % 16] >> (2 * (lane // 16)).to(torch.uint8).view(-1, 1, 1) & 3
+        q = (high.reshape(-1, k) << 4 | low).view(torch.int8) - 32
+        scale, zero = self._row_scales(ids)
+        return Int8GroupWeight(q, scale, self.group_size, zero)
+
     def _gemv(self, x: torch.Tensor, out: torch.Tensor) -> None:
         kernels.linear_int4(x, self.packed, self.kernel_scales, out, 3)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         # Off the CPU's gemv only (another device, or a compute dtype the kernel does not take).
         return x @ self.dequantize().to(x.dtype).t()
+
+
+class PackedEmbedding(nn.Module):
+    """The token lookup of a tied embedding whose output head reads the matrix packed (a GGUF
+    file's decode copy holding the file's own Q8_0 or Q6_K codes): row r is dequantized from the
+    copy's tiles on lookup (`_PackedLinear.rows`), so the model holds the matrix once, at the file's
+    size, instead of also as a float table (Qwen3.5's 248,320 x 1024 table: 0.5 GB in bf16 beside
+    the 0.22 GB copy). A row is the copy's codes times its scales, rounded once to `dtype`."""
+
+    def __init__(self, table: _PackedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.out_dtype = dtype
+        # Not registered as a submodule: the output head owns the copy (its one name for every
+        # byte count and state dict); this module only reads it.
+        self.__dict__["table"] = table
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The packed codes, for what asks a table its storage (not its shape or dtype)."""
+        return self.table.packed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(input_ids).to(self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the output head's packed copy"
 
 
 def int6_fits(weight: QuantizedWeight, compute_dtype: torch.dtype, platform: Platform) -> bool:
@@ -601,6 +668,13 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     tiles, k, _ = packed.shape
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=1)  # [tile, half, K, 32]
     return codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
+
+
+def _row_nibbles(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of rows `ids` [R] of tiles [N / 64, K, 32] (_pack_nibbles'), uint8 [R, K]."""
+    lane = ids % INT4_TILE_ROWS
+    tile_bytes = packed[ids // INT4_TILE_ROWS, :, lane % (INT4_TILE_ROWS // 2)]  # [R, K]
+    return tile_bytes >> (4 * (lane // (INT4_TILE_ROWS // 2))).to(torch.uint8)[:, None] & 0x0F
 
 
 def _tile_rows(k: int, multiple: int) -> int:
