@@ -360,6 +360,41 @@ def test_a_k_quant_file_runs_packed_and_computes_its_dequantized_weights(tmp_pat
     assert replayed == [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
 
 
+@pytest.mark.parametrize("table_type", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_an_untied_table_stays_as_the_file_stores_it(tmp_path, prompt_logits, table_type):
+    # An untied model's token table (llama-quantize writes it in the file's main type) is held
+    # packed and read a row at a time on lookup: no float table is held, a decode step's bytes
+    # leave it out, and the logits are those of the file dequantized.
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**{**TINY, "hidden_size": 256, "intermediate_size": 512}, head_dim=64,
+                                      tie_word_embeddings=False)  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    state = {k: v.detach().clone() for k, v in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+    rows, cols = state.pop("model.embed_tokens.weight").shape
+    rng = np.random.default_rng(1)
+    scale_std = {Q.Q4_K: 5e-4, Q.Q8_0: 2e-4}[table_type]  # values of about the checkpoint's 0.02
+    path = write_gguf(tmp_path / "untied.gguf", "qwen3", config, state,
+                      raw_tensors={"token_embd.weight": (random_blocks(table_type, rows, cols, rng, scale_std), table_type)})  # fmt: skip
+    args = dict(model=str(path), device="cpu", max_model_len=64, kv_cache_memory=16 << 20)
+    reference, packed = LLM(**args, dtype="float32"), LLM(**args)
+    model = packed.engine.runner.model
+    lookup = model.model.embed_tokens
+    assert isinstance(lookup, PackedEmbedding)
+    assert type(lookup.table) is (Int4Linear if table_type == Q.Q4_K else Int8GroupLinear)
+    # Its floats are the scales alone (a bf16 table would be rows x cols values).
+    floats = [t for t in (*lookup.parameters(), *lookup.buffers()) if t.is_floating_point()]
+    assert sum(t.numel() for t in floats) < rows * cols // 4
+    # A decode step reads all but the table (a few rows of it) and the head's float matrix (its
+    # decode copy stands in for it).
+    head = model.lm_head.projection
+    unread = lookup.table.weight_bytes + sum(t.untyped_storage().nbytes() for t in (*head.parameters(), *head.buffers()))
+    assert packed.engine.decode_weight_bytes() == packed.engine.weight_bytes() - unread
+    prompts = [[int(t) for t in rng.integers(3, TINY["vocab_size"], size=n)] for n in (5, 17)]
+    expected, ours = prompt_logits(reference, prompts), prompt_logits(packed, prompts)
+    error = (ours - expected).abs() / expected.std()
+    assert error.mean() < 0.02 and error.max() < 0.15, (error.mean(), error.max())
+
+
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
     writer.add_tensor("token_embd.weight", np.zeros((8, 8), dtype=np.float32))

@@ -385,7 +385,8 @@ class ModelRunner:
         is one), and a mixture-of-experts layer reads only the token's top-k experts."""
         storages = self._weight_storages()
         head = self.model.lm_head
-        unread = [self.model.model.embed_tokens.weight, *head.parameters(), *head.buffers()]
+        lookup = self.model.model.embed_tokens
+        unread = [lookup.weight, *lookup.parameters(), *lookup.buffers(), *head.parameters(), *head.buffers()]
         for tensor in unread:
             storages.pop(tensor.untyped_storage().data_ptr(), None)
         for tensor in head.weights_read(1, self.device):

@@ -145,7 +145,7 @@ class HybridDecoderLayer(nn.Module):
 class Qwen3NextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, plan: WeightPlan, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
         self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
             HybridDecoderLayer(cfg, plan, backend, f"model.layers.{i}", cfg.layer_types[i] == "linear_attention",

@@ -21,7 +21,10 @@ float tensors [experts, out, in] (`experts`: a checkpoint's fused 3-D tensor, or
 matrices stacked), never quantized: `quantization` on such a model is refused, and a GGUF file's
 quantized expert stacks are read dequantized (`TensorSource` gives floats). The output head holds the embedding table itself
 when tied (one tensor), an int8 copy of it under `quantization`, and, for a GGUF file run packed,
-a quantized decode copy (tuili/layers/logits.py). The rest (norms) is assigned by name in `fill`.
+a quantized decode copy (tuili/layers/logits.py), which in the batch-invariant mode is also the
+token lookup's table where it holds the file's own codes (no float table then). An untied GGUF
+table run packed stays as the file stores it, read a row at a time (`PackedEmbedding`). The rest
+(norms) is assigned by name in `fill`.
 Every checkpoint tensor the config requires must be present: a CheckpointError names the
 missing ones by their checkpoint names.
 
@@ -266,13 +269,31 @@ class WeightPlan:
                     for w in experts]  # fmt: skip
         return [narrow(w, 1, start, stop) for w in experts]
 
-    def embedding(self, path: str, num_embeddings: int, dim: int) -> nn.Embedding:
+    def embedding(self, path: str, num_embeddings: int, dim: int, *, tied: bool) -> nn.Module:
+        """The token lookup's table. Untied, from a GGUF file run packed whose table the packed
+        modules take, it stays as the file stores it (`PackedEmbedding`: rows dequantized on
+        lookup, as llama.cpp reads them); else it is a float table (a tied one: the output head's
+        matrix too, token_lookup)."""
         if self.sharded is not None:
             start, stop = self.sharded.vocab()
             weight = self._stacked([f"{path}.weight"], (stop - start, dim), (0, [(start, stop)]))
             return VocabParallelEmbedding(weight, start, stop, self.sharded.group)  # type: ignore[arg-type]
+        table = None if tied else self._gguf_table(f"{path}.weight")
+        if table is not None:
+            return PackedEmbedding(table, self.dtype, owner=True)
         weight = self._stacked([f"{path}.weight"], (num_embeddings, dim))
         return nn.Embedding.from_pretrained(weight, freeze=True)
+
+    def _gguf_table(self, name: str) -> QuantizedLinear | None:
+        """An untied table as the file stores it, where the packed modules take it (and the
+        working dtype is the one they compute in); else None."""
+        ckpt = self.gguf_packed
+        if ckpt is None or self.dtype != self.quantized_dtype or not ckpt.runs_packed(name):
+            return None
+        weight = ckpt.quantized_tensor(name)
+        if not _held_packed(weight, self.quantized_dtype, self.platform):
+            return None
+        return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
 
     def output_head(self, path: str, embedding: nn.Embedding, tied: bool) -> nn.Module:
         """The logits' module: over the embedding table when `tied`, else over `path`.weight
@@ -326,7 +347,7 @@ class WeightPlan:
             if isinstance(projection, PanelLinear):
                 return PanelEmbedding(projection)
             if projection is None and isinstance(head, OutputHead):
-                return PackedEmbedding(head.decode_copy, embedding.weight.dtype)  # type: ignore[arg-type]
+                return PackedEmbedding(head.decode_copy, embedding.weight.dtype, owner=False)  # type: ignore[arg-type]
         return embedding
 
     def fill(self, model: nn.Module) -> None:

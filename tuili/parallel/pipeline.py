@@ -127,7 +127,7 @@ class StageNetwork(nn.Module):
         self.platform, self.attention = plan.platform, attention
         self.model = nn.Module()  # a container, so that parameter names match the checkpoint's
         if stage.is_first:
-            self.model.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
+            self.model.embed_tokens = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
         self.model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.model.layers = nn.ModuleDict(
             {str(i): DecoderLayer(cfg, plan, attention, i) for i in stage.layers(cfg.num_layers)}
@@ -139,7 +139,7 @@ class StageNetwork(nn.Module):
                 # The output head needs the table's shape, and a tied head the table itself;
                 # only the head keeps a reference to it.
                 if cfg.tie_word_embeddings:
-                    embedding = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
+                    embedding = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
                 else:
                     embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
             self.lm_head = plan.output_head("lm_head", embedding, cfg.tie_word_embeddings)

@@ -114,7 +114,8 @@ class PipelineModelRunner(RankedRunner):
         head reads for one row."""
         storages = self._weight_storages()
         model = self.model
-        unread = [model.model.embed_tokens.weight] if self.stage.is_first else []
+        lookup = model.model.embed_tokens if self.stage.is_first else None
+        unread = [lookup.weight, *lookup.parameters(), *lookup.buffers()] if lookup is not None else []
         if self.stage.is_last:
             unread += [*model.lm_head.parameters(), *model.lm_head.buffers()]
         for tensor in unread:

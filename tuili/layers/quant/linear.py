@@ -529,19 +529,25 @@ class Int6GroupLinear(_PackedLinear):
 
 
 class PackedEmbedding(nn.Module):
-    """The token lookup of a tied embedding whose output head reads the matrix packed (a GGUF
-    file's decode copy holding the file's own Q8_0 or Q6_K codes): row r is dequantized from the
-    copy's tiles on lookup (`_PackedLinear.rows`), so the model holds the matrix once, at the file's
-    size, instead of also as a float table (Qwen3.5's 248,320 x 1024 table: 0.5 GB in bf16 beside
-    the 0.22 GB copy). A row is the copy's codes times its scales, rounded once to `dtype`."""
+    """A token lookup from a table held packed, at a GGUF file's size instead of as floats: row r
+    is dequantized from the tiles on lookup (`_PackedLinear.rows`), the codes times the scales,
+    rounded once to `dtype`. Either a tied table whose output head reads it packed (the head's copy
+    of the file's own Q8_0 or Q6_K codes, which the head owns: Qwen3.5's 248,320 x 1024 table
+    would be 0.5 GB in bf16 beside the 0.22 GB copy), or an untied table as the file stores it,
+    which this module owns (`owner`)."""
 
-    def __init__(self, table: _PackedLinear, dtype: torch.dtype) -> None:
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype, *, owner: bool) -> None:
         super().__init__()
+        if not isinstance(table, _PackedLinear):
+            raise TypeError(f"a packed table is an Int4Linear, Int8GroupLinear or Int6GroupLinear, not {type(table).__name__}")
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.out_dtype = dtype
-        # Not registered as a submodule: the output head owns the copy (its one name for every
-        # byte count and state dict); this module only reads it.
-        self.__dict__["table"] = table
+        if owner:
+            self.table = table
+        else:
+            # Not registered: the output head owns the copy (one name for every byte count and
+            # the state dict); this module only reads it.
+            self.__dict__["table"] = table
 
     @property
     def weight(self) -> torch.Tensor:
