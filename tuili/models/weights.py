@@ -295,7 +295,7 @@ class WeightPlan:
             return None
         return make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
 
-    def output_head(self, path: str, embedding: nn.Embedding, tied: bool) -> nn.Module:
+    def output_head(self, path: str, embedding: nn.Module, tied: bool) -> nn.Module:
         """The logits' module: over the embedding table when `tied`, else over `path`.weight
         (under tensor parallelism: this rank's vocabulary rows, gathered to rank 0)."""
         if tied:
