@@ -146,7 +146,11 @@ def test_rows_read_from_the_tiles_are_the_dequantized_rows(ggml_type):
     ids = torch.tensor([[0, 15, 16, 31, 32, 47], [48, 63, 64, 149, 3, 3]])
     rows = module.rows(ids)
     assert rows.shape == (2, 6, 256) and rows.dtype == torch.float32
-    assert torch.equal(rows, module.dequantize()[ids])
+    # The stored codes times the scales (and zeros) the module holds: rounded once to bf16.
+    held = dataclasses.replace(weight, scale=weight.scale.to(torch.bfloat16),
+                               zero=None if weight.zero is None else weight.zero.to(torch.bfloat16))  # fmt: skip
+    assert torch.equal(rows, held.dequantize()[ids])
+    assert torch.equal(module.dequantize(), held.dequantize())
     assert module.rows(torch.zeros(0, dtype=torch.int64)).shape == (0, 256)
     with pytest.raises(IndexError, match="150 rows"):
         module.rows(torch.tensor([150]))

@@ -240,9 +240,14 @@ class _PackedLinear(QuantizedLinear):
         """Rows `ids` (int64, any shape) of the weight, float32 [*ids.shape, K]: dequantize()'s
         rows, read from the tiles without unpacking the rest (a token lookup from a packed table)."""
         flat = ids.reshape(-1)
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
-            raise IndexError(f"rows {flat.min().item()}..{flat.max().item()} of a weight of {self.out_features} rows")
+        if flat.numel():
+            smallest, largest = (int(v) for v in torch.aminmax(flat))
+            if smallest < 0 or largest >= self.out_features:
+                raise IndexError(f"rows {smallest}..{largest} of a weight of {self.out_features} rows")
         return self._row_weight(flat).dequantize().view(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features, device=self.packed.device))
 
     def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
         """Rows `ids` (int64 [R], valid) of the stored weight, in its format."""
@@ -301,9 +306,6 @@ class Int4Linear(_PackedLinear):
             self.register_buffer("scale", scale_zero[..., 0].contiguous())
         else:
             self.register_buffer("scale_zero", scale_zero)
-
-    def dequantize(self) -> torch.Tensor:
-        return self._int4_weight().dequantize()[: self.out_features]
 
     def _int4_weight(self) -> Int4Weight:
         """The stored weight unpacked (padding rows included)."""
@@ -426,12 +428,6 @@ class Int8GroupLinear(Int4Linear):
     def kernel_scales(self) -> torch.Tensor:
         return self.scale
 
-    def dequantize(self) -> torch.Tensor:
-        codes = self._codes().to(torch.int16)
-        q = ((codes[:, : self.in_features] << 4 | codes[:, self.in_features :]) - 128).to(torch.int8)
-        weight = Int8GroupWeight(q, self.scale.t(), self.group_size)
-        return weight.dequantize()[: self.out_features]
-
     def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
         codes = _row_nibbles(self.packed, ids).to(torch.int16)  # [R, 2K]: h then l
         q = ((codes[:, : self.in_features] << 4 | codes[:, self.in_features :]) - 128).to(torch.int8)
@@ -492,22 +488,6 @@ class Int6GroupLinear(_PackedLinear):
         else:
             zero = F.pad(weight.zero.to(compute_dtype), (0, 0, 0, rows)).t()
             self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).contiguous())
-
-    def _weight(self) -> Int8GroupWeight:
-        """The stored weight unpacked (padding rows included)."""
-        tiles, k = self.packed.shape[0], self.in_features
-        flat = self.packed.view(tiles, -1)
-        low = _unpack_nibbles(flat[:, : k * INT4_TILE_ROWS // 2].view(tiles, k, -1)).view(tiles, 64, k)
-        planes = flat[:, k * INT4_TILE_ROWS // 2 :].view(tiles, k // 4, 16, 4).permute(0, 2, 1, 3)
-        high = torch.stack([(planes >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(tiles, 64, k)
-        q = ((high << 4 | low).view(torch.int8) - 32).reshape(-1, k)  # 0..63 - 32
-        if "scale_zero" in self._buffers:
-            scale, zero = self.scale_zero.unbind(-1)
-            return Int8GroupWeight(q, scale.t(), self.group_size, zero.t())
-        return Int8GroupWeight(q, self.scale.t(), self.group_size)
-
-    def dequantize(self) -> torch.Tensor:
-        return self._weight().dequantize()[: self.out_features]
 
     def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
         tiles, k = self.packed.shape[0], self.in_features
