@@ -386,7 +386,7 @@ class ModelRunner:
         storages = self._weight_storages()
         head = self.model.lm_head
         lookup = self.model.model.embed_tokens
-        unread = [lookup.weight, *lookup.parameters(), *lookup.buffers(), *head.parameters(), *head.buffers()]
+        unread = [*lookup.parameters(), *lookup.buffers(), *head.parameters(), *head.buffers()]
         for tensor in unread:
             storages.pop(tensor.untyped_storage().data_ptr(), None)
         for tensor in head.weights_read(1, self.device):

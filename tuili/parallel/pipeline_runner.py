@@ -115,7 +115,7 @@ class PipelineModelRunner(RankedRunner):
         storages = self._weight_storages()
         model = self.model
         lookup = model.model.embed_tokens if self.stage.is_first else None
-        unread = [lookup.weight, *lookup.parameters(), *lookup.buffers()] if lookup is not None else []
+        unread = [*lookup.parameters(), *lookup.buffers()] if lookup is not None else []
         if self.stage.is_last:
             unread += [*model.lm_head.parameters(), *model.lm_head.buffers()]
         for tensor in unread:
