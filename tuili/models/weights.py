@@ -298,9 +298,17 @@ class WeightPlan:
     def output_head(self, path: str, embedding: nn.Module, tied: bool) -> nn.Module:
         """The logits' module: over the embedding table when `tied`, else over `path`.weight
         (under tensor parallelism: this rank's vocabulary rows, gathered to rank 0)."""
-        if tied:
+        decode_copy, stored = self._gguf_decode_copy() if self.gguf_packed is not None else (None, False)
+        projection: nn.Module | None
+        if tied and stored and self.sharded is None and self.platform.batch_invariant:
+            # The copy is the file's own matrix and, in the batch-invariant mode, serves every
+            # logit: it serves the token lookup too (token_lookup), and no float projection is
+            # built beside it. (Outside that mode the float table stays for steps of more rows,
+            # where it is faster: tuili/layers/logits.py.)
+            projection, matrix = None, None
+        elif tied:
             matrix = embedding.weight
-            projection: nn.Module = self._output_projection(matrix)
+            projection = self._output_projection(matrix)
         elif self.sharded is not None:
             start, stop = self.sharded.vocab()
             weight = self._stacked([f"{path}.weight"], (stop - start, embedding.embedding_dim), (0, [(start, stop)]))
@@ -315,13 +323,6 @@ class WeightPlan:
             # A tied matrix is also the token lookup's table, which keeps reading the float one.
             weight = quantize_int8_for_kernels(matrix, self.quantized_dtype)
             projection = make_linear(weight, None, self.quantized_dtype, platform=self.platform).to(self.device)
-        decode_copy, stored = self._gguf_decode_copy() if self.gguf_packed is not None else (None, False)
-        if tied and stored and self.sharded is None and self.platform.batch_invariant:
-            # The copy is the file's own matrix and, in the batch-invariant mode, already serves
-            # every logit: it serves the token lookup too (token_lookup), and no float table is held
-            # beside it. (Outside that mode the float table stays for steps of more rows, where it
-            # is faster: tuili/layers/logits.py.)
-            projection = None
         head = OutputHead(projection, decode_copy)
         if self.sharded is None:
             return head
