@@ -8,6 +8,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# Before torch loads OpenMP (libgomp reads this once, at load): a thread that waits at a barrier
+# sleeps instead of spinning. The suite runs two workers on two cores (README), and its tests
+# start servers and worker processes beside them; spinning threads took the cores those need
+# (one process: 13 minutes; two workers spinning: 12.5; two workers sleeping: 9). Only the time
+# moves: the same kernels and thread counts run. Children started by the tests inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 if TYPE_CHECKING:
     import torch
 

@@ -208,10 +208,9 @@ OTHER_PATHS = {
 def test_the_paths_of_other_cpus_are_batch_invariant_too():
     """This file's tests in fresh processes, on kernels built for the other CPUs and on the
     portable path, side by side."""
+    # Four processes of two threads on the cores: their idle threads sleep (OMP_WAIT_POLICY,
+    # tests/conftest.py) instead of spinning on cores the others need.
     environment = {k: v for k, v in os.environ.items() if k not in ("TUILI_NATIVE_KERNELS", "TUILI_KERNEL_CFLAGS")}
-    # Four processes of two threads on the cores: idle threads sleep at once instead of spinning
-    # on cores the others need (the same paths and threads; 47 -> 36 s on two cores).
-    environment["OMP_WAIT_POLICY"] = "PASSIVE"
     runs = {
         name: subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection],
