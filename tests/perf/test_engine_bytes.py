@@ -186,3 +186,29 @@ def test_a_packed_copy_of_the_output_matrix_stands_for_it():
     assert not [t for t in held if t.is_floating_point() and t.numel() >= table]  # no float table
     # A decode step reads every byte held: the layers, the norms, the copy (the lookup a few rows).
     assert engine.decode_weight_bytes() == engine.weight_bytes()
+
+
+def test_a_float_gguf_with_a_packed_output_copy_is_planned_with_float_layers(tmp_path, capsys, monkeypatch):
+    """A GGUF file of F16 weights runs its layers as float linears; only its logits read a packed
+    int8 copy of the output matrix (whose bytes stand for that matrix). `plan --measure` plans the
+    layers as float: a packed kernel's rate (here absurdly slow) is not charged to them."""
+    from tests.models.test_gguf import hf_checkpoint, write_gguf
+    from tuili.cli import main
+    from tuili.layers.quant import QuantizedLinear
+
+    monkeypatch.setenv("TUILI_CACHE_DIR", str(tmp_path / "cache"))
+    config, state = hf_checkpoint("llama")
+    path = write_gguf(tmp_path / "f16.gguf", "llama", config, state)
+    model = LLM(model=str(path), dtype="bfloat16", kv_cache_memory=1 << 20).engine.model
+    assert isinstance(model.lm_head.decode_copy, QuantizedLinear)
+    assert not [name for name, m in model.model.named_modules() if isinstance(m, QuantizedLinear)]
+    spec = tmp_path / "cpu.json"
+    spec.write_text(json.dumps({"name": "cpu", "peak_flops": {"bf16": 1e11, "fp32": 1e11}, "memory_bandwidth": 1e10,
+                                "memory_bytes": 2**33, "int4_kernel_seconds_per_value": 1e-6}))  # fmt: skip
+    assert main(["plan", "--model", str(path), "--hardware", str(spec), "--device", "cpu", "--dtype", "bfloat16",
+                 "--measure", "--prompt", "12", "--output", "4", "--json"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in report["comparisons"]}
+    # the layers' ~100k values at 1 µs each would be 0.1 s a step; their bytes at 10 GB/s are µs
+    assert rows["decode step"]["predicted"] < 1e-3
+    assert not any("packed int4 linears" in note or "quantized" in note for note in report["notes"])

@@ -17,9 +17,11 @@ from tuili.cli import main
 from tuili.config import ModelConfig
 from tuili.engine.pool import kv_bytes_per_block, state_bytes_per_slot
 from tuili.errors import TuiliError
+from tuili.layers.quant import Int4Linear
 from tuili.perf.cost import ModelCost
 from tuili.perf.hardware import HardwareSpec
 from tuili.perf.measure import engine_storage
+from tuili.perf.overhead import PACKED_BLOCK_ROWS, Step, packed_work
 from tuili.perf.plan import PlanInputs, Roofline
 
 COMMON = dict(
@@ -166,3 +168,29 @@ def test_a_hybrid_prompts_rule_is_charged_at_its_kernels_measured_rate(packed):
     assert llama.prefill_state_flops(100) == 0
     with pytest.raises(TuiliError, match=r"deltanet_prefill_flops\['fp32'\]"):
         HardwareSpec(**{**card.to_dict(), "deltanet_prefill_flops": {"fp32": -1.0}})
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_packed_work_counts_every_linear_the_engine_packs(family, tmp_path):
+    """The planner's packed kernel work of a step (the weight values its int4 kernel unpacks) is
+    what the engine holds packed under `quantization="int4"`: every layer's attention or Gated
+    DeltaNet projections, its MLP or shared expert, a MoE layer's router and shared-expert gate,
+    each in whole 64-row blocks. Widths that int4's groups divide (the shapes above do not)."""
+    config_class, architecture, fields = CASES[family]
+    sizes = dict(COMMON, hidden_size=64, num_attention_heads=4, head_dim=32, linear_num_value_heads=4,
+                 linear_key_head_dim=32, linear_value_head_dim=32)  # fmt: skip
+    fields = fields | ({"intermediate_size": 128} if "intermediate_size" in fields else {})
+    if "num_experts" in fields:
+        fields = fields | dict(moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    hf_config = config_class(**sizes, **fields)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), quantization="int4", dtype="bfloat16", kv_cache_memory=1 << 20)
+    held = sum(
+        module.packed.shape[0] * PACKED_BLOCK_ROWS * module.in_features
+        for name, module in llm.engine.runner.model.named_modules()
+        if isinstance(module, Int4Linear) and ".layers." in name
+    )
+    config = json.loads(json.dumps(hf_config.to_dict() | {"architectures": [architecture]}))
+    work = packed_work(ModelCost.from_config(config).shape, Step(prefill=False, tokens=3, packed=True))
+    assert work is not None and work.values == held and work.kernel_values == 3 * held

@@ -488,12 +488,14 @@ def _kind(name: str) -> str:
 
 
 def _packed_compute_dtype(model: torch.nn.Module) -> str | None:
-    """The dtype the engine's quantized linears compute in, or None if it holds float linears."""
+    """The dtype the engine's quantized linears compute in, or None if its layers hold float
+    linears. A packed copy of the output matrix alone (a float GGUF file's logits read from an int8
+    copy) does not make the layers packed: the copy's bytes stand for that matrix's."""
     from tuili.layers.moe import QuantizedExperts
     from tuili.layers.quant import QuantizedLinear
 
-    for module in model.modules():
-        if isinstance(module, (QuantizedLinear, QuantizedExperts)):
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedExperts)) and not name.startswith("lm_head."):
             return canonical_dtype(str(module.compute_dtype))
     return None
 

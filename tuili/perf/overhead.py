@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tuili.layers.quant import INT4_GEMV_MAX_ROWS, INT4_TILE_ROWS
-from tuili.perf.shapes import LINEAR, ModelShape
+from tuili.perf.shapes import ModelShape
 
 # The fixed host seconds `tuili probe` measures; a missing key counts as 0, except that a packed
 # layer without its own figure takes the float layer's.
@@ -49,6 +49,11 @@ HOST_KEYS = (
 # the planner follows the engine's thresholds.
 PACKED_OP_MAX_ROWS = INT4_GEMV_MAX_ROWS
 PACKED_BLOCK_ROWS = INT4_TILE_ROWS
+# The kinds of weight (tuili/perf/shapes.py KINDS) whose matrices the engine packs: every decoder
+# layer's projections (full attention, a Gated DeltaNet's in_proj_qkvz, in_proj_ba and out_proj),
+# its dense MLP or shared expert, and a MoE layer's router and shared-expert gate. Routed experts
+# run their own grouped kernels.
+PACKED_KINDS = ("attention", "linear_attention", "mlp", "router")
 
 
 @dataclass(frozen=True)
@@ -90,19 +95,11 @@ def packed_work(shape: ModelShape, step: Step, kernel_takes_many_rows: bool = Fa
     batch-invariant mode with native kernels), so nothing is dequantized."""
     if not step.packed:
         return None
-    values = 0
-    for layer_type, moe in zip(shape.layer_types, shape.moe_layers, strict=True):
-        if layer_type == LINEAR or moe:
-            continue  # the engine runs neither: their linears are not packed
-        for out_features, in_features in _layer_linears(shape):
-            values += math.ceil(out_features / PACKED_BLOCK_ROWS) * PACKED_BLOCK_ROWS * in_features
+    values = sum(
+        math.ceil(w.shape[0] / PACKED_BLOCK_ROWS) * PACKED_BLOCK_ROWS * w.shape[1] * w.count
+        for w in shape.weights()
+        if w.kind in PACKED_KINDS and w.op == "matmul"
+    )
     if step.tokens <= PACKED_OP_MAX_ROWS or kernel_takes_many_rows:
         return PackedWork(values, values * step.tokens, 0)
     return PackedWork(values, 0, values)
-
-
-def _layer_linears(shape: ModelShape) -> list[tuple[int, int]]:
-    """(out, in) features of a Llama-family layer's four linears: qkv, o, gate/up, down."""
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    return [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter)]

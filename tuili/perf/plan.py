@@ -25,7 +25,15 @@ from tuili.errors import TuiliError
 from tuili.perf.cost import CheckpointBytes, ModelCost, WeightStorage
 from tuili.perf.formats import WeightFormat, dtype_bytes
 from tuili.perf.hardware import HardwareSpec, LinkSpec, link
-from tuili.perf.overhead import HOST_KEYS, PACKED_OP_MAX_ROWS, PackedWork, Step, host_seconds, packed_work
+from tuili.perf.overhead import (
+    HOST_KEYS,
+    PACKED_KINDS,
+    PACKED_OP_MAX_ROWS,
+    PackedWork,
+    Step,
+    host_seconds,
+    packed_work,
+)
 from tuili.perf.speculation import Speculation
 
 # Share of each device's memory kept back for activations, the CUDA context, allocator slack and
@@ -194,7 +202,7 @@ class Roofline:
             ))  # fmt: skip
         if inputs.packed_linears:
             by_kind = cost.weight_bytes_by_kind(inputs.weights)
-            self.packed_bytes = (by_kind["attention"] + by_kind["mlp"]) / tp
+            self.packed_bytes = sum(by_kind[kind] for kind in PACKED_KINDS) / tp
 
     def overhead(self, step: Step) -> float:
         """The engine's fixed host cost for ``step`` on this hardware (every device of a
