@@ -79,7 +79,7 @@ def quantization_bound(module: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     if copies(module) == 2:
         magnitude, group = module.dequantize().double().abs(), module.group_size
     else:
-        weight = module._int4_weight()
+        weight = module._row_weight(torch.arange(n))  # the stored codes and scales of every row
         group = weight.group_size
         magnitude = (weight.q[:n].double().view(n, -1, group) * weight.scale[:n].double()[..., None]).abs()
     magnitude = magnitude.reshape(n, -1, group)

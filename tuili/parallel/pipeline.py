@@ -139,7 +139,7 @@ class StageNetwork(nn.Module):
                 # The output head needs the table's shape, and a tied head the table itself;
                 # only the head keeps a reference to it.
                 if cfg.tie_word_embeddings:
-                    embedding = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, tied=cfg.tie_word_embeddings)
+                    embedding = plan.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, tied=True)
                 else:
                     embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
             self.lm_head = plan.output_head("lm_head", embedding, cfg.tie_word_embeddings)

@@ -307,11 +307,6 @@ class Int4Linear(_PackedLinear):
         else:
             self.register_buffer("scale_zero", scale_zero)
 
-    def _int4_weight(self) -> Int4Weight:
-        """The stored weight unpacked (padding rows included)."""
-        scale, zero = self._scale_and_zero(slice(None))
-        return Int4Weight(self._codes(), scale.t(), zero.t(), self.group_size)
-
     def _scale_and_zero(self, columns: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Scales and zeros [K / group, columns] of output rows `columns` (contiguous copies)."""
         if "scale_zero" in self._buffers:
@@ -319,10 +314,6 @@ class Int4Linear(_PackedLinear):
             return scale, zero
         scale = self.scale[:, columns].contiguous()
         return scale, torch.zeros_like(scale)
-
-    def _codes(self) -> torch.Tensor:
-        """The stored codes unpacked, uint8 [N padded to 64, K'] (0..15)."""
-        return _unpack_nibbles(self.packed)
 
     def _row_weight(self, ids: torch.Tensor) -> QuantizedWeight:
         scale, zero = self._row_scales(ids)
@@ -647,13 +638,6 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     tiles = codes.view(n // INT4_TILE_ROWS, 2, INT4_TILE_ROWS // 2, k)
     return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2)
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """_pack_nibbles undone: the tiles [N / 64, K, 32] as codes [N, K]."""
-    tiles, k, _ = packed.shape
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=1)  # [tile, half, K, 32]
-    return codes.permute(0, 1, 3, 2).reshape(tiles * INT4_TILE_ROWS, k)
 
 
 def _row_nibbles(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
