@@ -88,6 +88,27 @@ def test_linear_small_splits_rows_across_threads(threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_weight_rows_bits_do_not_depend_on_the_rows_read_beside_it(threads):
+    # A step reads several weight rows at once, adjacent or (without AVX-512) one from each part
+    # of a thread's range: each output must be what that weight row gives alone, bit for bit, at
+    # every row count of x whose steps take several weight rows (1 and 2), for N that leaves rows
+    # over after the steps and one that does not.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 2):
+            for n in (64, 203):
+                for dtype in (torch.float32, torch.bfloat16):
+                    x, weight, bias = make_inputs(m, n, 80, dtype, True, seed=n + m)
+                    got = kernels.linear_small(x, weight, bias, torch.full((m, n), float("nan"), dtype=dtype))
+                    alone = [kernels.linear_small(x, weight[j : j + 1], bias[j : j + 1], torch.empty(m, 1, dtype=dtype))
+                             for j in range(n)]  # fmt: skip
+                    assert torch.equal(got, torch.cat(alone, dim=1)), (m, n, dtype)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_linear_rows_gives_each_row_linear_smalls_bits(dtype, threads):

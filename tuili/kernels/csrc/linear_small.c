@@ -39,6 +39,10 @@ typedef struct {
     void *out;
     int dtype, out_dtype;
     int64_t m, n, k;
+    /* Rows from one weight row of a step to the next: 1 (adjacent), or a thread's range cut into
+     * as many parts as a step has rows (weight_rows). Always 1 in AVX-512 builds, whose register
+     * kernels read adjacent rows. */
+    int64_t spread;
 } linear_args;
 
 #ifdef AVX512
@@ -68,7 +72,7 @@ static inline void prefetch_ahead(const void *w, int64_t index, size_t size) {
     __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)index * size), 0, 2); /* read, into L2 */
 }
 
-/* Computes sums[i * R + r] = x[i] . weight[row + r] for all M rows of x and R weight rows. */
+/* Computes sums[i * R + r] = x[i] . weight[row + r * a->spread] for all M rows of x and R weight rows. */
 typedef void (*rows_fn)(const linear_args *a, int64_t row, float *sums);
 
 #ifdef AVX512
@@ -180,12 +184,13 @@ static inline float weight_at(const void *w, int64_t at, int bf16) {
  * prefetches ask once per 64 bytes of each row, as the AVX-512 kernels ask. */
 static inline int starts_line(int64_t j, int bf16) { return j * (bf16 ? 2 : 4) % 64 == 0; }
 
-/* The step at j of weight rows row .. row + R - 1 asks for the same place PREFETCH_STEPS steps
- * ahead. */
+/* The step at j of the R weight rows from `row` (a->spread apart) asks, for each row, for the
+ * same place in the row that its stream reaches PREFETCH_STEPS steps later. */
 static inline __attribute__((always_inline)) void ask_ahead(const linear_args *a, int64_t row, int R, int64_t j,
                                                             int bf16) {
+    const int64_t ahead = a->spread == 1 ? PREFETCH_STEPS * R : PREFETCH_STEPS;
     if (starts_line(j, bf16))
-        for (int r = 0; r < R; r++) prefetch_ahead(a->weight, (row + PREFETCH_STEPS * R + r) * a->k + j, bf16 ? 2 : 4);
+        for (int r = 0; r < R; r++) prefetch_ahead(a->weight, (row + r * a->spread + ahead) * a->k + j, bf16 ? 2 : 4);
 }
 
 /* LANES independent partial sums per (x row, weight row): lane l takes the j = l mod LANES of
@@ -216,11 +221,11 @@ static inline __attribute__((always_inline)) int64_t dot_steps(const linear_args
             for (int r = 0; r < R; r++) {
                 __m256 w_lo, w_hi;
                 if (bf16) {
-                    const uint16_t *src = (const uint16_t *)a->weight + (row + r) * k + j;
+                    const uint16_t *src = (const uint16_t *)a->weight + (row + r * a->spread) * k + j;
                     w_lo = widen_bf16_8(src);
                     w_hi = widen_bf16_8(src + HALF);
                 } else {
-                    const float *src = (const float *)a->weight + (row + r) * k + j;
+                    const float *src = (const float *)a->weight + (row + r * a->spread) * k + j;
                     w_lo = _mm256_loadu_ps(src);
                     w_hi = _mm256_loadu_ps(src + HALF);
                 }
@@ -244,10 +249,10 @@ static inline __attribute__((always_inline)) int64_t dot_steps(const linear_args
         ask_ahead(a, row, R, j, bf16);
         for (int r = 0; r < R; r++) {
             if (bf16) {
-                const uint16_t *src = (const uint16_t *)a->weight + (row + r) * k + j;
+                const uint16_t *src = (const uint16_t *)a->weight + (row + r * a->spread) * k + j;
                 for (int l = 0; l < LANES; l++) w[r][l] = bf16_to_f32(src[l]);
             } else {
-                const float *src = (const float *)a->weight + (row + r) * k + j;
+                const float *src = (const float *)a->weight + (row + r * a->spread) * k + j;
                 for (int l = 0; l < LANES; l++) w[r][l] = src[l];
             }
         }
@@ -269,7 +274,7 @@ static inline __attribute__((always_inline)) void dot_portable(const linear_args
     float acc[MAX_M][MAX_UNROLL][LANES];
     for (int64_t j = dot_steps(a, row, acc, M, R, bf16); j < k; j++) {
         for (int r = 0; r < R; r++) {
-            const float wv = weight_at(a->weight, (row + r) * k + j, bf16);
+            const float wv = weight_at(a->weight, (row + r * a->spread) * k + j, bf16);
             for (int i = 0; i < M; i++) acc[i][r][0] = MADD(x[i * k + j], wv, acc[i][r][0]);
         }
     }
@@ -467,19 +472,19 @@ static inline __attribute__((always_inline)) void sum_lanes(const float (*lanes)
 }
 #endif
 
-/* Adds the bias to sums[i * R + r] (row i of x, weight row row + r) and stores it to out. */
+/* Adds the bias to sums[i * R + r] (row i of x, weight row row + r * spread) and stores it to out. */
 static void store_rows(const linear_args *a, int64_t row, int R, const float *sums) {
     for (int r = 0; r < R; r++) {
         float b = 0.0f;
         if (a->bias != NULL)
-            b = a->dtype == TUILI_F32 ? ((const float *)a->bias)[row + r]
-                                      : bf16_to_f32(((const uint16_t *)a->bias)[row + r]);
+            b = a->dtype == TUILI_F32 ? ((const float *)a->bias)[row + r * a->spread]
+                                      : bf16_to_f32(((const uint16_t *)a->bias)[row + r * a->spread]);
         for (int64_t i = 0; i < a->m; i++) {
             const float y = sums[i * R + r] + b;
             if (a->out_dtype == TUILI_F32)
-                ((float *)a->out)[i * a->n + row + r] = y;
+                ((float *)a->out)[i * a->n + row + r * a->spread] = y;
             else
-                ((uint16_t *)a->out)[i * a->n + row + r] = f32_to_bf16(y);
+                ((uint16_t *)a->out)[i * a->n + row + r * a->spread] = f32_to_bf16(y);
         }
     }
 }
@@ -520,12 +525,30 @@ static int reads_x_as_f32(int dtype) {
 }
 
 /* Outputs of weight rows begin .. end - 1 for a's rows of x: steps of unroll(M) rows, then the
- * rows left over (fewer than a step) one at a time. */
+ * rows left over (fewer than a step) one at a time. A step's rows are its streams from memory.
+ * Without AVX-512 they are spread: the range is cut into `step` equal parts and a step reads row i
+ * of each, so each stream runs front to back through adjacent rows, one long run the hardware
+ * prefetcher follows. Adjacent rows in a step made `step` streams of one row each (2 KiB at
+ * K = 1024 in bf16), started over at every step: on a Zen 3 (machine C) a one-row bf16 GEMV of
+ * 16384 x 1024 read 22 GB/s against 30 for 4096 x 4096, and the Qwen3-0.6B shape's decode-step
+ * weights 25.5 GB/s, 35.1 spread (docs/kernels.md, `linear_small`). A row's sums are the same
+ * operations wherever it sits, so the outputs are the same bits. */
 static void weight_rows(const linear_args *a, int64_t begin, int64_t end) {
     const int step = unroll(a->m);
     const rows_fn whole = kernel_for(a, step), single = kernel_for(a, 1);
     float sums[MAX_M * MAX_UNROLL];
     int64_t row = begin;
+#ifndef AVX512
+    linear_args spread = *a;
+    spread.spread = (end - begin) / step; /* each part's rows */
+    if (step > 1 && spread.spread > 1) {
+        for (int64_t i = 0; i < spread.spread; i++) {
+            whole(&spread, begin + i, sums);
+            store_rows(&spread, begin + i, step, sums);
+        }
+        row = begin + step * spread.spread;
+    }
+#endif
     for (; row + step <= end; row += step) {
         whole(a, row, sums);
         store_rows(a, row, step, sums);
@@ -539,7 +562,7 @@ static void weight_rows(const linear_args *a, int64_t begin, int64_t end) {
 /* 1 <= m <= MAX_M and the shapes are checked by the caller (tuili/kernels/cpu.py). */
 int tuili_linear_small(const void *x, const void *weight, const void *bias, void *out, int dtype, int out_dtype,
                        int64_t m, int64_t n, int64_t k, int num_threads) {
-    linear_args a = {x, weight, bias, x, out, dtype, out_dtype, m, n, k};
+    linear_args a = {x, weight, bias, x, out, dtype, out_dtype, m, n, k, 1};
     float *x_f32 = NULL;
     if (reads_x_as_f32(dtype)) {
         x_f32 = floats_at_64((size_t)(m * k));
@@ -613,7 +636,7 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
             const float *rows_f32 = dtype == TUILI_F32 || x_f32 != x ? x_f32 + i0 * k : NULL; /* unread: NULL */
             const linear_args a = {(const char *)x + i0 * k * size, weight, bias, rows_f32,
                                    (char *)out + i0 * n * out_size, dtype, out_dtype,
-                                   m - i0 < MAX_M ? m - i0 : MAX_M, n, k};
+                                   m - i0 < MAX_M ? m - i0 : MAX_M, n, k, 1};
             weight_rows(&a, begin, end);
         }
     }
@@ -676,7 +699,7 @@ int tuili_linear_rows(const void *x, const void *weight, const void *bias, void 
                 else
                     sum_lanes((const float(*)[LANES])row_lanes, rows, 0, row_totals);
                 const linear_args a = {NULL, weight, bias, NULL, (char *)out + (i0 + i) * n * out_size,
-                                       dtype, out_dtype, 1, n, k};
+                                       dtype, out_dtype, 1, n, k, 1};
                 store_rows(&a, row0, (int)rows, row_totals);
             }
         }
