@@ -66,7 +66,8 @@
  * (VNNI): 8 KiB; on machine D (AMD Zen 4) against 2 KiB, one row of the Qwen3-0.6B-shape layers from
  * memory 5-10% faster, four rows 5-15%, sixteen the same, the Q4_0 model's batch-1 decode +12%
  * (docs/kernels.md, Measured crossovers); Q8_0 (two streams a tile) the same either way. AVX2:
- * 2 KiB, the distance its prefetches were measured at on Zen 3 (machine C; 8 KiB not tried there). */
+ * 2 KiB, the distance its prefetches were measured at on Zen 3 (machine C), where 4 and 8 KiB made the
+ * Q4_0 model's batch-1 decode 5-10% and 15-25% slower (2026-12-06). */
 #ifdef __AVX512F__
 #define PREFETCH_ROWS 256
 #else
