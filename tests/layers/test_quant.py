@@ -182,6 +182,24 @@ def test_parts_of_different_gguf_types_run_as_one_linear_each_as_stored():
         StackedLinear([linears[0], make_linear(quantize_int4(torch.randn(64, 64), 32), platform=HERE)], None, platform=HERE)
 
 
+@pytest.mark.parametrize(
+    "qtype, native, portable",
+    [(Q.Q4_0, "int4", "int4+zeros"), (Q.Q4_1, "int4+zeros", "int4+zeros"), (Q.Q4_K, "int4+zeros", "int4+zeros"),
+     (Q.Q8_0, "int8", "int8"), (Q.Q6_K, "int6", None), (Q.Q5_0, "int6", None), (Q.Q5_K, "int6+zeros", None)],
+)
+def test_each_gguf_type_runs_in_the_packed_format_its_blocks_have(qtype, native, portable):
+    """What the kernel reads of each GGUF type (the ruler times each format apart): Q4_0's blocks
+    have a scale alone, Q4_1's and Q4_K's a minimum too (a zero), Q8_0's int8 codes a scale; Q6_K's
+    and Q5_0's codes fit 6 bits, Q5_K's with its minimums, where tuili's kernels read 6-bit codes.
+    The portable path (PyTorch's int4 op) reads (scale, zero) pairs always; it has no 6-bit form."""
+    raw = random_blocks(qtype, 64, 256, np.random.default_rng(0), 1e-3)
+    weight = gguf_weight(raw, qtype, (64, 256))
+    if HERE.native_kernels and (native[:4] != "int6" or kernels.linear_int6_available()):
+        assert make_linear(weight, None, torch.bfloat16, platform=HERE).kernel_format == native
+    if portable is not None:
+        assert make_linear(weight, None, torch.bfloat16, platform=Platform.portable()).kernel_format == portable
+
+
 def test_kernel_choice_follows_rows_device_and_dtype():
     by_rows = dataclasses.replace(HERE, bf16_arithmetic=True)  # where PyTorch's bf16 products are fast
     module = make_linear(quantize_int4(torch.randn(64, 64), 32), platform=by_rows)

@@ -204,11 +204,41 @@ def test_a_float_gguf_with_a_packed_output_copy_is_planned_with_float_layers(tmp
     assert not [name for name, m in model.model.named_modules() if isinstance(m, QuantizedLinear)]
     spec = tmp_path / "cpu.json"
     spec.write_text(json.dumps({"name": "cpu", "peak_flops": {"bf16": 1e11, "fp32": 1e11}, "memory_bandwidth": 1e10,
-                                "memory_bytes": 2**33, "int4_kernel_seconds_per_value": 1e-6}))  # fmt: skip
+                                "memory_bytes": 2**33, "packed_kernel_seconds_per_value": {"int4": 1e-6, "int8": 1e-6}}))  # fmt: skip
     assert main(["plan", "--model", str(path), "--hardware", str(spec), "--device", "cpu", "--dtype", "bfloat16",
                  "--measure", "--prompt", "12", "--output", "4", "--json"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     rows = {row["name"]: row for row in report["comparisons"]}
     # the layers' ~100k values at 1 µs each would be 0.1 s a step; their bytes at 10 GB/s are µs
     assert rows["decode step"]["predicted"] < 1e-3
-    assert not any("packed int4 linears" in note or "quantized" in note for note in report["notes"])
+    assert not any("packed linears" in note or "quantized" in note for note in report["notes"])
+
+
+def test_plan_measure_reads_the_packed_formats_and_their_shares_off_the_model():
+    """The planner charges each packed format at its own rate by its share of the layers' packed
+    values: a model holding a Q4_0-like linear (scales alone where tuili's kernels read them), an
+    int4 one with zeros and an int8 one (Q8_0), stacked or not, is read as those shares; the
+    output head, which the plan counts apart, is not."""
+    from torch import nn
+
+    from tuili.layers.quant import Int4Weight, Int8GroupWeight, StackedLinear, make_linear, quantize_int4
+    from tuili.perf.measure import packed_formats
+    from tuili.platform import Platform
+
+    here = Platform.detect()
+    torch.manual_seed(0)
+    scales_alone = Int4Weight(torch.randint(0, 16, (128, 64), dtype=torch.uint8), torch.rand(128, 2), torch.zeros(128, 2), 32)
+    with_zeros = quantize_int4(torch.randn(64, 64), 32)
+    int8 = Int8GroupWeight(torch.randint(-128, 128, (192, 64), dtype=torch.int16).to(torch.int8), torch.rand(192, 2), 32)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.qkv = StackedLinear([make_linear(w, platform=here) for w in (scales_alone, with_zeros)], None,
+                                    platform=here)
+    model.model.down = make_linear(int8, platform=here)
+    model.lm_head = nn.Module()
+    model.lm_head.decode_copy = make_linear(quantize_int4(torch.randn(640, 64), 32), platform=here)
+    first = "int4" if here.native_kernels else "int4+zeros"  # PyTorch's op reads (scale, zero) pairs
+    expected = {"int4+zeros": 64 / 384, "int8": 192 / 384}
+    expected[first] = expected.get(first, 0) + 128 / 384
+    assert packed_formats(model) == pytest.approx(expected)
+    assert packed_formats(nn.Linear(4, 4)) == {}

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tuili import kernels
 from tuili.cli import main
 from tuili.errors import TuiliError
 from tuili.layers.quant import make_linear, quantize_int4
@@ -146,12 +147,20 @@ def test_probe_quick_measures_saves_and_is_used(capsys):
     assert {"decode_step", "decode_layer", "prefill_step", "prefill_layer"} <= set(spec.host_overhead_seconds)
     assert all(0 <= s < 1 for s in spec.host_overhead_seconds.values()) and spec.host_overhead_seconds["decode_layer"]
     assert "host overhead decode_layer" in out
-    # this CPU runs packed int4 linears; many rows either go through their kernel too or are
-    # dequantized, as the engine's module chooses here: exactly that one is measured
-    assert spec.int4_kernel_seconds_per_value > 0
-    module = make_linear(quantize_int4(torch.randn(64, 64), 32), platform=Platform.detect("cpu"))
+    # this CPU runs packed linears: each format its modules hold here is timed (int4 with scales
+    # alone where tuili's kernels read them, 6-bit codes where they read those); many rows either
+    # go through their kernel too or are dequantized, as the engine's module chooses here: exactly
+    # that one is measured
+    here = Platform.detect("cpu")
+    formats = {"int4+zeros", "int8"} | ({"int4"} if here.native_kernels else set())
+    formats |= {"int6", "int6+zeros"} if here.native_kernels and kernels.linear_int6_available() else set()
+    assert set(spec.packed_kernel_seconds_per_value) == formats
+    assert all(f"packed {fmt} kernel seconds per value" in out for fmt in formats)
+    module = make_linear(quantize_int4(torch.randn(64, 64), 32), platform=here)
     kernel_rows = module.kernel_for(PACKED_OP_MAX_ROWS + 1, torch.device("cpu")) == "gemv"
-    assert (spec.int4_rows_seconds_per_value > 0, spec.int4_dequant_seconds_per_value > 0) == (kernel_rows, not kernel_rows)
+    many, dequantized = spec.packed_rows_seconds_per_value, spec.packed_dequant_seconds_per_value
+    assert all((fmt in many) != (fmt in dequantized) for fmt in formats) and set(many) | set(dequantized) == formats
+    assert ("int4+zeros" in many) == kernel_rows
     # the engine's causal prompt attention, per prompt length, in the dtype --quick measures
     assert set(spec.attention_flops_by_tokens["fp32"]) == set(ENGINE_ATTENTION_TOKENS)
     assert "engine attention fp32 1024 tokens" in out

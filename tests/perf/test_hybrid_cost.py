@@ -156,7 +156,7 @@ def test_a_hybrid_prompts_rule_is_charged_at_its_kernels_measured_rate(packed):
     card = HardwareSpec(name="cpu", peak_flops={"fp32": 1e11}, memory_bandwidth=1e10, memory_bytes=2**33)
     measured = HardwareSpec(**{**card.to_dict(), "deltanet_prefill_flops": {"fp32": 2e9}})
     assert HardwareSpec.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
-    inputs = PlanInputs(weights="fp32", kv_dtype="fp32", conv_state_dtype="fp32", packed_linears=packed,
+    inputs = PlanInputs(weights="fp32", kv_dtype="fp32", conv_state_dtype="fp32", packed_formats={"int4+zeros": 1.0} if packed else {},
                         compute_dtype="fp32")
     base, slow = Roofline(cost, card, inputs), Roofline(cost, measured, inputs)
     extra = cost.prefill_state_flops(100) * (1 / 2e9 - 1 / 1e11)

@@ -110,11 +110,11 @@ def test_ranks_sharing_a_machine_split_its_rates():
     """A rank of N on one machine runs at 1/N of every rate; N tensor-parallel ranks, each doing
     1/N of the work at once, then take the one machine's roofline for a step."""
     machine = HardwareSpec(**SPEC, linear_stream_bandwidth={"fp32": 4e9}, linear_flops_by_rows={"fp32": {1: 1e9}},
-                           int4_kernel_seconds_per_value=1e-9)  # fmt: skip
+                           packed_kernel_seconds_per_value={"int8": 1e-9})  # fmt: skip
     rank = shared_by(machine, 2)
     assert rank.peak_flops == {"fp32": 2.5e10} and rank.memory_bandwidth == 2.5e9
     assert rank.linear_stream_bandwidth == {"fp32": 2e9} and rank.linear_flops_by_rows == {"fp32": {1: 5e8}}
-    assert rank.int4_kernel_seconds_per_value == 2e-9
+    assert rank.packed_kernel_seconds_per_value == {"int8": 2e-9}
     config = transformers.Qwen3Config(**QWEN3).to_dict()
     cost = ModelCost.from_config(config)
     common = dict(weights=weight_format("fp32"), kv_dtype="fp32", compute_dtype="fp32")

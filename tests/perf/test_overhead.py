@@ -28,6 +28,7 @@ QWEN3_06B = {
     "vocab_size": 151936, "tie_word_embeddings": True,
 }
 CPU = HardwareSpec(name="cpu", peak_flops={"fp32": 1e11}, memory_bandwidth=1e10, memory_bytes=2**34)
+INT4 = {"int4+zeros": 1.0}  # every packed value in the format of `--quantization int4`
 
 
 def with_host(**seconds: float) -> HardwareSpec:
@@ -73,9 +74,9 @@ def test_a_host_figure_moves_every_time_by_its_count(key, config, decode, prefil
 def test_packed_layers_take_their_own_figure_else_the_float_one():
     float_only = with_host(decode_step=1e-4, decode_layer=2e-4)
     both = with_host(decode_step=1e-4, decode_layer=2e-4, packed_decode_layer=3e-4)
-    assert plan(SMOLLM2, float_only, packed_linears=True)["decode_step_overhead_seconds"] == pytest.approx(
+    assert plan(SMOLLM2, float_only, packed_formats=INT4)["decode_step_overhead_seconds"] == pytest.approx(
         1e-4 + 30 * 2e-4)
-    assert plan(SMOLLM2, both, packed_linears=True)["decode_step_overhead_seconds"] == pytest.approx(1e-4 + 30 * 3e-4)
+    assert plan(SMOLLM2, both, packed_formats=INT4)["decode_step_overhead_seconds"] == pytest.approx(1e-4 + 30 * 3e-4)
     assert plan(SMOLLM2, both)["decode_step_overhead_seconds"] == pytest.approx(1e-4 + 30 * 2e-4)
 
 
@@ -95,12 +96,12 @@ SMOLLM2_LAYER_VALUES = 30 * 576 * (960 + 576 + 3072 + 1536)
 
 
 def packed_plan(hardware: HardwareSpec, batch: int) -> dict:
-    return plan(SMOLLM2, hardware, batch=batch, packed_linears=True)
+    return plan(SMOLLM2, hardware, batch=batch, packed_formats=INT4)
 
 
 def test_packed_prefills_dequantize_every_layer_weight_once():
     per_value = 2e-9
-    spec = HardwareSpec(**{**CPU.to_dict(), "int4_dequant_seconds_per_value": per_value})
+    spec = HardwareSpec(**{**CPU.to_dict(), "packed_dequant_seconds_per_value": {"int4+zeros": per_value}})
     # a 256-token prompt is past the weight-only kernel's 48 rows: it dequantizes
     assert packed_plan(spec, 1)["prefill_dequant_seconds"] == pytest.approx(SMOLLM2_LAYER_VALUES * per_value,
                                                                             rel=1e-12)
@@ -120,11 +121,11 @@ def test_where_many_rows_run_the_int4_kernel_a_prefill_pays_it_per_row_and_dequa
     many-row rate when that is the ceiling, grows with T, and has no dequantization or tiled-matmul
     term; the decode step keeps the one-row rate."""
     rate = 4e-10  # slow enough to be the packed linears' ceiling
-    spec = HardwareSpec(**{**CPU.to_dict(), "int4_rows_seconds_per_value": rate,
-                           "int4_dequant_seconds_per_value": 2e-9})
-    doubled = HardwareSpec(**{**spec.to_dict(), "int4_rows_seconds_per_value": 2 * rate})
+    spec = HardwareSpec(**{**CPU.to_dict(), "packed_rows_seconds_per_value": {"int4+zeros": rate},
+                           "packed_dequant_seconds_per_value": {"int4+zeros": 2e-9}})
+    doubled = HardwareSpec(**{**spec.to_dict(), "packed_rows_seconds_per_value": {"int4+zeros": 2 * rate}})
     for prompt in (256, 512):
-        p, q = (plan(SMOLLM2, s, prompt=prompt, packed_linears=True) for s in (spec, doubled))
+        p, q = (plan(SMOLLM2, s, prompt=prompt, packed_formats=INT4) for s in (spec, doubled))
         assert p["prefill_dequant_seconds"] == 0 == p["prefill_kernels_seconds"]
         assert q["ttft_seconds"] - p["ttft_seconds"] == pytest.approx(SMOLLM2_LAYER_VALUES * prompt * rate, rel=1e-9)
     assert packed_plan(spec, 1)["decode_step_seconds"] == packed_plan(doubled, 1)["decode_step_seconds"]
@@ -135,10 +136,37 @@ def test_where_many_rows_run_the_int4_kernel_a_prefill_pays_it_per_row_and_dequa
 def test_the_int4_kernel_unpacks_every_weight_for_every_row(batch):
     """A kernel slow enough to be the packed linears' ceiling: the decode step takes their
     values x rows x its time per value, and the prefill (tiled) none of it."""
-    slow, slower = (HardwareSpec(**{**CPU.to_dict(), "int4_kernel_seconds_per_value": s}) for s in (1e-9, 3e-9))
+    slow, slower = (HardwareSpec(**{**CPU.to_dict(), "packed_kernel_seconds_per_value": {"int4+zeros": s}})
+                    for s in (1e-9, 3e-9))
     step = packed_plan(slower, batch)["decode_step_seconds"] - packed_plan(slow, batch)["decode_step_seconds"]
     assert step == pytest.approx(batch * SMOLLM2_LAYER_VALUES * 2e-9, rel=1e-9)
     assert packed_plan(slower, batch)["ttft_seconds"] == packed_plan(slow, batch)["ttft_seconds"]
+
+
+def test_each_packed_format_is_charged_at_its_own_rate_by_its_share_of_the_values():
+    """A model whose packed values are a quarter int4 and three quarters int8 (a Q8_0 file with
+    some Q4_0 layers): the kernel takes each format's share at that format's rate; a format the
+    spec has no figure for takes the mean of those it has, so a spec saved with one format's figure
+    (before formats were told apart) charges every format at it."""
+    rates = {"int4": 1e-9, "int8": 3e-9, "int6": 8e-9}
+    spec = HardwareSpec(**{**CPU.to_dict(), "packed_kernel_seconds_per_value": rates})
+    mixed = plan(SMOLLM2, spec, packed_formats={"int4": 0.25, "int8": 0.75})["decode_step_seconds"]
+    int4 = plan(SMOLLM2, spec, packed_formats={"int4": 1.0})["decode_step_seconds"]
+    assert mixed - int4 == pytest.approx(SMOLLM2_LAYER_VALUES * 0.75 * (3e-9 - 1e-9), rel=1e-9)
+    unmeasured = plan(SMOLLM2, spec, packed_formats={"int4+zeros": 1.0})["decode_step_seconds"]
+    assert unmeasured - int4 == pytest.approx(SMOLLM2_LAYER_VALUES * (4e-9 - 1e-9), rel=1e-9)
+    with pytest.raises(TuiliError, match="packed format 'int5'"):
+        plan(SMOLLM2, spec, packed_formats={"int5": 1.0})
+
+
+def test_a_spec_saved_with_one_int4_figure_loads_as_that_formats(tmp_path):
+    path = tmp_path / "before.json"
+    fields = {k: v for k, v in CPU.to_dict().items() if not k.startswith("packed_")}
+    path.write_text(json.dumps({**fields, "int4_kernel_seconds_per_value": 2e-10, "int4_dequant_seconds_per_value": 0.0,
+                                "int4_rows_seconds_per_value": 5e-11}))
+    before = load_spec_file(path)
+    assert before.packed_kernel_seconds_per_value == {"int4+zeros": 2e-10}
+    assert before.packed_rows_seconds_per_value == {"int4+zeros": 5e-11} and before.packed_dequant_seconds_per_value == {}
 
 
 def test_presets_have_no_overhead_and_predict_the_roofline():
@@ -155,13 +183,14 @@ def private_cache(tmp_path, monkeypatch):
 def test_a_saved_spec_round_trips_its_overheads(private_cache):
     spec = HardwareSpec(name="box (probed)", peak_flops={"fp32": 1e11}, memory_bandwidth=2e10, memory_bytes=2**34,
                         origin="probe", host_overhead_seconds={"decode_layer": 2.5e-4, "decode_step": 1.25e-4},
-                        int4_kernel_seconds_per_value=1.5e-10, int4_dequant_seconds_per_value=2.5e-9,
-                        int4_rows_seconds_per_value=3.5e-11)
+                        packed_kernel_seconds_per_value={"int4": 1.5e-10, "int8": 2.5e-10},
+                        packed_dequant_seconds_per_value={"int4": 2.5e-9}, packed_rows_seconds_per_value={"int8": 3.5e-11})
     save_probe(spec, "cpu")
     loaded = current_hardware("cpu")
     assert loaded == spec and loaded.host_overhead_seconds == {"decode_layer": 2.5e-4, "decode_step": 1.25e-4}
-    assert (loaded.int4_kernel_seconds_per_value, loaded.int4_dequant_seconds_per_value,
-            loaded.int4_rows_seconds_per_value) == (1.5e-10, 2.5e-9, 3.5e-11)
+    assert (loaded.packed_kernel_seconds_per_value, loaded.packed_dequant_seconds_per_value,
+            loaded.packed_rows_seconds_per_value) == ({"int4": 1.5e-10, "int8": 2.5e-10}, {"int4": 2.5e-9},
+                                                      {"int8": 3.5e-11})
 
 
 def test_a_spec_saved_before_overheads_still_loads(tmp_path):
@@ -171,7 +200,7 @@ def test_a_spec_saved_before_overheads_still_loads(tmp_path):
         "origin": "probe", "measurements": {"memory read": 2e10},
     }))
     old = load_spec_file(path)
-    assert old.host_overhead_seconds == {} and old.int4_dequant_seconds_per_value == 0 == old.int4_rows_seconds_per_value
+    assert old.host_overhead_seconds == {} and old.packed_dequant_seconds_per_value == {} == old.packed_rows_seconds_per_value
     p = plan(SMOLLM2, old)
     assert p["decode_step_overhead_seconds"] == 0 and p["decode_step_seconds"] == p["decode_step_roofline_seconds"]
 
@@ -182,7 +211,9 @@ def test_a_spec_saved_before_overheads_still_loads(tmp_path):
      ({"host_overhead_seconds": {"decode_layer": -1e-6}}, "decode_layer"),
      ({"host_overhead_seconds": {"decode_layer": "slow"}}, "slow"), ({"host_overhead_seconds": [1e-6]}, "map"),
      ({"int4_dequant_seconds_per_value": 2.0}, "int4_dequant_seconds_per_value"),
-     ({"int4_kernel_seconds_per_value": -1e-9}, "int4_kernel_seconds_per_value")],
+     ({"int4_kernel_seconds_per_value": -1e-9}, "int4_kernel_seconds_per_value"),
+     ({"packed_kernel_seconds_per_value": {"int4": 0.0}}, r"packed_kernel_seconds_per_value\['int4'\]"),
+     ({"packed_rows_seconds_per_value": {"int5": 1e-10}}, "'int5'")],
 )
 def test_bad_overheads_in_a_spec_are_named(tmp_path, fields, message):
     path = tmp_path / "bad.json"
@@ -229,7 +260,7 @@ def test_probed_linear_rates_are_a_floor_above_the_roofline():
     assert capped["decode_step_kernels_seconds"] == 0 == capped["prefill_kernels_seconds"]
     assert capped["decode_step_seconds"] == base["decode_step_seconds"]
     # a packed-linears plan keeps its own kernel terms
-    assert plan(SMOLLM2, slow, packed_linears=True)["decode_step_kernels_seconds"] == 0
+    assert plan(SMOLLM2, slow, packed_formats=INT4)["decode_step_kernels_seconds"] == 0
 
 
 def test_linear_rates_by_rows_set_the_prefill_floor_at_the_prompts_size():
@@ -274,7 +305,7 @@ def test_a_prompts_attention_is_charged_at_its_own_measured_rate():
     assert measured["prefill_kernels_seconds"] == pytest.approx(attention / 0.2e11 - attention / 1e11, rel=1e-9)
     assert measured["decode_step_seconds"] == base["decode_step_seconds"]
     # packed int4 linears keep their own terms and add the attention's
-    packed = plan(QWEN3_06B, spec, prompt=544, packed_linears=True)
+    packed = plan(QWEN3_06B, spec, prompt=544, packed_formats=INT4)
     assert packed["prefill_kernels_seconds"] == pytest.approx(attention / 0.2e11 - attention / 1e11, rel=1e-9)
     with pytest.raises(TuiliError, match=r"attention_flops_by_tokens\['fp32'\] of 'cpu' has the size 0"):
         HardwareSpec(**{**CPU.to_dict(), "attention_flops_by_tokens": {"fp32": {0: 1e10}}})
@@ -290,7 +321,7 @@ def test_a_packed_prefill_multiplies_its_dequantized_tiles_at_the_linears_measur
     assert work is not None and work.dequantized
     packed_flops = 2 * 544 * work.values
     attention = cost.prefill_attention_flops(0, 544)
-    p = plan(QWEN3_06B, spec, prompt=544, packed_linears=True)
+    p = plan(QWEN3_06B, spec, prompt=544, packed_formats=INT4)
     slower = 1 / 0.5e11 - 1 / 1e11
     assert p["prefill_kernels_seconds"] == pytest.approx((packed_flops + attention) * slower, rel=1e-9)
     assert p["decode_step_kernels_seconds"] == 0

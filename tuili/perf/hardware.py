@@ -20,14 +20,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tuili.errors import TuiliError
-from tuili.perf.overhead import HOST_KEYS
+from tuili.perf.overhead import HOST_KEYS, PACKED_FORMATS
 
 GiB = 2**30
 T = 1e12
 G = 1e9
 
-# The packed int4 linears' measured times per weight value (HardwareSpec, below).
-INT4_FIELDS = ("int4_kernel_seconds_per_value", "int4_dequant_seconds_per_value", "int4_rows_seconds_per_value")
+# The packed linears' measured times per weight value, by format (HardwareSpec, below), and the
+# one-figure fields of specs saved before the formats were told apart (the "int4+zeros" kernel's).
+PACKED_FIELDS = ("packed_kernel_seconds_per_value", "packed_dequant_seconds_per_value", "packed_rows_seconds_per_value")
+_INT4_FIELDS = {f"int4_{name.removeprefix('packed_')}": name for name in PACKED_FIELDS}
 # Dtypes a peak_flops table may list ("tf32": fp32 inputs on tensor cores; "fp32": plain FP32).
 PEAK_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp4", "int4")
 
@@ -64,13 +66,17 @@ class HardwareSpec:
     layer (tuili/perf/overhead.py HOST_KEYS), as `tuili probe` measured it here. Presets have
     none: a datasheet states no such figure, so their step times are the roofline floor, which an
     engine replaying CUDA graphs approaches and an eager one does not.
-    ``int4_kernel_seconds_per_value`` and ``int4_dequant_seconds_per_value``: the time tuili's
-    packed int4 linears (a CPU's) take per weight value in their weight-only kernel (per row) and
-    to dequantize it for a many-row matmul; 0 where not measured.
-    ``int4_rows_seconds_per_value``: where a many-row step runs that kernel rather than
-    dequantizing (the batch-invariant mode wherever tuili's native kernels run: it takes 64
+    ``packed_kernel_seconds_per_value`` and ``packed_dequant_seconds_per_value``, per packed
+    format (tuili/perf/overhead.py PACKED_FORMATS: "int4", "int4+zeros", "int8", ...): the time
+    tuili's packed linears (a CPU's) take per weight value in their weight-only kernel (per row)
+    and to dequantize it for a many-row matmul, beyond a call's fixed cost (which the host
+    overhead counts); absent where not measured.
+    ``packed_rows_seconds_per_value``, per format: where a many-row step runs that kernel rather
+    than dequantizing (the batch-invariant mode wherever tuili's native kernels run: it takes 64
     rows per call, its cost grows with them), its time per weight value and row at many rows;
-    ``int4_dequant_seconds_per_value`` is then 0. 0 where a many-row step dequantizes.
+    that format's dequantization is then absent. A spec saved before the formats were told apart
+    gives one figure each (``int4_kernel_seconds_per_value``, ...): the "int4+zeros" kernel's,
+    which it had timed.
     ``linear_stream_bandwidth`` and ``linear_prefill_flops``, per dtype: the bytes/s at which
     tuili's own dense linear layers (tuili/layers/linear.py, with whatever native kernels run
     here) stream a weight matrix from memory at one row, and their FLOP/s at a 512-row product
@@ -98,9 +104,9 @@ class HardwareSpec:
     origin: str = "preset"
     measurements: dict[str, float] = field(default_factory=dict)
     host_overhead_seconds: dict[str, float] = field(default_factory=dict)
-    int4_kernel_seconds_per_value: float = 0.0
-    int4_dequant_seconds_per_value: float = 0.0
-    int4_rows_seconds_per_value: float = 0.0
+    packed_kernel_seconds_per_value: dict[str, float] = field(default_factory=dict)
+    packed_dequant_seconds_per_value: dict[str, float] = field(default_factory=dict)
+    packed_rows_seconds_per_value: dict[str, float] = field(default_factory=dict)
     linear_stream_bandwidth: dict[str, float] = field(default_factory=dict)
     linear_prefill_flops: dict[str, float] = field(default_factory=dict)
     linear_flops_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -129,12 +135,16 @@ class HardwareSpec:
                     f"host_overhead_seconds[{key!r}] of {self.name!r}={seconds!r} is invalid: expected "
                     f"seconds, >= 0 and well under 1"
                 )
-        for name in INT4_FIELDS:
-            if not 0 <= getattr(self, name) < 1e-3:
-                raise TuiliError(
-                    f"{name} of {self.name!r}={getattr(self, name)!r} is invalid: expected seconds per weight "
-                    f"value, >= 0 and well under a millisecond"
-                )
+        for name in PACKED_FIELDS:
+            for fmt, seconds in getattr(self, name).items():
+                if fmt not in PACKED_FORMATS:
+                    raise TuiliError(f"hardware {self.name!r} lists {name} for {fmt!r}: expected packed formats "
+                                     f"among {', '.join(PACKED_FORMATS)}")
+                if not 0 < seconds < 1e-3:
+                    raise TuiliError(
+                        f"{name}[{fmt!r}] of {self.name!r}={seconds!r} is invalid: expected seconds per weight "
+                        f"value, > 0 and well under a millisecond"
+                    )
         for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops"):
             for dtype, value in getattr(self, name).items():
                 if dtype not in PEAK_DTYPES:
@@ -211,12 +221,20 @@ class HardwareSpec:
                 f"{where} lacks {', '.join(missing)}: a spec needs name, peak_flops (FLOP/s by dtype), "
                 f"memory_bandwidth (bytes/s) and memory_bytes"
             )
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f for f in cls.__dataclass_fields__} | set(_INT4_FIELDS)
         unknown = sorted(set(data) - known)
         if unknown:
             raise TuiliError(f"{where} has unknown field(s) {', '.join(unknown)}: expected {', '.join(sorted(known))}")
         if not isinstance(data["peak_flops"], dict):
             raise TuiliError(f"{where}: peak_flops must map dtype names to FLOP/s, got {data['peak_flops']!r}")
+        data = {**data}
+        for old, name in _INT4_FIELDS.items():
+            seconds = _number(f"{where} {old}", data.pop(old, 0.0))
+            if not 0 <= seconds < 1e-3:
+                raise TuiliError(f"{where}: {old}={seconds!r} is invalid: expected seconds per weight value, >= 0 "
+                                 f"and well under a millisecond")
+            if seconds and not data.get(name):  # 0 meant "not measured"
+                data[name] = {"int4+zeros": seconds}
         return cls(
             name=str(data["name"]),
             peak_flops={str(k).lower(): _number(f"{where} peak_flops[{k!r}]", v) for k, v in data["peak_flops"].items()},
@@ -231,11 +249,10 @@ class HardwareSpec:
                 str(k): _number(f"{where} host_overhead_seconds[{k!r}]", v)
                 for k, v in _mapping(where, "host_overhead_seconds", data.get("host_overhead_seconds")).items()
             },
-            **{name: _number(f"{where} {name}", data.get(name, 0.0))
-               for name in INT4_FIELDS},
             **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
                       for k, v in _mapping(where, name, data.get(name)).items()}
-               for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops")},
+               for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops",
+                            *PACKED_FIELDS)},
             **{name: {
                 str(dtype).lower(): {
                     _size(f"{where} {name}[{dtype!r}]", size): _number(f"{where} {name}[{dtype!r}][{size!r}]", value)

@@ -25,7 +25,7 @@ from tuili.errors import TuiliError
 from tuili.perf.checkpoint import ModelSource
 from tuili.perf.cost import CheckpointBytes, ModelCost
 from tuili.perf.formats import canonical_dtype, weight_format
-from tuili.perf.hardware import ENGINE_PREFILL_ROWS, INT4_FIELDS, HardwareSpec, link
+from tuili.perf.hardware import ENGINE_PREFILL_ROWS, PACKED_FIELDS, HardwareSpec, link
 from tuili.perf.harness import StepLog, build_engine
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline, SpeculativeStepCost, StepCost, allreduce_seconds
@@ -125,7 +125,7 @@ def _measure(
     # engine's working dtype (what each rank holds a part of), which the cost model then splits.
     weights = engine_storage(engine.model) if ranks == 1 else weight_format(working)
     inputs = replace(inputs, weights=weights, kv_dtype=working, conv_state_dtype=working,
-                     compute_dtype=packed or working, packed_linears=packed is not None)
+                     compute_dtype=packed or working, packed_formats=packed_formats(engine.model))
     if ranks > 1 and inputs.link is None and engine.device.type == "cpu":
         inputs = replace(inputs, link=link(CPU_LINK))
     if ranks > 1 and inputs.link is None and hardware.interconnect is None:
@@ -296,12 +296,17 @@ def _measure(
                      f"+{kernels * 1e3:.2f} ms per decode step, +{prefill.kernels * 1e3:.2f} ms in the prefill "
                      f"above the roofline")
     if inputs.packed_linears:
-        many_rows = (f"the prefill runs it too, at {machine.int4_rows_seconds_per_value * 1e9:.3f} ns per value and "
-                     f"row at many rows" if machine.int4_rows_seconds_per_value else
+        def rates(by_format: dict[str, float]) -> str:
+            return ", ".join(f"{fmt} {by_format[fmt] * 1e9:.3f}" if fmt in by_format else f"{fmt} unmeasured"
+                             for fmt in inputs.packed_formats)
+
+        shares = ", ".join(f"{fmt} {share:.0%}" for fmt, share in inputs.packed_formats.items())
+        many_rows = (f"the prefill runs it too, at {rates(machine.packed_rows_seconds_per_value)} ns per value and "
+                     f"row at many rows" if machine.packed_rows_seconds_per_value else
                      f"the prefill dequantizes them, {prefill.dequant * 1e3:.2f} ms at "
-                     f"{machine.int4_dequant_seconds_per_value * 1e9:.2f} ns per value")
-        notes.append(f"packed int4 linears: their kernel at {machine.int4_kernel_seconds_per_value * 1e9:.2f} ns "
-                     f"per weight value and row; {many_rows}")
+                     f"{rates(machine.packed_dequant_seconds_per_value)} ns per value")
+        notes.append(f"packed linears ({shares} of their values): their kernel at "
+                     f"{rates(machine.packed_kernel_seconds_per_value)} ns per weight value and row; {many_rows}")
     return MeasureReport(
         model=str(source.path), device=str(engine.device), dtype=working, hardware=hardware.name,
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
@@ -322,7 +327,7 @@ def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
     return replace(
         machine, name=f"{machine.name}, 1/{ranks} per rank", peak_flops=each(machine.peak_flops),
         memory_bandwidth=machine.memory_bandwidth / ranks, memory_bytes=machine.memory_bytes // ranks,
-        **{name: getattr(machine, name) * ranks for name in INT4_FIELDS},
+        **{name: {fmt: seconds * ranks for fmt, seconds in getattr(machine, name).items()} for name in PACKED_FIELDS},
         linear_stream_bandwidth=each(machine.linear_stream_bandwidth),
         linear_prefill_flops=each(machine.linear_prefill_flops), linear_flops_by_rows=each(machine.linear_flops_by_rows),
         attention_flops_by_tokens=each(machine.attention_flops_by_tokens),
@@ -397,7 +402,7 @@ def _engine_speculation(engine: LLMEngine, cost: ModelCost, spec: Speculation, t
     if spec.head_shared:
         return replace(spec, proposer_weights=scaled_storage(cost, target, spec.proposer))
     draft = engine.speculator.proposer.runner.model
-    return replace(spec, proposer_weights=engine_storage(draft), proposer_packed=_packed_compute_dtype(draft) is not None)
+    return replace(spec, proposer_weights=engine_storage(draft), proposer_formats=packed_formats(draft))
 
 
 def _speculation_note(
@@ -485,6 +490,20 @@ def _kind(name: str) -> str:
     if ".linear_attn." in name:  # Gated DeltaNet: projections, conv, A_log, dt_bias (its norm is a norm)
         return "linear_attention"
     raise TuiliError(f"the engine holds a weight {name!r} the cost model has no kind for")
+
+
+def packed_formats(model: torch.nn.Module) -> dict[str, float]:
+    """The packed formats (PACKED_FORMATS) of the model's packed linears outside the output head,
+    each with its share of their weight values; empty where its layers hold float linears."""
+    from tuili.layers.quant import PackedLinear
+
+    values: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear) and not name.startswith("lm_head."):
+            fmt = module.kernel_format
+            values[fmt] = values.get(fmt, 0) + module.in_features * module.out_features
+    total = sum(values.values())
+    return {fmt: count / total for fmt, count in sorted(values.items())}
 
 
 def _packed_compute_dtype(model: torch.nn.Module) -> str | None:

@@ -16,10 +16,11 @@ steps, float and packed int4 linears (``HOST_KEYS``). Measuring the engine itsel
 true as the engine changes (re-probe after an upgrade); the counts come from the config.
 Datasheet presets have none: their predictions stay the roofline floor.
 
-**Packed int4 linears** (tuili/layers/quant.py) also do work that neither bytes nor FLOPs
-measure: unpacking their codes, in their weight-only kernel or, for a step of more rows, by
-dequantizing every weight tile by tile before multiplying (``packed_work``, at the spec's
-measured ``int4_kernel_seconds_per_value`` and ``int4_dequant_seconds_per_value``).
+**Packed linears** (tuili/layers/quant/) also do work that neither bytes nor FLOPs measure:
+unpacking their codes, in their weight-only kernel or, for a step of more rows, by dequantizing
+every weight tile by tile before multiplying (``packed_work``, at the spec's measured
+``packed_kernel_seconds_per_value`` and ``packed_dequant_seconds_per_value`` for each format the
+layers hold: PACKED_FORMATS).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tuili.layers.quant import INT4_GEMV_MAX_ROWS, INT4_TILE_ROWS
+from tuili.layers.quant import INT4_GEMV_MAX_ROWS, INT4_TILE_ROWS, KERNEL_FORMATS
 from tuili.perf.shapes import ModelShape
 
 # The fixed host seconds `tuili probe` measures; a missing key counts as 0, except that a packed
@@ -54,6 +55,10 @@ PACKED_BLOCK_ROWS = INT4_TILE_ROWS
 # its dense MLP or shared expert, and a MoE layer's router and shared-expert gate. Routed experts
 # run their own grouped kernels.
 PACKED_KINDS = ("attention", "linear_attention", "mlp", "router")
+# What the packed kernel reads (the codes' width, "+zeros" with a zero per group): GGUF Q4_0 is
+# "int4", Q4_1, Q4_K and `--quantization int4` "int4+zeros", Q8_0 "int8", Q6_K and Q5_0 "int6"
+# where the CPU's kernels read 6-bit codes, Q5_1 and Q5_K "int6+zeros".
+PACKED_FORMATS = KERNEL_FORMATS
 
 
 @dataclass(frozen=True)

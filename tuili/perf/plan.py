@@ -7,8 +7,8 @@ seconds per step and per decoder layer, times the config's layers, tuili/perf/ov
 datasheet presets), plus its tensor-parallel communication; these are assumed not to
 overlap. Where `tuili probe` timed tuili's own linears (weight streaming at one row, FLOP/s at
 prompt size), a step takes at least what those rates allow: the difference to the roofline is
-the step's `kernels` term. Packed int4 linears (plan --measure of an engine that holds them) run kernels of their
-own: their time is a roofline of its own with their measured unpacking rate as a third ceiling,
+the step's `kernels` term. Packed linears (plan --measure of an engine that holds them) run kernels of their
+own: their time is a roofline of its own with their measured unpacking rate (per format) as a third ceiling,
 and a many-row step first dequantizes them, or, where the probe found many rows running the same
 kernel (the batch-invariant mode with native kernels), unpacks them for every row at its many-row
 rate. A speculating engine's decode step is the target's verification of k proposals per
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tuili.errors import TuiliError
 from tuili.perf.cost import CheckpointBytes, ModelCost, WeightStorage
@@ -27,6 +27,7 @@ from tuili.perf.formats import WeightFormat, dtype_bytes
 from tuili.perf.hardware import HardwareSpec, LinkSpec, link
 from tuili.perf.overhead import (
     HOST_KEYS,
+    PACKED_FORMATS,
     PACKED_KINDS,
     PACKED_OP_MAX_ROWS,
     PackedWork,
@@ -62,7 +63,9 @@ class PlanInputs:
     mfu: float = 1.0  # achievable share of peak FLOP/s assumed for compute time
     mbu: float = 1.0  # achievable share of memory bandwidth assumed for memory time
     compute_dtype: str | None = None  # None: the weight format's (fp8 -> W8A8 fp8)
-    packed_linears: bool = False  # the layers' linears are tuili's packed int4 modules (--measure)
+    # --measure: the layers' linears are tuili's packed modules, their values shared among these
+    # formats (PACKED_FORMATS, shares summing to 1); empty: float linears
+    packed_formats: dict[str, float] = field(default_factory=dict)
     # The dtype of the DeltaNet conv state (the working dtype, whatever the KV cache's; the
     # recurrent state is float32 always): bf16 for a plan, the engine's own under --measure.
     conv_state_dtype: str = "bf16"
@@ -83,9 +86,17 @@ class PlanInputs:
                 raise TuiliError(f"--{name} {getattr(self, name)!r} is invalid: expected a fraction in (0, 1]")
         dtype_bytes(self.kv_dtype)
         dtype_bytes(self.conv_state_dtype)
+        for fmt, share in self.packed_formats.items():
+            if fmt not in PACKED_FORMATS or not 0 < share <= 1:
+                raise TuiliError(f"packed format {fmt!r} with share {share!r}: expected formats among "
+                                 f"{', '.join(PACKED_FORMATS)}, each a share in (0, 1]")
         if self.speculation is not None and (self.tp > 1 or self.pp > 1):
             raise TuiliError(f"--speculative-config with --tp {self.tp} --pp {self.pp} is not modelled: the plan "
                              f"counts speculation on one device per replica (--tp 1 --pp 1)")
+
+    @property
+    def packed_linears(self) -> bool:
+        return bool(self.packed_formats)
 
 
 # A hybrid model's prefix cache (tuili/engine/pool.py, state_checkpoint_count): state checkpoints
@@ -198,7 +209,7 @@ class Roofline:
             kv_dtype = inputs.kv_dtype if spec.head_shared else inputs.conv_state_dtype
             self._proposer = Roofline(spec.proposer, hardware, replace(
                 inputs, weights=spec.proposer_weights, kv_dtype=kv_dtype, speculation=None,
-                packed_linears=spec.proposer_packed,
+                packed_formats=spec.proposer_formats,
             ))  # fmt: skip
         if inputs.packed_linears:
             by_kind = cost.weight_bytes_by_kind(inputs.weights)
@@ -214,7 +225,7 @@ class Roofline:
         step = replace(step, packed=self.inputs.packed_linears)
         if step not in self._packed:  # a plan asks for a few step shapes, many times
             # a probe that found many rows running the weight-only kernel gave its rate there
-            self._packed[step] = packed_work(self.cost.shape, step, self.hardware.int4_rows_seconds_per_value > 0)
+            self._packed[step] = packed_work(self.cost.shape, step, bool(self.hardware.packed_rows_seconds_per_value))
         return self._packed[step]
 
     def _roofline(self, flops: float, nbytes: float) -> float:
@@ -275,11 +286,11 @@ class Roofline:
         packed_flops = 2 * step.tokens * packed.values
         # the kernel's time per value and row: at one row, or at many where it runs them
         many = step.tokens > PACKED_OP_MAX_ROWS
-        kernel_rate = hw.int4_rows_seconds_per_value if many else hw.int4_kernel_seconds_per_value
+        kernel_rate = self.packed_seconds(hw.packed_rows_seconds_per_value if many else hw.packed_kernel_seconds_per_value)
         roofline = self._roofline(flops - packed_flops, nbytes - self.packed_bytes) + max(
             self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * kernel_rate
         )
-        dequant = packed.dequantized * hw.int4_dequant_seconds_per_value
+        dequant = packed.dequantized * self.packed_seconds(hw.packed_dequant_seconds_per_value)
         # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the
         # dequantized tiles of a many-row step through the same matmuls as dense linears (§4.2).
         kernels = self._below_peak(attention, self.attention_flops(step.tokens))
@@ -289,6 +300,16 @@ class Roofline:
         return StepCost(
             flops, nbytes, roofline + dequant + kernels + overhead + comm, roofline, overhead, dequant, kernels
         )
+
+    def packed_seconds(self, by_format: dict[str, float]) -> float:
+        """Seconds per packed value (and row) of the layers' packed formats at the spec's measured
+        ``by_format``, weighted by the formats' shares of the values; a format the spec has no
+        figure for at the mean of those it has (a spec saved before the formats were told apart
+        holds "int4+zeros" alone); 0 where it has none."""
+        if not by_format:
+            return 0.0
+        fallback = sum(by_format.values()) / len(by_format)
+        return sum(share * by_format.get(fmt, fallback) for fmt, share in self.inputs.packed_formats.items())
 
     def _below_peak(self, flops: float, rate: float) -> float:
         """Seconds per device that ``flops`` take at ``rate`` beyond their time at the peak."""

@@ -1,7 +1,7 @@
 """Measure this machine: memory bandwidth (read and copy) and matmul throughput per dtype, at large
 shapes (what prefill runs) and at skinny decode-like shapes (a few rows times a weight matrix);
-tuili's engine's fixed host cost per step and per decoder layer, and on a CPU its packed int4
-linears' time per weight value (tuili/perf/overhead.py).
+tuili's engine's fixed host cost per step and per decoder layer, and on a CPU its packed
+linears' time per weight value, per format (tuili/perf/overhead.py).
 
 The spec a probe returns takes the best large-matmul rate per dtype as that dtype's peak and the
 read bandwidth as the memory bandwidth: what this machine demonstrably reaches, through the same
@@ -33,7 +33,7 @@ from tuili.perf.hardware import (
     ENGINE_ATTENTION_TOKENS,
     ENGINE_LINEAR_ROWS,
     ENGINE_PREFILL_ROWS,
-    INT4_FIELDS,
+    PACKED_FIELDS,
     HardwareSpec,
 )
 from tuili.perf.harness import build_engine
@@ -88,7 +88,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         if m.name.startswith("matmul ") and " large" in m.name:
             dtype = m.name.split()[1]
             peaks[dtype] = max(peaks.get(dtype, 0.0), m.value)
-    results += _packed_int4(dev, peaks, sizes)
+    results += _packed_kernels(dev, peaks, sizes)
     linears = _engine_linears(dev, sizes)
     attention = _engine_attention(dev, sizes)
     deltanet = _engine_deltanet(dev, sizes)
@@ -102,7 +102,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         source=f"tuili probe{' --quick' if quick else ''} on {platform.node()}, torch {torch.__version__}",
         origin="probe",
         interconnect=CPU_LINK if dev.type == "cpu" else None,
-        **_int4_fields(results),
+        **_packed_fields(results),
         **_linear_fields(linears),
         **_attention_fields(attention),
         **_deltanet_fields(deltanet),
@@ -117,14 +117,14 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
 def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     """``spec`` (this machine's probe) with the rates that move with the host's load measured
     again now, as a full probe measures them: memory read bandwidth, large matmuls per dtype,
-    tuili's own linears and its packed int4 kernel. Host overheads and memory size stay. A shared
+    tuili's own linears and its packed kernels. Host overheads and memory size stay. A shared
     or throttled machine's rates drift by up to 2x within an hour (docs/ruler.md), so `plan
     --measure` takes them in the same minutes as the engine runs it compares with; ~10 s."""
     dev = resolve_device(device)
     sizes = _sizes(dev, quick=False)
     read = _bandwidth(dev, sizes)[0].value
     peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, skinny=False)}
-    fresh = _packed_int4(dev, peaks, sizes) if spec.int4_kernel_seconds_per_value else []
+    fresh = _packed_kernels(dev, peaks, sizes) if spec.packed_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
     deltanet = _engine_deltanet(dev, sizes) if spec.deltanet_prefill_flops else []
@@ -132,7 +132,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
         spec,
         memory_bandwidth=read,
         peak_flops={**spec.peak_flops, **{d: v for d, v in peaks.items() if d in spec.peak_flops}},
-        **(_int4_fields(fresh) if fresh else {}),
+        **(_packed_fields(fresh) if fresh else {}),
         **(_linear_fields(linears) if linears else {}),
         **(_attention_fields(attention) if attention else {}),
         **(_deltanet_fields(deltanet) if deltanet else {}),
@@ -198,7 +198,7 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
         linear_prefill_flops=mean(a.linear_prefill_flops, b.linear_prefill_flops),
         **{name: {dtype: mean(curve, getattr(b, name).get(dtype, {})) for dtype, curve in getattr(a, name).items()}
            for name in CURVES},
-        **{name: (getattr(a, name) + getattr(b, name)) / 2 for name in INT4_FIELDS},
+        **{name: mean(getattr(a, name), getattr(b, name)) for name in PACKED_FIELDS},
     )
 
 
@@ -356,49 +356,94 @@ def fit_gemv(measurements: dict[str, float], dtype: str) -> tuple[float, float] 
     return overhead, bandwidth
 
 
-INT4_KERNEL = "int4 kernel seconds per value"
-INT4_DEQUANT = "int4 dequantization seconds per value"
-INT4_ROWS = "int4 kernel seconds per value and row at many rows"
+PACKED_PREFIX = "packed "
+# What the probe records per format: "packed int8 kernel seconds per value", ...
+PACKED_MEASURES = {"kernel": "packed_kernel_seconds_per_value", "dequantization": "packed_dequant_seconds_per_value",
+                   "rows": "packed_rows_seconds_per_value"}
 
 
-def _packed_int4(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> list[Measurement]:
-    """Where tuili packs int4 linears (a CPU): the time per weight value of their weight-only
-    kernel at one row, and of dequantizing a weight when a matmul has more rows than that kernel
-    takes, or, where the module runs those rows through the same kernel (the batch-invariant
-    mode with native kernels), that kernel's time per value and row there. Timed through the
-    engine's module (tuili/layers/quant.py) on 4096 x 1024 weights; at
-    one row, copies of the module are cycled through, together larger than the caches, as a
-    model's layers follow each other (one weight alone stays in cache and ran twice as fast as a
-    model's decode step reads its packed weights). The many-row product's time at the measured
-    peak is taken off the dequantization's (a few percent): the better of the bf16 and float32
-    peaks, as without bf16 arithmetic the engine's kernels widen bf16 to float32 (torch's own
-    bf16 matmul ran at 1.2 GFLOP/s on an AVX2-only Zen 3, float32 at 67)."""
+def _packed_weights(n: int, k: int) -> list:
+    """A random weight [n, k] in each form the loaders give packed linears: int4 codes with (scale,
+    zero) pairs (`--quantization int4`, GGUF Q4_1/Q4_K), with scales alone (Q4_0), int8 codes
+    (Q8_0), 6-bit ones with scales alone (Q6_K: groups of 16) and with zeros (Q5_K)."""
+    from tuili.layers.quant import Int4Weight, Int8GroupWeight, quantize_int4
+
+    def scales(group: int) -> torch.Tensor:
+        return (torch.rand(n, k // group) / 64).to(torch.bfloat16)
+
+    def codes(low: int, high: int) -> torch.Tensor:
+        return torch.randint(low, high, (n, k), dtype=torch.int16).to(torch.int8)
+
+    return [
+        quantize_int4(torch.randn(n, k), 32, torch.bfloat16),
+        Int4Weight(torch.randint(0, 16, (n, k), dtype=torch.uint8), scales(32), torch.zeros(n, k // 32), 32),
+        Int8GroupWeight(codes(-128, 128), scales(32), 32),
+        Int8GroupWeight(codes(-32, 32), scales(16), 16),
+        Int8GroupWeight(codes(-32, 32), scales(32), 32, scales(32)),
+    ]
+
+
+def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> list[Measurement]:
+    """Where tuili packs linears (a CPU), for each packed format its modules hold here
+    (PACKED_FORMATS; 6-bit codes only where the kernels read them): the time per weight value of
+    their weight-only kernel at one row, and of dequantizing a weight when a matmul has more rows
+    than that kernel takes, or, where the module runs those rows through the same kernel (the
+    batch-invariant mode with native kernels), that kernel's time per value and row there.
+
+    Timed through the engine's module (tuili/layers/quant/) on 4096 x 1024 weights, less the
+    time of the same call on a 64 x 64 weight: what a call costs whatever its size (the Python
+    around it, starting the threads) is the host overhead's, which the probe measures on toy
+    layers of that width; counted twice, it made a Q4_0 decode step's packed linears 20% slow on
+    an AVX2 Zen 3. At one row, copies of the module are cycled through, together larger than the
+    caches, as a model's layers follow each other (one weight alone stays in cache and ran twice
+    as fast as a model's decode step reads its packed weights). The many-row product's time at
+    the measured peak is taken off the dequantization's (a few percent): the better of the bf16
+    and float32 peaks, as without bf16 arithmetic the engine's kernels widen bf16 to float32
+    (torch's own bf16 matmul ran at 1.2 GFLOP/s on an AVX2-only Zen 3, float32 at 67)."""
     if dev.type != "cpu" or "bf16" not in peaks:
         return []
-    from tuili.layers.quant import make_linear, quantize_int4
+    from tuili.layers.quant import make_linear
     from tuili.perf.overhead import PACKED_OP_MAX_ROWS
 
-    k, n = 1024, 4096
-    weight = quantize_int4(torch.randn(n, k), 32, torch.bfloat16)
-    module = make_linear(weight, None, torch.bfloat16, platform=Platform.detect(dev))
-    module_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-    streamed = [module] + [copy.deepcopy(module) for _ in range(-(-sizes.buffer_bytes // module_bytes) - 1)]
-    out = []
-    for name, rows, modules in ((INT4_KERNEL, 1, streamed), (INT4_DEQUANT, PACKED_OP_MAX_ROWS + 1, [module])):
-        x = torch.randn(rows, k, dtype=torch.bfloat16)
+    k, n, small = 1024, 4096, 64
+    platform = Platform.detect(dev)
 
-        def layers(x: torch.Tensor = x, modules: list[torch.nn.Module] = modules) -> None:
-            for m in modules:
-                m(x)
+    def module(weight: object) -> torch.nn.Module | None:
+        try:
+            return make_linear(weight, None, torch.bfloat16, platform=platform)
+        except ValueError:  # codes with zeros where no kernel reads 6-bit codes
+            return None
 
-        seconds = _time(layers, dev, sizes.seconds_per_item) / len(modules)
-        if rows > 1 and module.kernel_for(rows, dev) == "gemv":
-            # many rows run the weight-only kernel too (the batch-invariant mode with native
-            # kernels): nothing is dequantized, the time grows with the rows
-            out.append(Measurement(INT4_ROWS, seconds / (k * n * rows), "s", seconds))
+    out: list[Measurement] = []
+    for weight, tiny_weight in zip(_packed_weights(n, k), _packed_weights(small, small), strict=True):
+        big, tiny = module(weight), module(tiny_weight)
+        if big is None or tiny is None or any(m.name.startswith(f"{PACKED_PREFIX}{big.kernel_format} ") for m in out):
             continue
-        product = 0.0 if rows == 1 else 2 * rows * k * n / max(peaks["bf16"], peaks.get("fp32", 0.0))
-        out.append(Measurement(name, max(0.0, seconds - product) / (k * n), "s", seconds))
+        module_bytes = sum(b.numel() * b.element_size() for b in big.buffers())
+        streamed = [big] + [copy.deepcopy(big) for _ in range(-(-sizes.buffer_bytes // module_bytes) - 1)]
+        for rows, modules in ((1, streamed), (PACKED_OP_MAX_ROWS + 1, [big])):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            fixed = _time(functools.partial(tiny, torch.randn(rows, small, dtype=torch.bfloat16)), dev,
+                          sizes.seconds_per_item)
+
+            def layers(x: torch.Tensor = x, modules: list[torch.nn.Module] = modules) -> None:
+                for m in modules:
+                    m(x)
+
+            seconds = _time(layers, dev, sizes.seconds_per_item) / len(modules)
+            if rows == 1:
+                measure, per_value = "kernel", (seconds - fixed) / (k * n)
+            elif big.kernel_for(rows, dev) == "gemv":
+                # many rows run the weight-only kernel too (the batch-invariant mode with native
+                # kernels): nothing is dequantized, the time grows with the rows
+                measure, per_value = "rows", (seconds - fixed) / (k * n * rows)
+            else:
+                product = 2 * rows * k * n / max(peaks["bf16"], peaks.get("fp32", 0.0))
+                measure, per_value = "dequantization", (seconds - fixed - product) / (k * n)
+            if per_value > 0:  # not lost in the host's noise
+                out.append(Measurement(f"{PACKED_PREFIX}{big.kernel_format} {measure} seconds per value", per_value,
+                                       "s", seconds))
+        del streamed
     return out
 
 
@@ -514,11 +559,13 @@ def _attention_fields(attention: list[Measurement]) -> dict[str, dict]:
     return {"attention_flops_by_tokens": curves}
 
 
-def _int4_fields(results: list[Measurement]) -> dict[str, float]:
-    values = {m.name: m.value for m in results}
-    return {"int4_kernel_seconds_per_value": values.get(INT4_KERNEL, 0.0),
-            "int4_dequant_seconds_per_value": values.get(INT4_DEQUANT, 0.0),
-            "int4_rows_seconds_per_value": values.get(INT4_ROWS, 0.0)}
+def _packed_fields(results: list[Measurement]) -> dict[str, dict[str, float]]:
+    fields: dict[str, dict[str, float]] = {name: {} for name in PACKED_MEASURES.values()}
+    for m in results:
+        if m.name.startswith(PACKED_PREFIX):
+            fmt, measure = m.name.removeprefix(PACKED_PREFIX).split()[:2]
+            fields[PACKED_MEASURES[measure]][fmt] = m.value
+    return fields
 
 
 HOST_PREFIX = "host overhead "

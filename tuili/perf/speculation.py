@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tuili.config import SELF_DRAFT, SpeculativeConfig
 from tuili.errors import TuiliError
@@ -71,7 +71,8 @@ class Speculation:
     scratch_tokens: int = 0
     # MTP: the head is the target's, already counted in its weights; a draft holds its own
     head_shared: bool = False
-    proposer_packed: bool = False  # plan --measure: the engine's draft holds packed int4 linears
+    # plan --measure: the packed formats of the engine's draft's linears (PlanInputs.packed_formats)
+    proposer_formats: dict[str, float] = field(default_factory=dict)
 
     @property
     def k(self) -> int:

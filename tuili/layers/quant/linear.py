@@ -71,6 +71,10 @@ INT4_GEMV_MAX_ROWS = 32
 Q8_0_GEMV_MAX_ROWS = 32
 _GEMV_DTYPES = (torch.float32, torch.bfloat16)  # what kernels.linear_int4 reads and writes
 TILE_VALUES = 1 << 19  # weights dequantized at a time: 1 MiB in bf16, resident in L2
+# What linear_int4 reads of a packed module (PackedLinear.kernel_format): the codes' width, and
+# "+zeros" where each group's scale comes with a zero. Each runs at a rate of its own (on an AVX2
+# Zen 3 a Q8_0 value takes 1.6 times a Q4_0 one), which `tuili probe` measures per format.
+KERNEL_FORMATS = ("int4", "int4+zeros", "int8", "int6", "int6+zeros")
 
 
 class QuantizedLinear(nn.Module):
@@ -218,15 +222,22 @@ class Int8Linear(QuantizedLinear):
         return out.mul_(self.scale)
 
 
-class _PackedLinear(QuantizedLinear):
+class PackedLinear(QuantizedLinear):
     """A module whose codes linear_int4 reads: `packed` and its scales, held alone (`scale`) or
     as (scale, zero) pairs (`scale_zero`); the compute dtype is theirs."""
+
+    code_bits = 4  # the width of a code as linear_int4 reads it
 
     @property
     def kernel_scales(self) -> torch.Tensor:
         """The scales the native kernels read with `packed`: scale_zero, or `scale` where the
         module holds the scales alone (Int8GroupLinear: always)."""
         return self._buffers["scale_zero"] if "scale_zero" in self._buffers else self.scale
+
+    @property
+    def kernel_format(self) -> str:
+        """Which of KERNEL_FORMATS the native kernel reads: (scale, zero) pairs are [K / group, N, 2]."""
+        return f"int{self.code_bits}{'+zeros' if self.kernel_scales.dim() == 3 else ''}"
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -261,7 +272,7 @@ class _PackedLinear(QuantizedLinear):
         return self.scale[:, ids].t(), None
 
 
-class Int4Linear(_PackedLinear):
+class Int4Linear(PackedLinear):
     """Int4Weight, packed two codes a byte in the layout of the CPU int4 kernel on AVX-512
     (`aten._convert_weight_to_int4pack_for_cpu`): rows in tiles of 64, each tile [K, 32] bytes
     whose byte [k, j] holds row j's code in the low nibble and row 32 + j's in the high nibble.
@@ -381,6 +392,7 @@ class Int8GroupLinear(Int4Linear):
     max_op_rows = Q8_0_OP_MAX_ROWS
     max_gemv_rows = Q8_0_GEMV_MAX_ROWS
     _input_copies = 2
+    code_bits = 8
 
     def __init__(
         self,
@@ -446,7 +458,7 @@ class Int8GroupLinear(Int4Linear):
         return out[:, : self.out_features]
 
 
-class Int6GroupLinear(_PackedLinear):
+class Int6GroupLinear(PackedLinear):
     """An Int8GroupWeight whose codes all lie in -32..31 (GGUF Q6_K and Q5_0 are such), held at
     6 bits where linear_int4 reads them (`int6_fits`): u = q + 32 = 16h + l, the nibbles l in
     Int4Linear's tiles and, after each tile's K rows of them, the 2-bit h as K / 4 planes of 64
@@ -458,6 +470,7 @@ class Int6GroupLinear(_PackedLinear):
     The gemv takes every row count (no other kernel reads the planes)."""
 
     max_gemv_rows = 1 << 62
+    code_bits = 6
 
     def __init__(self, weight: Int8GroupWeight, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16, *, platform: Platform) -> None:  # fmt: skip
@@ -501,7 +514,7 @@ class Int6GroupLinear(_PackedLinear):
 
 class PackedEmbedding(nn.Module):
     """A token lookup from a table held packed, at a GGUF file's size instead of as floats: row r
-    is dequantized from the tiles on lookup (`_PackedLinear.rows`), the codes times the scales,
+    is dequantized from the tiles on lookup (`PackedLinear.rows`), the codes times the scales,
     rounded once to `dtype`. Either a tied table whose output head reads it packed (the head's copy
     of the file's own Q8_0 or Q6_K codes, which the head owns: Qwen3.5's 248,320 x 1024 table
     would be 0.5 GB in bf16 beside the 0.22 GB copy), or an untied table as the file stores it,
@@ -509,7 +522,7 @@ class PackedEmbedding(nn.Module):
 
     def __init__(self, table: QuantizedLinear, dtype: torch.dtype, *, owner: bool) -> None:
         super().__init__()
-        if not isinstance(table, _PackedLinear):
+        if not isinstance(table, PackedLinear):
             raise TypeError(f"a packed table is an Int4Linear, Int8GroupLinear or Int6GroupLinear, not {type(table).__name__}")
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.out_dtype = dtype
