@@ -172,7 +172,7 @@ def test_a_packed_copy_of_the_output_matrix_stands_for_it():
     # the file's codes: the logits and the token lookup both read the packed copy, no float table
     # is held beside it, and the bytes the planner and the runner count for it are the copy's.
     from tuili.layers.quant import PackedEmbedding
-    from tuili.perf.measure import engine_storage
+    from tuili.perf.measure import engine_storage, head_format, packed_formats
 
     llm = LLM(max_model_len=64, kv_cache_memory=16 << 20)
     engine = llm.engine
@@ -186,12 +186,16 @@ def test_a_packed_copy_of_the_output_matrix_stands_for_it():
     assert not [t for t in held if t.is_floating_point() and t.numel() >= table]  # no float table
     # A decode step reads every byte held: the layers, the norms, the copy (the lookup a few rows).
     assert engine.decode_weight_bytes() == engine.weight_bytes()
+    # the plan charges the logits at the copy's kernel: the file's Q8_0 codes, and the layers' Q4_1
+    assert head_format(model) == "int8" and packed_formats(model) == {"int4+zeros": 1.0}
+    assert head_format(torch.nn.Module()) == ""
 
 
 def test_a_float_gguf_with_a_packed_output_copy_is_planned_with_float_layers(tmp_path, capsys, monkeypatch):
     """A GGUF file of F16 weights runs its layers as float linears; only its logits read a packed
     int8 copy of the output matrix (whose bytes stand for that matrix). `plan --measure` plans the
-    layers as float: a packed kernel's rate (here absurdly slow) is not charged to them."""
+    layers as float: a packed kernel's rate (here absurdly slow) is not charged to them, only to
+    the logits that read the copy."""
     from tests.models.test_gguf import hf_checkpoint, write_gguf
     from tuili.cli import main
     from tuili.layers.quant import QuantizedLinear
@@ -209,8 +213,10 @@ def test_a_float_gguf_with_a_packed_output_copy_is_planned_with_float_layers(tmp
                  "--measure", "--prompt", "12", "--output", "4", "--json"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     rows = {row["name"]: row for row in report["comparisons"]}
-    # the layers' ~100k values at 1 µs each would be 0.1 s a step; their bytes at 10 GB/s are µs
-    assert rows["decode step"]["predicted"] < 1e-3
+    # the layers' ~100k values at 1 µs each would be 0.1 s a step, their bytes at 10 GB/s are µs;
+    # the logits read the int8 copy, whose 96 x 64 values take the kernel's time
+    head = config.vocab_size * config.hidden_size * 1e-6
+    assert head <= rows["decode step"]["predicted"] < head + 1e-3
     assert not any("packed linears" in note or "quantized" in note for note in report["notes"])
 
 

@@ -164,6 +164,11 @@ def test_probe_quick_measures_saves_and_is_used(capsys):
     # the engine's causal prompt attention, per prompt length, in the dtype --quick measures
     assert set(spec.attention_flops_by_tokens["fp32"]) == set(ENGINE_ATTENTION_TOKENS)
     assert "engine attention fp32 1024 tokens" in out
+    # the decode attention's cache reads, where the native kernel reads the cache in place
+    if here.native_kernels:
+        assert spec.decode_attention_bandwidth["fp32"] > 0 and "engine decode attention fp32 1024 keys read" in out
+    else:
+        assert spec.decode_attention_bandwidth == {}
     # the DeltaNet prompt kernel, where the native kernels run
     assert spec.deltanet_prefill_flops["fp32"] > 0 and "engine deltanet fp32 256 tokens" in out
 

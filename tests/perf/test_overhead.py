@@ -13,7 +13,7 @@ from tuili.perf.cost import ModelCost
 from tuili.perf.formats import weight_format
 from tuili.perf.hardware import HardwareSpec, load_spec_file, preset, save_probe
 from tuili.perf.overhead import HOST_KEYS, Step, packed_work
-from tuili.perf.plan import PlanInputs, make_plan
+from tuili.perf.plan import PlanInputs, Roofline, make_plan
 from tuili.perf.resolve import current_hardware
 
 # SmolLM2-135M's shape (its config.json): 30 Llama layers, 9 heads over 3 KV heads, tied embeddings
@@ -309,6 +309,50 @@ def test_a_prompts_attention_is_charged_at_its_own_measured_rate():
     assert packed["prefill_kernels_seconds"] == pytest.approx(attention / 0.2e11 - attention / 1e11, rel=1e-9)
     with pytest.raises(TuiliError, match=r"attention_flops_by_tokens\['fp32'\] of 'cpu' has the size 0"):
         HardwareSpec(**{**CPU.to_dict(), "attention_flops_by_tokens": {"fp32": {0: 1e10}}})
+
+
+def test_a_decodes_cache_reads_are_charged_at_its_attentions_measured_rate():
+    """Decode attention reads the KV cache below the memory's rate on some CPUs (a third of it
+    on an AVX2 Zen 3): a decode step's cache bytes take the probed rate of that dtype's cache,
+    growing with the context and the batch; its weights, the prefill and a rate above the
+    memory's are untouched; packed plans add it to their own terms."""
+    slow = HardwareSpec(**{**CPU.to_dict(), "decode_attention_bandwidth": {"fp32": 0.25e10}})
+    assert HardwareSpec.from_dict(json.loads(json.dumps(slow.to_dict()))) == slow
+    cost = ModelCost.from_config(QWEN3_06B)
+    for batch, context in ((1, 288), (4, 288), (1, 2048)):
+        base = plan(QWEN3_06B, CPU, batch=batch, context=context, prompt=context - 32)
+        p = plan(QWEN3_06B, slow, batch=batch, context=context, prompt=context - 32)
+        kv = Roofline(cost, CPU, PlanInputs(weights=weight_format("fp32"), kv_dtype="fp32", compute_dtype="fp32"))
+        extra = batch * kv.cache_bytes(context) * (1 / 0.25e10 - 1 / 1e10)  # the step at the full context
+        assert kv.cache_bytes(context) == 28 * 2 * 8 * 128 * 4 * context  # every layer's k and v, fp32
+        assert p["decode_step_seconds"] - base["decode_step_seconds"] == pytest.approx(extra, rel=1e-6)
+        assert p["ttft_seconds"] == base["ttft_seconds"]
+        packed = plan(QWEN3_06B, slow, batch=batch, context=context, prompt=context - 32, packed_formats=INT4)
+        unpacked = plan(QWEN3_06B, CPU, batch=batch, context=context, prompt=context - 32, packed_formats=INT4)
+        assert packed["decode_step_kernels_seconds"] - unpacked["decode_step_kernels_seconds"] == pytest.approx(extra, rel=1e-6)
+    fast = HardwareSpec(**{**CPU.to_dict(), "decode_attention_bandwidth": {"fp32": 4e10, "bf16": 1e9}})
+    assert plan(QWEN3_06B, fast)["decode_step_seconds"] == plan(QWEN3_06B, CPU)["decode_step_seconds"]
+    with pytest.raises(TuiliError, match=r"decode_attention_bandwidth\['fp32'\]"):
+        HardwareSpec(**{**CPU.to_dict(), "decode_attention_bandwidth": {"fp32": 0.0}})
+
+
+def test_a_packed_output_head_takes_its_kernels_time_per_row_of_logits():
+    """A GGUF file's logits read a packed copy of the output matrix: each row of logits (a decode
+    step's sequences, a prompt's last token) takes the head's values at its format's measured
+    rate where that is slower than the copy's bytes at the memory's rate; float heads and plans
+    without the format are untouched."""
+    rate = 1e-9
+    spec = HardwareSpec(**{**CPU.to_dict(), "packed_kernel_seconds_per_value": {"int8": rate, "int4": rate / 100}})
+    head = 151936 * 1024  # QWEN3_06B's tied table: the embedding's bytes, fp32 in these plans
+    for batch in (1, 4):
+        base, p = (plan(QWEN3_06B, spec, batch=batch, head_format=f) for f in ("", "int8"))
+        extra = batch * head * rate - head * 4 / 1e10
+        assert p["decode_step_seconds"] - base["decode_step_seconds"] == pytest.approx(extra, rel=1e-9)
+        assert p["ttft_seconds"] - base["ttft_seconds"] == pytest.approx(head * rate - head * 4 / 1e10, rel=1e-9)
+    fast = plan(QWEN3_06B, spec, head_format="int4")  # faster than its bytes: the memory's rate holds
+    assert fast["decode_step_seconds"] == plan(QWEN3_06B, spec)["decode_step_seconds"]
+    with pytest.raises(TuiliError, match="head format 'q4_0'"):
+        plan(QWEN3_06B, spec, head_format="q4_0")
 
 
 def test_a_packed_prefill_multiplies_its_dequantized_tiles_at_the_linears_measured_rate():

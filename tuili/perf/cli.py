@@ -175,7 +175,7 @@ def run_probe(args: argparse.Namespace) -> int:
             if m.unit == "B/s":
                 value = f"{m.value / 1e9:10.2f} GB/s   "
             elif m.unit == "s" and m.value < 1e-6:
-                value = f"{m.value * 1e9:10.2f} ns     "
+                value = f"{m.value * 1e9:10.4f} ns     "
             elif m.unit == "s":
                 value = f"{m.value * 1e6:10.1f} µs     "
             else:

@@ -52,6 +52,8 @@ ENGINE_LINEAR_ROWS = (64, 128, 256, 512)  # the product sizes of HardwareSpec.li
 ENGINE_ATTENTION_TOKENS = (64, 256, 1024)  # the prompt lengths of HardwareSpec.attention_flops_by_tokens
 # HardwareSpec's measured curves: a FLOP/s per dtype at each size (rows of a product, tokens of a prompt)
 CURVES = ("linear_flops_by_rows", "attention_flops_by_tokens")
+# ... and its measured rates, one per dtype
+PER_DTYPE = ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops", "decode_attention_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ class HardwareSpec:
     (tuili/layers/attention.py) at each prompt length of ENGINE_ATTENTION_TOKENS, its FLOPs
     counted as the cost model counts them (the causal half only). It runs several times below the
     linears' rate, so a prompt's attention is charged at its own rate.
+    ``decode_attention_bandwidth``, per cache dtype: the bytes/s of keys and values tuili's decode
+    attention (the paged kernel) reads from memory at batch 1, one layer's cache after another,
+    beyond a call's fixed cost; a decode step charges its cache reads at it (on an AVX2 Zen 3 it
+    runs at a third of the memory's rate). Measured only where the native CPU kernels run.
     ``deltanet_prefill_flops``, per dtype: the FLOP/s of tuili's Gated DeltaNet prompt kernel
     (csrc/deltanet.c, token by token) on a prompt, its FLOPs counted as the cost model counts the
     rule's (7 per state value and token); a hybrid's prompt charges its rule at this rate.
@@ -112,6 +118,7 @@ class HardwareSpec:
     linear_flops_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
     attention_flops_by_tokens: dict[str, dict[int, float]] = field(default_factory=dict)
     deltanet_prefill_flops: dict[str, float] = field(default_factory=dict)
+    decode_attention_bandwidth: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -145,7 +152,7 @@ class HardwareSpec:
                         f"{name}[{fmt!r}] of {self.name!r}={seconds!r} is invalid: expected seconds per weight "
                         f"value, > 0 and well under a millisecond"
                     )
-        for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops"):
+        for name in PER_DTYPE:
             for dtype, value in getattr(self, name).items():
                 if dtype not in PEAK_DTYPES:
                     raise TuiliError(
@@ -251,8 +258,7 @@ class HardwareSpec:
             },
             **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
                       for k, v in _mapping(where, name, data.get(name)).items()}
-               for name in ("linear_stream_bandwidth", "linear_prefill_flops", "deltanet_prefill_flops",
-                            *PACKED_FIELDS)},
+               for name in (*PER_DTYPE, *PACKED_FIELDS)},
             **{name: {
                 str(dtype).lower(): {
                     _size(f"{where} {name}[{dtype!r}]", size): _number(f"{where} {name}[{dtype!r}][{size!r}]", value)

@@ -125,7 +125,8 @@ def _measure(
     # engine's working dtype (what each rank holds a part of), which the cost model then splits.
     weights = engine_storage(engine.model) if ranks == 1 else weight_format(working)
     inputs = replace(inputs, weights=weights, kv_dtype=working, conv_state_dtype=working,
-                     compute_dtype=packed or working, packed_formats=packed_formats(engine.model))
+                     compute_dtype=packed or working, packed_formats=packed_formats(engine.model),
+                     head_format=head_format(engine.model))
     if ranks > 1 and inputs.link is None and engine.device.type == "cpu":
         inputs = replace(inputs, link=link(CPU_LINK))
     if ranks > 1 and inputs.link is None and hardware.interconnect is None:
@@ -295,6 +296,10 @@ def _measure(
                      f"{'/'.join(str(rows) for rows, _ in curve)} rows{each_rank}: "
                      f"+{kernels * 1e3:.2f} ms per decode step, +{prefill.kernels * 1e3:.2f} ms in the prefill "
                      f"above the roofline")
+    if inputs.kv_dtype in machine.decode_attention_bandwidth:
+        notes.append(f"tuili's decode attention measured here reads a {inputs.kv_dtype} cache at "
+                     f"{machine.decode_attention_bandwidth[inputs.kv_dtype] / 1e9:.1f} GB/s{each_rank} (the memory "
+                     f"{machine.memory_bandwidth / 1e9:.1f}): the decode steps' cache reads are charged at it")
     if inputs.packed_linears:
         def rates(by_format: dict[str, float]) -> str:
             return ", ".join(f"{fmt} {by_format[fmt] * 1e9:.3f}" if fmt in by_format else f"{fmt} unmeasured"
@@ -332,6 +337,7 @@ def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
         linear_prefill_flops=each(machine.linear_prefill_flops), linear_flops_by_rows=each(machine.linear_flops_by_rows),
         attention_flops_by_tokens=each(machine.attention_flops_by_tokens),
         deltanet_prefill_flops=each(machine.deltanet_prefill_flops),
+        decode_attention_bandwidth=each(machine.decode_attention_bandwidth),
     )
 
 
@@ -504,6 +510,15 @@ def packed_formats(model: torch.nn.Module) -> dict[str, float]:
             values[fmt] = values.get(fmt, 0) + module.in_features * module.out_features
     total = sum(values.values())
     return {fmt: count / total for fmt, count in sorted(values.items())}
+
+
+def head_format(model: torch.nn.Module) -> str:
+    """The packed format of the output matrix's copy that a decode step's logits read, or "" where
+    they read a float matrix."""
+    from tuili.layers.quant import PackedLinear
+
+    copy = getattr(getattr(model, "lm_head", None), "decode_copy", None)
+    return copy.kernel_format if isinstance(copy, PackedLinear) else ""
 
 
 def _packed_compute_dtype(model: torch.nn.Module) -> str | None:

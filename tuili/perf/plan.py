@@ -66,6 +66,9 @@ class PlanInputs:
     # --measure: the layers' linears are tuili's packed modules, their values shared among these
     # formats (PACKED_FORMATS, shares summing to 1); empty: float linears
     packed_formats: dict[str, float] = field(default_factory=dict)
+    # --measure: the packed format of the output matrix's copy that decode logits read (a GGUF
+    # file's), charged at that kernel's rate; "": a float output matrix
+    head_format: str = ""
     # The dtype of the DeltaNet conv state (the working dtype, whatever the KV cache's; the
     # recurrent state is float32 always): bf16 for a plan, the engine's own under --measure.
     conv_state_dtype: str = "bf16"
@@ -90,6 +93,8 @@ class PlanInputs:
             if fmt not in PACKED_FORMATS or not 0 < share <= 1:
                 raise TuiliError(f"packed format {fmt!r} with share {share!r}: expected formats among "
                                  f"{', '.join(PACKED_FORMATS)}, each a share in (0, 1]")
+        if self.head_format and self.head_format not in PACKED_FORMATS:
+            raise TuiliError(f"head format {self.head_format!r}: expected one of {', '.join(PACKED_FORMATS)}")
         if self.speculation is not None and (self.tp > 1 or self.pp > 1):
             raise TuiliError(f"--speculative-config with --tp {self.tp} --pp {self.pp} is not modelled: the plan "
                              f"counts speculation on one device per replica (--tp 1 --pp 1)")
@@ -97,6 +102,15 @@ class PlanInputs:
     @property
     def packed_linears(self) -> bool:
         return bool(self.packed_formats)
+
+
+def _format_seconds(by_format: dict[str, float], fmt: str) -> float:
+    """The spec's measured seconds per value for packed format ``fmt``; for a format it has no
+    figure for, the mean of those it has (a spec saved before the formats were told apart holds
+    "int4+zeros" alone); 0 where it has none."""
+    if fmt in by_format or not by_format:
+        return by_format.get(fmt, 0.0)
+    return sum(by_format.values()) / len(by_format)
 
 
 # A hybrid model's prefix cache (tuili/engine/pool.py, state_checkpoint_count): state checkpoints
@@ -200,6 +214,8 @@ class Roofline:
         # tuili's own linears as probed here (none for presets): their weight streaming rate at
         # one row and their FLOP/s at prompt sizes (linear_flops), each capped by the hardware's figure
         self.stream = min(hardware.linear_stream_bandwidth.get(self.compute_dtype, math.inf), self.bandwidth)
+        # ... and a decode's attention reads its cache at its own measured rate (capped the same way)
+        self.kv_stream = min(hardware.decode_attention_bandwidth.get(inputs.kv_dtype, math.inf), self.bandwidth)
         self._packed: dict[Step, PackedWork | None] = {}
         self._proposer: Roofline | None = None
         spec = inputs.speculation
@@ -209,11 +225,16 @@ class Roofline:
             kv_dtype = inputs.kv_dtype if spec.head_shared else inputs.conv_state_dtype
             self._proposer = Roofline(spec.proposer, hardware, replace(
                 inputs, weights=spec.proposer_weights, kv_dtype=kv_dtype, speculation=None,
-                packed_formats=spec.proposer_formats,
+                packed_formats=spec.proposer_formats, head_format=inputs.head_format if spec.head_shared else "",
             ))  # fmt: skip
         if inputs.packed_linears:
             by_kind = cost.weight_bytes_by_kind(inputs.weights)
             self.packed_bytes = sum(by_kind[kind] for kind in PACKED_KINDS) / tp
+        if inputs.head_format:
+            shape = cost.shape
+            self.head_values = shape.vocab_size * shape.hidden_size / tp
+            self.head_bytes = cost.weight_bytes_by_kind(inputs.weights)[
+                "embedding" if shape.tie_word_embeddings else "lm_head"] / tp
 
     def overhead(self, step: Step) -> float:
         """The engine's fixed host cost for ``step`` on this hardware (every device of a
@@ -271,14 +292,21 @@ class Roofline:
 
     def _step(
         self, flops: float, nbytes: float, weight_bytes: float, step: Step, comm: float, attention: float = 0.0,
-        state: float = 0.0,
+        state: float = 0.0, cache_bytes: float = 0.0,
     ) -> StepCost:  # fmt: skip
+        """``cache_bytes``: the KV cache a decode's attention reads, charged at its own measured
+        rate (kv_stream); the logits of a packed output head at its kernel's."""
         overhead = self.overhead(step)
         packed = self._packed_work(step)
+        # A decode's attention and a packed output head are kernels of their own: their time
+        # beyond their bytes at the memory's rate (the cache read at the attention's measured
+        # rate, the logits at the head's kernel's) adds to the step's.
+        reads_extra = cache_bytes * (1 / self.kv_stream - 1 / self.bandwidth)
+        reads_extra += self._head_extra(1 if step.prefill else step.tokens)
         if packed is None:
             roofline = self._roofline(flops, nbytes)
             floor = self._engine_floor(flops, nbytes, weight_bytes, step.tokens, attention, state)
-            kernels = max(0.0, floor - roofline)
+            kernels = max(0.0, floor - roofline) + reads_extra  # kernels of their own, after the rest
             return StepCost(flops, nbytes, roofline + kernels + overhead + comm, roofline, overhead, kernels=kernels)
         # The packed linears run in kernels of their own, after one another and the rest: the
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
@@ -293,7 +321,7 @@ class Roofline:
         dequant = packed.dequantized * self.packed_seconds(hw.packed_dequant_seconds_per_value)
         # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the
         # dequantized tiles of a many-row step through the same matmuls as dense linears (§4.2).
-        kernels = self._below_peak(attention, self.attention_flops(step.tokens))
+        kernels = reads_extra + self._below_peak(attention, self.attention_flops(step.tokens))
         kernels += self._below_peak(state, self.deltanet_flops(step.tokens))
         if packed.dequantized:
             kernels += self._below_peak(packed_flops, self.linear_flops(step.tokens))
@@ -303,13 +331,19 @@ class Roofline:
 
     def packed_seconds(self, by_format: dict[str, float]) -> float:
         """Seconds per packed value (and row) of the layers' packed formats at the spec's measured
-        ``by_format``, weighted by the formats' shares of the values; a format the spec has no
-        figure for at the mean of those it has (a spec saved before the formats were told apart
-        holds "int4+zeros" alone); 0 where it has none."""
-        if not by_format:
+        ``by_format``, weighted by the formats' shares of the values."""
+        return sum(share * _format_seconds(by_format, fmt) for fmt, share in self.inputs.packed_formats.items())
+
+    def _head_extra(self, rows: int) -> float:
+        """What the output matrix's packed copy takes beyond its bytes at the memory's rate, for
+        ``rows`` rows of logits (a decode step's sequences; a prompt's last token)."""
+        if not self.inputs.head_format:
             return 0.0
-        fallback = sum(by_format.values()) / len(by_format)
-        return sum(share * by_format.get(fmt, fallback) for fmt, share in self.inputs.packed_formats.items())
+        many = rows > PACKED_OP_MAX_ROWS
+        hw = self.hardware
+        rate = _format_seconds(hw.packed_rows_seconds_per_value if many else hw.packed_kernel_seconds_per_value,
+                               self.inputs.head_format)
+        return max(0.0, rows * self.head_values * rate - self.head_bytes / self.bandwidth)
 
     def _below_peak(self, flops: float, rate: float) -> float:
         """Seconds per device that ``flops`` take at ``rate`` beyond their time at the peak."""
@@ -330,7 +364,11 @@ class Roofline:
 
     def sequence_bytes(self, context: int) -> float:
         """Per device, one decoding sequence's KV reads plus its state read and written back."""
-        return self.kv_token_device * self.cost.kv_tokens_read(context) + 2 * self.state_device
+        return self.cache_bytes(context) + 2 * self.state_device
+
+    def cache_bytes(self, context: int) -> float:
+        """Per device, the KV cache one decoding sequence's attention reads."""
+        return self.kv_token_device * self.cost.kv_tokens_read(context)
 
     def decode(self, context_lens: list[int]) -> StepCost:
         """One decode step over sequences at these context lengths (new token included)."""
@@ -338,14 +376,16 @@ class Roofline:
         flops = self.cost.decode_flops(context_lens)
         weights = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp)
         nbytes = weights + sum(self.sequence_bytes(c) for c in context_lens)
-        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch))
+        cache = sum(self.cache_bytes(c) for c in context_lens)
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch), cache_bytes=cache)
 
     def decode_uniform(self, context: int, batch: int) -> StepCost:
         """decode([context] * batch), in constant time."""
         flops = batch * self.cost.flops_per_token(context)
         weights = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp)
         nbytes = weights + batch * self.sequence_bytes(context)
-        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch))
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch),
+                          cache_bytes=batch * self.cache_bytes(context))
 
     def verify(self, chunks: Sequence[tuple[int, int]]) -> StepCost:
         """One step verifying each sequence's chunk of (tokens cached, positions): its last token
@@ -357,7 +397,8 @@ class Roofline:
         flops = sum(self.cost.decode_flops(range(start + 1, start + length + 1)) for start, length in chunks)
         weights = self.cost.decode_weight_bytes(self.inputs.weights, rows, self.tp)
         nbytes = weights + sum(self.sequence_bytes(start + length) for start, length in chunks)
-        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows))
+        cache = sum(self.cache_bytes(start + length) for start, length in chunks)
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows), cache_bytes=cache)
 
     def verify_uniform(self, context: int, batch: int, k: int) -> StepCost:
         """verify([(context - 1, k + 1)] * batch): ``batch`` sequences at ``context`` (their last
@@ -366,7 +407,8 @@ class Roofline:
         flops = batch * sum(self.cost.flops_per_token(context + j) for j in range(k + 1))
         weights = self.cost.decode_weight_bytes(self.inputs.weights, rows, self.tp)
         nbytes = weights + batch * self.sequence_bytes(context + k)
-        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows))
+        return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows),
+                          cache_bytes=batch * self.cache_bytes(context + k))
 
     def proposer(self) -> Roofline | None:
         """The proposer's own roofline (a draft model, or the MTP block with the shared head),

@@ -91,8 +91,9 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
     results += _packed_kernels(dev, peaks, sizes)
     linears = _engine_linears(dev, sizes)
     attention = _engine_attention(dev, sizes)
+    decodes = _engine_decode_attention(dev, sizes)
     deltanet = _engine_deltanet(dev, sizes)
-    results += linears + attention + deltanet
+    results += linears + attention + decodes + deltanet
     read = next(m.value for m in results if m.name == "memory read")
     spec = HardwareSpec(
         name=f"{_device_name(dev)} (probed)",
@@ -105,6 +106,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         **_packed_fields(results),
         **_linear_fields(linears),
         **_attention_fields(attention),
+        **_decode_attention_fields(decodes),
         **_deltanet_fields(deltanet),
     )
     host = _host_overheads(dev, quick)
@@ -117,7 +119,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
 def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     """``spec`` (this machine's probe) with the rates that move with the host's load measured
     again now, as a full probe measures them: memory read bandwidth, large matmuls per dtype,
-    tuili's own linears and its packed kernels. Host overheads and memory size stay. A shared
+    tuili's own linears, attention and packed kernels. Host overheads and memory size stay. A shared
     or throttled machine's rates drift by up to 2x within an hour (docs/ruler.md), so `plan
     --measure` takes them in the same minutes as the engine runs it compares with; ~10 s."""
     dev = resolve_device(device)
@@ -127,6 +129,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     fresh = _packed_kernels(dev, peaks, sizes) if spec.packed_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
+    decodes = _engine_decode_attention(dev, sizes) if spec.decode_attention_bandwidth else []
     deltanet = _engine_deltanet(dev, sizes) if spec.deltanet_prefill_flops else []
     return replace(
         spec,
@@ -135,6 +138,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
         **(_packed_fields(fresh) if fresh else {}),
         **(_linear_fields(linears) if linears else {}),
         **(_attention_fields(attention) if attention else {}),
+        **(_decode_attention_fields(decodes) if decodes else {}),
         **(_deltanet_fields(deltanet) if deltanet else {}),
     )
 
@@ -196,6 +200,7 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
         peak_flops=mean(a.peak_flops, b.peak_flops),
         linear_stream_bandwidth=mean(a.linear_stream_bandwidth, b.linear_stream_bandwidth),
         linear_prefill_flops=mean(a.linear_prefill_flops, b.linear_prefill_flops),
+        decode_attention_bandwidth=mean(a.decode_attention_bandwidth, b.decode_attention_bandwidth),
         **{name: {dtype: mean(curve, getattr(b, name).get(dtype, {})) for dtype, curve in getattr(a, name).items()}
            for name in CURVES},
         **{name: mean(getattr(a, name), getattr(b, name)) for name in PACKED_FIELDS},
@@ -393,8 +398,9 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
     Timed through the engine's module (tuili/layers/quant/) on 4096 x 1024 weights, less the
     time of the same call on a 64 x 64 weight: what a call costs whatever its size (the Python
     around it, starting the threads) is the host overhead's, which the probe measures on toy
-    layers of that width; counted twice, it made a Q4_0 decode step's packed linears 20% slow on
-    an AVX2 Zen 3. At one row, copies of the module are cycled through, together larger than the
+    layers of that width (a decode step replays its kernel calls without the Python); counted
+    twice, it charged the packed kernel ~20% more per value than it takes, on an AVX2 Zen 3 whose
+    module call costs ~50 us. At one row, copies of the module are cycled through, together larger than the
     caches, as a model's layers follow each other (one weight alone stays in cache and ran twice
     as fast as a model's decode step reads its packed weights). The many-row product's time at
     the measured peak is taken off the dequantization's (a few percent): the better of the bf16
@@ -547,8 +553,54 @@ def _engine_deltanet(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     return out
 
 
+def _decode_attention_fields(decodes: list[Measurement]) -> dict[str, dict]:
+    return {"decode_attention_bandwidth": {m.name.removeprefix(ENGINE_DECODE_ATTENTION).split()[0]: m.value
+                                           for m in decodes}}
+
+
 def _deltanet_fields(deltanet: list[Measurement]) -> dict[str, dict]:
     return {"deltanet_prefill_flops": {m.name.removeprefix(ENGINE_DELTANET).split()[0]: m.value for m in deltanet}}
+
+
+ENGINE_DECODE_ATTENTION = "engine decode attention"
+DECODE_ATTENTION_KEYS = 1024  # the context a probed decode attends over
+
+
+def _engine_decode_attention(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    """tuili's decode attention where the native kernel reads the paged cache in place: one
+    query token over DECODE_ATTENTION_KEYS keys of ATTENTION_HEADS, one layer's cache after
+    another, together larger than the caches, as a decode step reads every layer's from memory.
+    The bytes of keys and values read per second, less a call's fixed cost (a 16-key call's
+    time, the host overhead's, as for the packed kernels). Elsewhere torch gathers the cache,
+    which the memory's rate stands for."""
+    from tuili.layers.attention import KVCache, PagedBatch, attention_backend
+
+    heads, kv_heads, head_dim = ATTENTION_HEADS
+    block, out = 16, []
+    for dtype in sizes.skinny_dtypes:
+        torch_dtype = _TORCH_DTYPES[dtype]
+        backend = attention_backend(Platform.detect(dev), torch_dtype)
+        if not backend.reads_paged_decodes:
+            continue
+        q = torch.randn(1, heads, head_dim, device=dev).to(torch_dtype)
+
+        def layers(keys: int, count: int, backend: Any = backend, q: torch.Tensor = q) -> Callable[[], object]:
+            shape = (keys // block, block, kv_heads, head_dim)
+            caches = [KVCache(*(torch.randn(shape, device=dev).to(q.dtype) for _ in range(2))) for _ in range(count)]
+            paged = PagedBatch(torch.arange(keys // block, dtype=torch.int32, device=dev)[None],
+                               torch.tensor([[0, 1, keys - 1]], dtype=torch.int32, device=dev))
+            result = torch.empty_like(q)
+            return lambda: [backend.attend_paged(q, cache, paged, head_dim**-0.5, result) for cache in caches]
+
+        keys = DECODE_ATTENTION_KEYS
+        layer_bytes = 2 * keys * kv_heads * head_dim * torch_dtype.itemsize
+        count = -(-sizes.buffer_bytes // layer_bytes)
+        fixed = _time(layers(block, 1), dev, sizes.seconds_per_item)
+        t = _time(layers(keys, count), dev, sizes.seconds_per_item) / count
+        if t > fixed:
+            out.append(Measurement(f"{ENGINE_DECODE_ATTENTION} {dtype} {keys} keys read", layer_bytes / (t - fixed),
+                                   "B/s", t))
+    return out
 
 
 def _attention_fields(attention: list[Measurement]) -> dict[str, dict]:

@@ -73,7 +73,8 @@ _GEMV_DTYPES = (torch.float32, torch.bfloat16)  # what kernels.linear_int4 reads
 TILE_VALUES = 1 << 19  # weights dequantized at a time: 1 MiB in bf16, resident in L2
 # What linear_int4 reads of a packed module (PackedLinear.kernel_format): the codes' width, and
 # "+zeros" where each group's scale comes with a zero. Each runs at a rate of its own (on an AVX2
-# Zen 3 a Q8_0 value takes 1.6 times a Q4_0 one), which `tuili probe` measures per format.
+# Zen 3 a Q8_0 value takes about 1.5 times a Q4_0 one at one row), which `tuili probe` measures
+# per format.
 KERNEL_FORMATS = ("int4", "int4+zeros", "int8", "int6", "int6+zeros")
 
 
