@@ -74,8 +74,8 @@ class HardwareSpec:
     and to dequantize it for a many-row matmul, beyond a call's fixed cost (which the host
     overhead counts); absent where not measured.
     ``packed_rows_seconds_per_value``, per format: where a many-row step runs that kernel rather
-    than dequantizing (the batch-invariant mode wherever tuili's native kernels run: it takes 64
-    rows per call, its cost grows with them), its time per weight value and row at many rows;
+    than dequantizing (the batch-invariant mode wherever tuili's native kernels run: it takes up to
+    256 rows per call, its cost grows with them), its time per weight value and row at many rows;
     that format's dequantization is then absent. A spec saved before the formats were told apart
     gives one figure each (``int4_kernel_seconds_per_value``, ...): the "int4+zeros" kernel's,
     which it had timed.

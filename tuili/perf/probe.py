@@ -400,12 +400,14 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
     around it, starting the threads) is the host overhead's, which the probe measures on toy
     layers of that width (a decode step replays its kernel calls without the Python); counted
     twice, it charged the packed kernel ~20% more per value than it takes, on an AVX2 Zen 3 whose
-    module call costs ~50 us. At one row, copies of the module are cycled through, together larger than the
-    caches, as a model's layers follow each other (one weight alone stays in cache and ran twice
-    as fast as a model's decode step reads its packed weights). The many-row product's time at
-    the measured peak is taken off the dequantization's (a few percent): the better of the bf16
-    and float32 peaks, as without bf16 arithmetic the engine's kernels widen bf16 to float32
-    (torch's own bf16 matmul ran at 1.2 GFLOP/s on an AVX2-only Zen 3, float32 at 67)."""
+    module call costs ~50 us. Copies of the module are cycled through, together larger than the
+    caches, as a model's layers follow each other: one weight alone stays in cache, and ran twice
+    as fast as a model's decode step reads its packed weights at one row, and ~30% faster than a
+    model's packed linears at 33 and 256 rows (the Q4_0 model on an AVX2 Zen 3, 2026-12-07). The
+    many-row product's time at the measured peak is taken off the dequantization's (a few
+    percent): the better of the bf16 and float32 peaks, as without bf16 arithmetic the engine's
+    kernels widen bf16 to float32 (torch's own bf16 matmul ran at 1.2 GFLOP/s on an AVX2-only Zen
+    3, float32 at 67)."""
     if dev.type != "cpu" or "bf16" not in peaks:
         return []
     from tuili.layers.quant import make_linear
@@ -427,16 +429,16 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
             continue
         module_bytes = sum(b.numel() * b.element_size() for b in big.buffers())
         streamed = [big] + [copy.deepcopy(big) for _ in range(-(-sizes.buffer_bytes // module_bytes) - 1)]
-        for rows, modules in ((1, streamed), (PACKED_OP_MAX_ROWS + 1, [big])):
+        for rows in (1, PACKED_OP_MAX_ROWS + 1):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             fixed = _time(functools.partial(tiny, torch.randn(rows, small, dtype=torch.bfloat16)), dev,
                           sizes.seconds_per_item)
 
-            def layers(x: torch.Tensor = x, modules: list[torch.nn.Module] = modules) -> None:
+            def layers(x: torch.Tensor = x, modules: list[torch.nn.Module] = streamed) -> None:
                 for m in modules:
                     m(x)
 
-            seconds = _time(layers, dev, sizes.seconds_per_item) / len(modules)
+            seconds = _time(layers, dev, sizes.seconds_per_item) / len(streamed)
             if rows == 1:
                 measure, per_value = "kernel", (seconds - fixed) / (k * n)
             elif big.kernel_for(rows, dev) == "gemv":
