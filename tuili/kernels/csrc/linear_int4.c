@@ -681,50 +681,67 @@ static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, 
         }
     }
 }
-/* One row of x against an int4 tile at decode (the batch-1 GEMV): each pair of tile rows
- * (k, k + 1) widened once with both nibbles of a byte in one int16, b = l + 16 h (l the code of
- * output row r, h of row r + 32), and per row vector one VPMADDWD of b and one of its low nibble l
- * by x16's pair: the sums of h come out as (sum b x - sum l x) / 16. Exact: the difference is
- * 16 sum h x, |.| <= 16 x 15 x 32385 x 256 < 2^31 for groups up to 256, so the wrapping int32 sums
- * give it exactly, and the integers are rows_avx2's (hence its bits). rows_avx2 widens each half
- * of the tile apart: 8 shuffles and 4 nibble masks more per pair of tile rows (37 operations
- * against 29, the same 8 VPMADDWD). Zen 3 (machine C, two cores): the Q4_0 Qwen3-0.6B shape's
- * largest layer called again and again (in L3) 12% faster, its layers one after another from
- * memory 5% (2026-12-07). Two rows would need 16 accumulators, all the registers: they stay with
- * rows_avx2. */
-static inline __attribute__((always_inline)) void row_int4_avx2(const int4_args *a, int64_t tile, int64_t i0,
-                                                                float total[ROWS_AT_ONCE][TILE]) {
+/* One or two rows of x against an int4 tile at decode: each pair of tile rows (k, k + 1) widened
+ * once with both nibbles of a byte in one int16, b = l + 16 h (l the code of output row r, h of
+ * row r + 32), and per row vector one VPMADDWD of b and one of its low nibble l by x16's pair: the
+ * sums of h come out as (sum b x - sum l x) / 16. Exact: the difference is 16 sum h x, |.| <= 16 x
+ * 15 x 32385 x 256 < 2^31 for groups up to 256, so the wrapping int32 sums give it exactly, and the
+ * integers are rows_avx2's (hence its bits). rows_avx2 widens each half of the tile apart: per
+ * pair of tile rows 37 operations against 29 at one row (the same 8 VPMADDWD), 54 against 46 at
+ * two. Two rows take the tile's row vectors in two passes over a group (codes reread from L1), so
+ * that their sums fit the 16 registers; three would not. Zen 3 (machine C, two cores), one row:
+ * the Q4_0 Qwen3-0.6B shape's largest layer called again and again (in L3) 12% faster, its
+ * decode step 5-10% (2026-12-07). */
+static inline __attribute__((always_inline)) void rows_int4_avx2(const int4_args *a, int64_t tile, int64_t i0,
+                                                                 float total[ROWS_AT_ONCE][TILE], const int R) {
     const uint8_t *codes = a->packed + tile * a->kp * HALF;
     const int64_t groups = a->kp / a->group;
-    const int16_t *x = a->x16 + i0 * a->kp;
+    const int per_pass = R == 1 ? 2 : 1; /* of the two byte-pair vectors of (k, k + 1) */
+    const int16_t *x[2];
+    for (int i = 0; i < R; i++) x[i] = a->x16 + (i0 + i) * a->kp;
     const __m256i zero = _mm256_setzero_si256(), nibble = _mm256_set1_epi16(0x0F);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = group_scales(a, tile, g);
         if (g + 2 < groups) prefetch_scales(group_scales(a, tile, g + 2), a->pairs);
-        __m256i both[4], low[4]; /* row vectors of rows 4v.. (low) and of b, rows 4v.. and 32 + 4v.. */
-        for (int v = 0; v < 4; v++) both[v] = low[v] = zero;
-        for (int64_t quad = g * a->group; quad < (g + 1) * a->group; quad += 4) {
-            prefetch_quad(codes + quad * HALF);
-            for (int64_t k = quad; k < quad + 4; k += 2) {
-                const __m256i n0 = _mm256_loadu_si256((const __m256i *)(codes + k * HALF));
-                const __m256i n1 = _mm256_loadu_si256((const __m256i *)(codes + (k + 1) * HALF));
-                const __m256i pairs[2] = {_mm256_unpacklo_epi8(n0, n1), _mm256_unpackhi_epi8(n0, n1)};
-                int32_t two; /* x16[k], x16[k + 1] */
-                memcpy(&two, x + k, sizeof two);
-                const __m256i xv = _mm256_set1_epi32(two);
-                for (int v = 0; v < 4; v++) {
-                    const __m256i b = v % 2 ? _mm256_unpackhi_epi8(pairs[v / 2], zero)
-                                            : _mm256_unpacklo_epi8(pairs[v / 2], zero);
-                    both[v] = _mm256_add_epi32(both[v], _mm256_madd_epi16(b, xv));
-                    low[v] = _mm256_add_epi32(low[v], _mm256_madd_epi16(_mm256_and_si256(b, nibble), xv));
+        for (int first = 0; first < 2; first += per_pass) {
+            /* row vector v of this pass: rows 4 (2 first + v).. (low) and those and 32 further (both) */
+            __m256i both[2][4], low[2][4];
+            for (int i = 0; i < R; i++)
+                for (int v = 0; v < 2 * per_pass; v++) both[i][v] = low[i][v] = zero;
+            for (int64_t quad = g * a->group; quad < (g + 1) * a->group; quad += 4) {
+                if (first == 0) prefetch_quad(codes + quad * HALF);
+                for (int64_t k = quad; k < quad + 4; k += 2) {
+                    const __m256i n0 = _mm256_loadu_si256((const __m256i *)(codes + k * HALF));
+                    const __m256i n1 = _mm256_loadu_si256((const __m256i *)(codes + (k + 1) * HALF));
+                    __m256i xv[2];
+                    for (int i = 0; i < R; i++) {
+                        int32_t two; /* x16[k], x16[k + 1] */
+                        memcpy(&two, x[i] + k, sizeof two);
+                        xv[i] = _mm256_set1_epi32(two);
+                    }
+                    for (int p = first; p < first + per_pass; p++) {
+                        const __m256i pair = p ? _mm256_unpackhi_epi8(n0, n1) : _mm256_unpacklo_epi8(n0, n1);
+                        for (int s = 0; s < 2; s++) {
+                            const __m256i b = s ? _mm256_unpackhi_epi8(pair, zero) : _mm256_unpacklo_epi8(pair, zero);
+                            const __m256i l = _mm256_and_si256(b, nibble);
+                            const int v = 2 * (p - first) + s;
+                            for (int i = 0; i < R; i++) {
+                                both[i][v] = _mm256_add_epi32(both[i][v], _mm256_madd_epi16(b, xv[i]));
+                                low[i][v] = _mm256_add_epi32(low[i][v], _mm256_madd_epi16(l, xv[i]));
+                            }
+                        }
+                    }
                 }
             }
-        }
-        const int64_t at = i0 * groups + g;
-        for (int v = 0; v < 4; v++) {
-            add_sums_avx2(sz, total[0], 4 * v, low[v], a->sx[at], a->xsum[at], 0, a->pairs);
-            add_sums_avx2(sz, total[0], HALF + 4 * v, _mm256_srai_epi32(_mm256_sub_epi32(both[v], low[v]), 4),
-                          a->sx[at], a->xsum[at], 0, a->pairs);
+            for (int i = 0; i < R; i++) {
+                const int64_t at = (i0 + i) * groups + g;
+                for (int v = 0; v < 2 * per_pass; v++) {
+                    const int row = 4 * (2 * first + v);
+                    add_sums_avx2(sz, total[i], row, low[i][v], a->sx[at], a->xsum[at], 0, a->pairs);
+                    add_sums_avx2(sz, total[i], HALF + row, _mm256_srai_epi32(_mm256_sub_epi32(both[i][v], low[i][v]), 4),
+                                  a->sx[at], a->xsum[at], 0, a->pairs);
+                }
+            }
         }
     }
 }
@@ -732,8 +749,8 @@ static inline __attribute__((always_inline)) void row_int4_avx2(const int4_args 
     static void avx2_rows_##R(const int4_args *a, int64_t t, int64_t i0, float tot[ROWS_AT_ONCE][TILE]) { \
         if (a->q8)                                                                                  \
             rows_avx2(a, t, i0, tot, R, 1);                                                         \
-        else if (R == 1)                                                                            \
-            row_int4_avx2(a, t, i0, tot);                                                           \
+        else if (R <= 2)                                                                            \
+            rows_int4_avx2(a, t, i0, tot, R);                                                       \
         else                                                                                        \
             rows_avx2(a, t, i0, tot, R, 0);                                                         \
     }
