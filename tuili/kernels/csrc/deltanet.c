@@ -241,6 +241,7 @@ static inline __attribute__((always_inline)) void rule_columns(
  * was read 128 bytes at a time, 512 apart, and written twice: on machine C (Zen 3) a 16-row decode
  * call of the Qwen3.5-0.8B shape spent 1.9 ms in the rule and norms that way, 1.5 this way (16 MB
  * of state read and written: 21 GB/s, against 43 for an in-place scale of as much memory). */
+#ifndef __AVX512F__
 static void rule_token(float *restrict s, int64_t dk, int64_t dv, const float *restrict q, const float *restrict k,
                        float decay, float beta, const float *restrict v, float *restrict o) {
     float remembered[MAX_HEAD_DIM], delta[MAX_HEAD_DIM];
@@ -261,6 +262,7 @@ static void rule_token(float *restrict s, int64_t dk, int64_t dv, const float *r
         }
     }
 }
+#endif
 
 /* A token's q, k and v channels of one head in a conv row (at q, k, v; dk, dk and dv floats),
  * fetched into the cache GATHER_AHEAD tokens before they are copied out. */
@@ -549,12 +551,14 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
             float *s = recurrent + slots[i] * state_size + h * dk * dv;
             float *cut_base = recurrent + h * dk * dv;
             const int64_t *offsets = cut_offsets + first_cut, *rows = cut_rows + first_cut;
+#ifndef __AVX512F__ /* AVX-512 builds keep rule_columns' sums in registers (not measured against) */
             if (count == 1 && num_cuts == 0) {
                 rule_token(s, dk, dv, qn, kn, decays[0], betas[0], vs, o);
                 head_norms(o, count, z, firsts[i] * z_stride + h * dv, z_stride, w, eps, dv, dtype, out,
                            firsts[i] * out_stride + h * dv, out_stride, zf);
                 continue;
             }
+#endif
             for (int64_t c0 = 0; c0 < dv; c0 += RULE_COLS) {
                 const int64_t n = dv - c0 < RULE_COLS ? dv - c0 : RULE_COLS;
                 /* Over several tokens the block is worked on in a contiguous copy: its rows in the
