@@ -423,10 +423,12 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
             return None
 
     out: list[Measurement] = []
+    timed: set[str] = set()  # kernel formats already timed (several weights may share one)
     for weight, tiny_weight in zip(_packed_weights(n, k), _packed_weights(small, small), strict=True):
         big, tiny = module(weight), module(tiny_weight)
-        if big is None or tiny is None or any(m.name.startswith(f"{PACKED_PREFIX}{big.kernel_format} ") for m in out):
+        if big is None or tiny is None or big.kernel_format in timed:
             continue
+        timed.add(big.kernel_format)
         module_bytes = sum(b.numel() * b.element_size() for b in big.buffers())
         streamed = [big] + [copy.deepcopy(big) for _ in range(-(-sizes.buffer_bytes // module_bytes) - 1)]
         for rows in (1, PACKED_OP_MAX_ROWS + 1):
