@@ -25,7 +25,7 @@ from tuili.errors import TuiliError
 from tuili.perf.checkpoint import ModelSource
 from tuili.perf.cost import CheckpointBytes, ModelCost
 from tuili.perf.formats import canonical_dtype, weight_format
-from tuili.perf.hardware import ENGINE_PREFILL_ROWS, PACKED_FIELDS, HardwareSpec, link
+from tuili.perf.hardware import CURVES, ENGINE_PREFILL_ROWS, PACKED_FIELDS, PER_DTYPE, HardwareSpec, link
 from tuili.perf.harness import StepLog, build_engine
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline, SpeculativeStepCost, StepCost, allreduce_seconds
@@ -333,11 +333,7 @@ def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
         machine, name=f"{machine.name}, 1/{ranks} per rank", peak_flops=each(machine.peak_flops),
         memory_bandwidth=machine.memory_bandwidth / ranks, memory_bytes=machine.memory_bytes // ranks,
         **{name: {fmt: seconds * ranks for fmt, seconds in getattr(machine, name).items()} for name in PACKED_FIELDS},
-        linear_stream_bandwidth=each(machine.linear_stream_bandwidth),
-        linear_prefill_flops=each(machine.linear_prefill_flops), linear_flops_by_rows=each(machine.linear_flops_by_rows),
-        attention_flops_by_tokens=each(machine.attention_flops_by_tokens),
-        deltanet_prefill_flops=each(machine.deltanet_prefill_flops),
-        decode_attention_bandwidth=each(machine.decode_attention_bandwidth),
+        **{name: each(getattr(machine, name)) for name in (*PER_DTYPE, *CURVES)},
     )
 
 

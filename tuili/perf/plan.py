@@ -375,8 +375,8 @@ class Roofline:
         batch = len(context_lens)
         flops = self.cost.decode_flops(context_lens)
         weights = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp)
-        nbytes = weights + sum(self.sequence_bytes(c) for c in context_lens)
         cache = sum(self.cache_bytes(c) for c in context_lens)
+        nbytes = weights + cache + batch * 2 * self.state_device  # sequence_bytes, each summed once
         return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch), cache_bytes=cache)
 
     def decode_uniform(self, context: int, batch: int) -> StepCost:
@@ -396,8 +396,8 @@ class Roofline:
         rows = sum(length for _, length in chunks)
         flops = sum(self.cost.decode_flops(range(start + 1, start + length + 1)) for start, length in chunks)
         weights = self.cost.decode_weight_bytes(self.inputs.weights, rows, self.tp)
-        nbytes = weights + sum(self.sequence_bytes(start + length) for start, length in chunks)
         cache = sum(self.cache_bytes(start + length) for start, length in chunks)
+        nbytes = weights + cache + len(chunks) * 2 * self.state_device  # sequence_bytes, each summed once
         return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows), cache_bytes=cache)
 
     def verify_uniform(self, context: int, batch: int, k: int) -> StepCost:

@@ -34,6 +34,7 @@ from tuili.perf.hardware import (
     ENGINE_LINEAR_ROWS,
     ENGINE_PREFILL_ROWS,
     PACKED_FIELDS,
+    PER_DTYPE,
     HardwareSpec,
 )
 from tuili.perf.harness import build_engine
@@ -198,9 +199,7 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
         a,
         memory_bandwidth=(a.memory_bandwidth + b.memory_bandwidth) / 2,
         peak_flops=mean(a.peak_flops, b.peak_flops),
-        linear_stream_bandwidth=mean(a.linear_stream_bandwidth, b.linear_stream_bandwidth),
-        linear_prefill_flops=mean(a.linear_prefill_flops, b.linear_prefill_flops),
-        decode_attention_bandwidth=mean(a.decode_attention_bandwidth, b.decode_attention_bandwidth),
+        **{name: mean(getattr(a, name), getattr(b, name)) for name in PER_DTYPE},
         **{name: {dtype: mean(curve, getattr(b, name).get(dtype, {})) for dtype, curve in getattr(a, name).items()}
            for name in CURVES},
         **{name: mean(getattr(a, name), getattr(b, name)) for name in PACKED_FIELDS},
