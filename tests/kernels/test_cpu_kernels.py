@@ -443,14 +443,16 @@ def probe(script: str, cache: Path | None, **env: str) -> subprocess.Popen:
 # integer arithmetic, linear_small widens bf16 to float32 for FMAs, linear_int4 computes in
 # float32, paged attention converts bf16 keys to float32, prompt attention keeps its AMX path),
 # with AVX2 only (the portable C code elsewhere, the DeltaNet kernel's expf SiLU, and no AMX; linear_int4's
-# integer dots for int4), and without AVX2 (linear_int4's plain C sums):
+# integer dots for int4), and without AVX2 (linear_int4's plain C sums; the DeltaNet kernel's plain
+# loops, its decode rows' rule walking the state by rows as on AVX2, not by AVX-512's blocks):
 # flags -> pytest -k.
 X86_VARIANTS = {
     "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8": "packed or panel",
     "-mno-avx512bf16 -mno-avx512vnni": "matches_sdpa or split or fused_qkv or tiles or linear_small or int4 "
     "or q8_0 or representable or softmax",
-    # no AVX2 either (x86-64-v2; what ARM and other CPUs build too): linear_int4's plain C sums
-    "-march=x86-64-v2": "int4 or q8_0",
+    # no AVX2 either (x86-64-v2; what ARM and other CPUs build too): linear_int4's plain C sums, the
+    # DeltaNet kernel's plain loops
+    "-march=x86-64-v2": "int4 or q8_0 or deltanet",
     "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available "
     "or rms_norm or qk_norm or silu or int4 or q8_0 or representable or argmax or fused_qkv or kv_store "
     "or softmax or deltanet",
