@@ -564,26 +564,38 @@ static inline __attribute__((always_inline)) void widen_pair_avx2(const uint8_t 
 /* From a few rows of x on (WIDE_MIN_ROWS) the codes of a tile are widened once into a
  * per-thread buffer (|sum| <= group x 128 x 32385 < 2^31 for groups up to 256).
  *
- * The buffer: for each pair of tile rows (k, k + 1) eight vectors, cache[k / 2 * 8 + 4 half + v],
- * lane l of vector v the two int16 codes (k, k + 1) of output row HALF half + 4v + l (l < 4) or
- * HALF half + 16 + 4v + l - 4: row vectors, so add_sums_avx2 is the epilogue. Q8_0's codes
- * are q = u - 128 (signed), int4's as stored (0..15). */
+ * The buffer: for each pair of tile rows (k, k + 1) eight vectors, cache[k / 2 * 8 + v], lane l
+ * of vector v the two int16 codes (k, k + 1) of output row 8v + l: eight adjacent rows, so the
+ * epilogue reads their scales and totals with plain loads. Q8_0's codes are q = u - 128
+ * (signed), int4's as stored (0..15). */
 static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
     const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
     const __m256i offset = _mm256_set1_epi16(a->q8 ? 128 : 0);
     for (int64_t k = 0; k < a->kp; k += 2)
         for (int half = 0; half < 2; half++) {
-            __m256i w[4], *to = cache + k / 2 * 8 + 4 * half;
-            widen_pair_avx2(codes, low, k, half, a->q8, w);
-            for (int v = 0; v < 4; v++) to[v] = _mm256_sub_epi16(w[v], offset);
+            __m256i n[2], *to = cache + k / 2 * 8 + 4 * half;
+            for (int l = 0; l < 2; l++)
+                n[l] = a->q8 ? q8_row_avx2(codes, low, k + l, half) : int4_row_avx2(codes + (k + l) * HALF, half);
+            for (int part = 0; part < 2; part++) { /* rows 0-15, 16-31 of the half */
+                const __m128i r0 = part ? _mm256_extracti128_si256(n[0], 1) : _mm256_castsi256_si128(n[0]);
+                const __m128i r1 = part ? _mm256_extracti128_si256(n[1], 1) : _mm256_castsi256_si128(n[1]);
+                to[2 * part] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), offset);
+                to[2 * part + 1] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), offset);
+            }
         }
 }
 
 /* R rows of x against the widened tile: two vectors of codes at a time (a group's pairs of k
- * innermost), so each code vector loaded serves R rows, each broadcast of x two vectors, and
- * 2R sums stay in registers. VPMADDWD bounds it: on Zen 3 (one per cycle) 64 rows of a
- * 4096 x 1024 int4 weight run at ~0.8 of them per cycle. Keeping the running totals in
- * registers across groups instead (one vector at a time) measured 3% slower. */
+ * innermost), held in registers, so each code vector loaded serves R rows, each broadcast of x two
+ * vectors, and 2R sums stay in registers. The epilogue is add_sums_avx2's operations in its order,
+ * on eight adjacent rows (the same bits).
+ *
+ * The empty asm statements keep GCC's registers straight: without them it folded each code load
+ * into all four of its VPMADDWD and spilled one sum to the stack, whose store and reload every
+ * step then bounded the loop. VPMADDWD issues twice a cycle on a Zen 3, so the loop had run at
+ * ~0.8 of one. On machine C (two cores), 256 rows of a 4096 x 1024 weight: Q4_0 1.55x, Q8_0 1.65x
+ * faster than with the sums' epilogue in row vectors and the loads folded (16 to 64 rows
+ * 1.3-1.5x; 2026-12-07). */
 static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4_args *a, int64_t tile, int64_t i0,
                                                                       float total[ROWS_AT_ONCE][TILE],
                                                                       const __m256i *cache, const int R,
@@ -599,20 +611,32 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
             for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
             const __m256i *w = cache + begin / 2 * 8 + vec;
             for (int64_t k = begin; k < end; k += 2, w += 8) {
-                const __m256i w0 = _mm256_load_si256(w), w1 = _mm256_load_si256(w + 1);
+                __m256i w0 = _mm256_load_si256(w), w1 = _mm256_load_si256(w + 1);
+                __asm__("" : "+x"(w0), "+x"(w1)); /* loaded once, not folded into each VPMADDWD */
                 for (int i = 0; i < R; i++) {
                     int32_t two; /* x16[k], x16[k + 1] */
                     memcpy(&two, x[i] + k, sizeof two);
                     const __m256i xv = _mm256_set1_epi32(two);
-                    acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(w0, xv));
-                    acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(w1, xv));
+                    acc[i][0] = _mm256_add_epi32(_mm256_madd_epi16(w0, xv), acc[i][0]);
+                    acc[i][1] = _mm256_add_epi32(_mm256_madd_epi16(w1, xv), acc[i][1]);
+                    __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
                 }
             }
-            for (int i = 0; i < R; i++) {
-                const int64_t at = (i0 + i) * groups + g;
-                for (int j = 0; j < 2; j++)
-                    add_sums_avx2(sz, total[i], HALF * ((vec + j) / 4) + 4 * ((vec + j) % 4), acc[i][j], a->sx[at],
-                                  a->xsum[at], q8, a->pairs);
+            for (int j = 0; j < 2; j++) {
+                const int first = 8 * (vec + j);
+                const __m256i scale_zero =
+                    a->pairs ? _mm256_loadu_si256((const __m256i *)(sz + 2 * first))
+                             : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + first)));
+                const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(scale_zero, 16));
+                const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(scale_zero, _mm256_set1_epi32((int)0xFFFF0000u)));
+                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z); /* zero - 8 scale */
+                for (int i = 0; i < R; i++) {
+                    const int64_t at = (i0 + i) * groups + g;
+                    __m256 t = _mm256_loadu_ps(total[i] + first);
+                    if (!q8) t = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->xsum[at]), t);
+                    t = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a->sx[at])), _mm256_cvtepi32_ps(acc[i][j]), t);
+                    _mm256_storeu_ps(total[i] + first, t);
+                }
             }
         }
     }
