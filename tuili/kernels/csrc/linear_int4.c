@@ -493,10 +493,10 @@ static void plain_tile_rows(const int4_args *a, int64_t tile, int64_t i0, int ro
  * every step), one core 12.4 -> 10.2 ms. */
 #define AVX2_DOTS 1
 /* Rows of x from which a tile is widened once (tile_rows_avx2_wide) rather than as it is read
- * (rows_avx2): measured on Zen 3 (machine C, two cores, Qwen3-0.6B's shapes) at 8 rows even for
- * int4 (4096 x 1024: 0.62 ms either way) and Q8_0 (151936 x 1024: 21.4 against 22.2 ms), at 12
- * the buffer ahead (0.82 against 0.88 ms; 29 against 33 ms). */
-#define WIDE_MIN_ROWS 8
+ * (rows_avx2): measured on Zen 3 (machine C, two cores), one 38400 x 1024 weight (20 MB in int4,
+ * 40 in Q8_0) at 4 rows 5-10% faster as read, at 5, 6 and 7 rows 8%, 0-13% and 23% faster widened
+ * (2026-12-07, after the widened loop kept its sums in registers; it had been 8 before). */
+#define WIDE_MIN_ROWS 5
 /* int4: the 32 codes (0..15) of one tile row for the output rows of nibble half `half`. */
 static inline __attribute__((always_inline)) __m256i int4_row_avx2(const uint8_t *row, int half) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)row);
