@@ -834,6 +834,14 @@ static void store_tile(const int4_args *a, int64_t tile, int64_t i0, int rows, f
         }
 }
 
+/* The sum of v[0 .. n - 1], added one after another from 0: the order the sum of a group of x
+ * keeps on every path (its float32 value enters the outputs). */
+static inline float sum_in_order(const float *v, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) sum += v[j];
+    return sum;
+}
+
 /* Where tuili_linear_int4 puts x's forms: float32, group sums and, for the integer dots, the
  * int8 parts and their scales and sums; on AVX2 also both parts as one int16 (x16). */
 typedef struct {
@@ -857,10 +865,8 @@ static void round_group_vnni(const void *x, int x_dtype, int64_t group, int64_t 
         _mm512_storeu_ps(xg + j, v);
         largest16 = _mm512_max_ps(_mm512_abs_ps(v), largest16); /* a NaN left out, as the scalar loop does */
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < group; j++) sum += xg[j];
+    f->xsum[at] = sum_in_order(xg, group);
     const float largest = _mm512_reduce_max_ps(largest16);
-    f->xsum[at] = sum;
     const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
     __m512i qsum = _mm512_setzero_si512();
     for (int64_t j = 0; j < group; j += 16) {
@@ -896,12 +902,10 @@ static void round_group_avx2(const void *x, int x_dtype, int64_t group, int64_t 
         _mm256_storeu_ps(xg + j, v);
         largest8 = _mm256_max_ps(_mm256_and_ps(v, magnitude), largest8); /* a NaN lane keeps largest8's */
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < group; j++) sum += xg[j];
+    f->xsum[at] = sum_in_order(xg, group);
     float lanes[8], largest = 0.0f;
     _mm256_storeu_ps(lanes, largest8);
     for (int l = 0; l < 8; l++) largest = lanes[l] > largest ? lanes[l] : largest;
-    f->xsum[at] = sum;
     const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
     __m256i qsum = _mm256_setzero_si256();
     for (int64_t j = 0; j < group; j += 8) {
