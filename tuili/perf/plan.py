@@ -364,7 +364,12 @@ class Roofline:
 
     def sequence_bytes(self, context: int) -> float:
         """Per device, one decoding sequence's KV reads plus its state read and written back."""
-        return self.cache_bytes(context) + 2 * self.state_device
+        return self.cache_bytes(context) + self.state_round_trip
+
+    @property
+    def state_round_trip(self) -> float:
+        """Per device, one decoding sequence's linear-attention state read and written back."""
+        return 2 * self.state_device
 
     def cache_bytes(self, context: int) -> float:
         """Per device, the KV cache one decoding sequence's attention reads."""
@@ -376,7 +381,7 @@ class Roofline:
         flops = self.cost.decode_flops(context_lens)
         weights = self.cost.decode_weight_bytes(self.inputs.weights, batch, self.tp)
         cache = sum(self.cache_bytes(c) for c in context_lens)
-        nbytes = weights + cache + batch * 2 * self.state_device  # sequence_bytes, each summed once
+        nbytes = weights + cache + batch * self.state_round_trip  # sequence_bytes, the cache summed once
         return self._step(flops, nbytes, weights, Step(prefill=False, tokens=batch), self.comm(batch), cache_bytes=cache)
 
     def decode_uniform(self, context: int, batch: int) -> StepCost:
@@ -397,7 +402,7 @@ class Roofline:
         flops = sum(self.cost.decode_flops(range(start + 1, start + length + 1)) for start, length in chunks)
         weights = self.cost.decode_weight_bytes(self.inputs.weights, rows, self.tp)
         cache = sum(self.cache_bytes(start + length) for start, length in chunks)
-        nbytes = weights + cache + len(chunks) * 2 * self.state_device  # sequence_bytes, each summed once
+        nbytes = weights + cache + len(chunks) * self.state_round_trip  # sequence_bytes, the cache summed once
         return self._step(flops, nbytes, weights, Step(prefill=False, tokens=rows), self.comm(rows), cache_bytes=cache)
 
     def verify_uniform(self, context: int, batch: int, k: int) -> StepCost:

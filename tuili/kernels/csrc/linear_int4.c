@@ -515,6 +515,25 @@ static inline __attribute__((always_inline)) __m256i q8_row_avx2(const uint8_t *
                                   _mm256_and_si256(lo, nibble)); /* a nibble shifted stays in its byte */
 }
 
+/* Eight lanes of bf16 (scale, zero) pairs, or of scales widened with a zero half: the scales and
+ * the offsets zero - 8 scale as float32. */
+static inline __attribute__((always_inline)) __m256 scale_lanes(__m256i scale_zero) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(scale_zero, 16));
+}
+static inline __attribute__((always_inline)) __m256 offset_lanes(__m256i scale_zero, __m256 s) {
+    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(scale_zero, _mm256_set1_epi32((int)0xFFFF0000u)));
+    return _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);
+}
+
+/* One group's epilogue for eight outputs of one row of x, the same fused operations in the same
+ * order on every AVX2 path (hence their common bits): total + offset * sum x (not for Q8_0), then
+ * + scale * sx * sums. */
+static inline __attribute__((always_inline)) __m256 add_group_sums(__m256 t, __m256 s, __m256 offset, __m256i sums,
+                                                                   float sx, float xsum, const int q8) {
+    if (!q8) t = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum), t);
+    return _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(sums), t);
+}
+
 /* The AVX2 loops' int32 sums come as "row vectors": for half h of a tile (rows 32h .. 32h + 31)
  * vector v (0..3) holds rows 32h + 4v .. 32h + 4v + 3 in lanes 0-3 and the rows 16 further in
  * lanes 4-7 (what unpacking tile rows k and k + 1 twice yields).
@@ -531,14 +550,9 @@ static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *
                                         _mm_loadu_si128((const __m128i *)(sz + 2 * (first + 16))), 1)
               : _mm256_cvtepu16_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sz + first)),
                                                          _mm_loadl_epi64((const __m128i *)(sz + first + 16))));
-    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(scale_zero, 16));
+    const __m256 s = scale_lanes(scale_zero);
     __m256 t = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(total + first)), _mm_loadu_ps(total + first + 16), 1);
-    if (!q8) {
-        const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(scale_zero, _mm256_set1_epi32((int)0xFFFF0000u)));
-        const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z); /* zero - 8 scale */
-        t = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum), t);
-    }
-    t = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(sums), t);
+    t = add_group_sums(t, s, q8 ? s : offset_lanes(scale_zero, s), sums, sx, xsum, q8);
     _mm_storeu_ps(total + first, _mm256_castps256_ps128(t));
     _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
 }
@@ -587,8 +601,8 @@ static void widen_tile_avx2(const int4_args *a, int64_t tile, __m256i *cache) {
 
 /* R rows of x against the widened tile: two vectors of codes at a time (a group's pairs of k
  * innermost), held in registers, so each code vector loaded serves R rows, each broadcast of x two
- * vectors, and 2R sums stay in registers. The epilogue is add_sums_avx2's operations in its order,
- * on eight adjacent rows (the same bits).
+ * vectors, and 2R sums stay in registers. The epilogue is add_group_sums on eight adjacent rows,
+ * as at decode (the same bits).
  *
  * The empty asm statements keep GCC's registers straight: without them it folded each code load
  * into all four of its VPMADDWD and spilled one sum to the stack, whose store and reload every
@@ -627,15 +641,11 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
                 const __m256i scale_zero =
                     a->pairs ? _mm256_loadu_si256((const __m256i *)(sz + 2 * first))
                              : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + first)));
-                const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(scale_zero, 16));
-                const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(scale_zero, _mm256_set1_epi32((int)0xFFFF0000u)));
-                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z); /* zero - 8 scale */
+                const __m256 s = scale_lanes(scale_zero), offset = q8 ? s : offset_lanes(scale_zero, s);
                 for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
-                    __m256 t = _mm256_loadu_ps(total[i] + first);
-                    if (!q8) t = _mm256_fmadd_ps(offset, _mm256_set1_ps(a->xsum[at]), t);
-                    t = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a->sx[at])), _mm256_cvtepi32_ps(acc[i][j]), t);
-                    _mm256_storeu_ps(total[i] + first, t);
+                    _mm256_storeu_ps(total[i] + first, add_group_sums(_mm256_loadu_ps(total[i] + first), s, offset,
+                                                                      acc[i][j], a->sx[at], a->xsum[at], q8));
                 }
             }
         }
