@@ -240,21 +240,31 @@ static inline __attribute__((always_inline)) void rule_columns(
  * sums S^T q and writes it once. By blocks of columns (rule_columns) every row of the 64 KB head
  * was read 128 bytes at a time, 512 apart, and written twice: on machine C (Zen 3) a 16-row decode
  * call of the Qwen3.5-0.8B shape spent 1.9 ms in the rule and norms that way, 1.5 this way (16 MB
- * of state read and written: 21 GB/s, against 43 for an in-place scale of as much memory). */
+ * of state read and written: 21 GB/s, against 43 for an in-place scale of as much memory).
+ *
+ * `next` (or NULL) is the state of the head the thread works on next: each pass asks for half of
+ * it into L2, so that memory is busy while the passes compute on this head from the caches (the
+ * first pass had read from memory with nothing else in flight, the second from L2 with memory
+ * idle: ~1.5 -> ~1.2 ms of rule and norms in that 16-row call). */
 #ifndef __AVX512F__
 static void rule_token(float *restrict s, int64_t dk, int64_t dv, const float *restrict q, const float *restrict k,
-                       float decay, float beta, const float *restrict v, float *restrict o) {
+                       float decay, float beta, const float *restrict v, float *restrict o, const float *next) {
     float remembered[MAX_HEAD_DIM], delta[MAX_HEAD_DIM];
+    const int64_t half = dk * dv / 2, per_row = (half + dk - 1) / dk; /* next's floats asked for per row */
     for (int64_t c = 0; c < dv; c++) remembered[c] = o[c] = 0.0f;
     for (int64_t i = 0; i < dk; i++) {
         const float *restrict row = s + i * dv;
         const float ki = k[i];
+        if (next != NULL)
+            for (int64_t c = 0; c < per_row; c += 16) __builtin_prefetch(next + i * per_row + c, 0, 2);
         for (int64_t c = 0; c < dv; c++) remembered[c] = MADD(row[c] * decay, ki, remembered[c]);
     }
     for (int64_t c = 0; c < dv; c++) delta[c] = (v[c] - remembered[c]) * beta;
     for (int64_t i = 0; i < dk; i++) {
         float *restrict row = s + i * dv;
         const float ki = k[i], qi = q[i];
+        if (next != NULL)
+            for (int64_t c = 0; c < per_row; c += 16) __builtin_prefetch(next + half + i * per_row + c, 0, 2);
         for (int64_t c = 0; c < dv; c++) {
             const float updated = MADD(ki, delta[c], row[c] * decay);
             o[c] = MADD(updated, qi, o[c]);
@@ -347,6 +357,15 @@ typedef struct {
     float window[MAX_CONV_WIDTH][CONV_BLOCK], w[MAX_CONV_WIDTH + 1][CONV_BLOCK];
 } ConvBlock;
 
+/* A block of n channels' conv sums through SiLU, rounded, into the conv's output row. */
+static inline void conv_output(float *restrict sum, int64_t n, int dtype, float *restrict row) {
+    silu_block(sum, n);
+    if (dtype == TUILI_BF16)
+        for (int64_t c = 0; c < n; c++) row[c] = bf16_to_f32(f32_to_bf16(sum[c]));
+    else
+        for (int64_t c = 0; c < n; c++) row[c] = sum[c];
+}
+
 /* One token through one block of n channels starting at c0: inputs x, outputs into row. */
 static inline __attribute__((always_inline)) void conv_token(ConvBlock *restrict blk, const void *mixed, int64_t at,
                                                              int64_t n, int64_t width, int dtype, float *restrict row) {
@@ -362,11 +381,30 @@ static inline __attribute__((always_inline)) void conv_token(ConvBlock *restrict
     for (int64_t j = 0; j + 1 < width; j++)
         for (int64_t c = 0; c < n; c++) blk->window[j][c] = blk->window[j + 1][c];
     for (int64_t c = 0; c < n; c++) blk->window[width - 1][c] = x[c];
-    silu_block(sum, n);
-    if (dtype == TUILI_BF16)
-        for (int64_t c = 0; c < n; c++) row[c] = bf16_to_f32(f32_to_bf16(sum[c]));
-    else
-        for (int64_t c = 0; c < n; c++) row[c] = sum[c];
+    conv_output(sum, n, dtype, row);
+}
+
+/* conv_token's sums for a token with no ConvBlock windows: channel c's window read where the slot
+ * keeps it (state + c * width, the inputs oldest first), the same products added in the same
+ * order. Inlined per width, so that the common one (3) is a constant the loop vectorises by. */
+static inline __attribute__((always_inline)) void slot_sums(const ConvBlock *restrict blk, const void *state,
+                                                            const void *mixed, int64_t at, int64_t n,
+                                                            const int64_t width, int dtype, float *restrict sum) {
+    if (dtype == TUILI_BF16) {
+        const uint16_t *w = state, *x = (const uint16_t *)mixed + at;
+        for (int64_t c = 0; c < n; c++) {
+            float total = 0.0f;
+            for (int64_t j = 0; j < width; j++) total = total + bf16_to_f32(w[c * width + j]) * blk->w[j][c];
+            sum[c] = total + bf16_to_f32(x[c]) * blk->w[width][c];
+        }
+    } else {
+        const float *w = state, *x = (const float *)mixed + at;
+        for (int64_t c = 0; c < n; c++) {
+            float total = 0.0f;
+            for (int64_t j = 0; j < width; j++) total = total + w[c * width + j] * blk->w[j][c];
+            sum[c] = total + x[c] * blk->w[width][c];
+        }
+    }
 }
 
 /* The conv weights of channels c_begin .. c_end - 1 (c_begin a multiple of CONV_BLOCK) into
@@ -381,12 +419,55 @@ static void conv_weights(const void *weight, int64_t c_begin, int64_t c_end, int
                 load(weight, dtype, c * (width + 1) + j);
 }
 
+/* The slot's windows of channels c_begin .. c_end - 1 moved on by one input x (mixed's row
+ * `first`): each channel's [w1 .. w_{K-1}, x], which is the range's values shifted by one place
+ * (channel c's last taking c + 1's first) with x written over each last: bit copies, as the
+ * windows hold the inputs as given. Storing ConvBlock windows back one value at a time took
+ * ~0.25 ms of a 16-row decode call's conv on machine C. */
+static void shift_windows(void *conv_state, int64_t slot, int64_t channels, int64_t c_begin, int64_t c_end,
+                          int64_t width, const void *mixed, int64_t at, int dtype) {
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+    char *row = (char *)conv_state + (size_t)(slot * channels + c_begin) * width * size;
+    memmove(row, row + size, ((size_t)(c_end - c_begin) * width - 1) * size);
+    if (dtype == TUILI_BF16) /* typed copies: memcpy of a run-time size was a call per channel */
+        for (int64_t c = 0; c < c_end - c_begin; c++)
+            ((uint16_t *)row)[c * width + width - 1] = ((const uint16_t *)mixed)[at + c_begin + c];
+    else
+        for (int64_t c = 0; c < c_end - c_begin; c++)
+            ((float *)row)[c * width + width - 1] = ((const float *)mixed)[at + c_begin + c];
+}
+
+/* One token with no cuts (a decode row) through channels c_begin .. c_end - 1: the sums read the
+ * windows where the slot keeps them (slot_sums), without the ConvBlock copy, whose transposing
+ * loads took ~0.2 ms of a 16-row decode call on machine C; then the windows move on. */
+static void conv_row(const void *mixed, int64_t at, void *conv_state, int64_t slot, int64_t c_begin,
+                     int64_t c_end, int64_t channels, int64_t width, int dtype, float *out,
+                     const ConvBlock *blocks) {
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+    for (int64_t c0 = c_begin; c0 < c_end; c0 += CONV_BLOCK) {
+        const ConvBlock *blk = &blocks[(c0 - c_begin) / CONV_BLOCK];
+        const void *windows = (const char *)conv_state + (size_t)(slot * channels + c0) * width * size;
+        float sum[CONV_BLOCK];
+        if (width == 3 && c_end - c0 >= CONV_BLOCK) /* kernel 4, as Qwen3.5's and Qwen3-Next's */
+            slot_sums(blk, windows, mixed, at + c0, CONV_BLOCK, 3, dtype, sum);
+        else
+            slot_sums(blk, windows, mixed, at + c0, c_end - c0 < CONV_BLOCK ? c_end - c0 : CONV_BLOCK, width,
+                      dtype, sum);
+        conv_output(sum, c_end - c0 < CONV_BLOCK ? c_end - c0 : CONV_BLOCK, dtype, out + c0);
+    }
+    shift_windows(conv_state, slot, channels, c_begin, c_end, width, mixed, at, dtype);
+}
+
 /* Channels c_begin .. c_end - 1 (c_begin a multiple of CONV_BLOCK) of one item; `blocks` holds
  * one ConvBlock per CONV_BLOCK channels of the range, its weights loaded (conv_weights). */
 static void conv_range(const void *mixed, int64_t mixed_stride, int64_t first, int64_t count, void *conv_state,
                        int64_t slot, int64_t c_begin, int64_t c_end, int64_t channels, int64_t width,
                        const int64_t *cut_offsets, const int64_t *cut_rows, int64_t num_cuts, int dtype, float *out,
                        ConvBlock *blocks) {
+    if (count == 1 && num_cuts == 0) {
+        conv_row(mixed, first * mixed_stride, conv_state, slot, c_begin, c_end, channels, width, dtype, out, blocks);
+        return;
+    }
     const int64_t num_blocks = (c_end - c_begin + CONV_BLOCK - 1) / CONV_BLOCK;
     for (int64_t k = 0; k < num_blocks; k++) {
         const int64_t c0 = c_begin + k * CONV_BLOCK, n = c_end - c0 < CONV_BLOCK ? c_end - c0 : CONV_BLOCK;
@@ -417,18 +498,8 @@ static void conv_range(const void *mixed, int64_t mixed_stride, int64_t first, i
                 conv_token(&blocks[k], mixed, at, c_end - c0, width, dtype, row);
         }
     }
-    if (count == 1) {
-        /* One token (a decode row): the slot's windows move on by one input, each channel's
-         * [w1 .. w_{K-1}, x], which is the range's values shifted by one place (channel c's last
-         * taking c + 1's first) with x written over each last: bit copies, as the windows hold
-         * the inputs as given. Storing the ConvBlock windows back one value at a time took ~0.25 ms
-         * of a 16-row decode call's conv on machine C. */
-        const size_t size = dtype == TUILI_BF16 ? 2 : 4;
-        char *row = (char *)conv_state + (size_t)(slot * channels + c_begin) * width * size;
-        const char *x = (const char *)mixed + (size_t)(first * mixed_stride + c_begin) * size;
-        memmove(row, row + size, ((size_t)(c_end - c_begin) * width - 1) * size);
-        for (int64_t c = 0; c < c_end - c_begin; c++)
-            memcpy(row + ((size_t)c * width + width - 1) * size, x + c * size, size);
+    if (count == 1) { /* with cuts: the windows as a decode row's */
+        shift_windows(conv_state, slot, channels, c_begin, c_end, width, mixed, first * mixed_stride, dtype);
         return;
     }
     for (int64_t c = c_begin; c < c_end; c++)
@@ -517,9 +588,17 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
             }
         }
 #pragma omp barrier
-        /* The rule and the norm, one (item, value head) at a time: the tokens' normalised q and k
-         * and gates first, then the rule by blocks of columns over all the tokens (rule_columns),
-         * then each token's norm. */
+        /* Each token's q and k L2-normalised in place, once per key head (not once per value head
+         * that reads it), the k_heads rows side by side (one row's sum is a chain of dk
+         * multiply-adds that waits on each; alone, they took ~10% of a decode call). */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < starts[num_items]; t++) {
+            l2_normalise(conv + t * channels, k_heads, dk, 1.0f / sqrtf((float)dk));
+            l2_normalise(conv + t * channels + key_dim, k_heads, dk, 1.0f);
+        }
+        /* The rule and the norm, one (item, value head) at a time: the tokens' q, k and gates
+         * first, then the rule by blocks of columns over all the tokens (rule_columns), then each
+         * token's norm. */
         float *buffer = buffers + (size_t)omp_get_thread_num() * per_thread;
         float *qn = buffer, *kn = qn + max_count * dk, *vs = kn + max_count * dk, *o = vs + max_count * dv;
         float *decays = o + max_count * dv;
@@ -527,10 +606,14 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
         float *block = state_blocks + (size_t)omp_get_thread_num() * dk * RULE_COLS;
         for (int64_t j = 0; j < dv; j++) w[j] = load(norm_weight, dtype, j);
         const int64_t per_key = v_heads / k_heads;
-        const float q_scale = 1.0f / sqrtf((float)dk);
         const int64_t state_size = v_heads * dk * dv;
+        /* Decode rows (counts NULL) are alike: each thread takes one run of consecutive (row, head)
+         * pairs, so it knows whose state it reads next (rule_token asks for it ahead); chunks, of
+         * any lengths, go one pair at a time to whichever thread is free. */
+        const int64_t pairs = num_items * v_heads, runs = counts == NULL ? omp_get_num_threads() : pairs;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t ih = 0; ih < num_items * v_heads; ih++) {
+        for (int64_t run = 0; run < runs; run++)
+        for (int64_t ih = pairs * run / runs, last = pairs * (run + 1) / runs; ih < last; ih++) {
             const int64_t i = ih / v_heads, h = ih % v_heads, kh = h / per_key, count = starts[i + 1] - starts[i];
             const int64_t first_cut = cut_starts ? cut_starts[i] : 0, num_cuts = cut_starts ? cut_starts[i + 1] - first_cut : 0;
             for (int64_t t = 0; t < count; t++) {
@@ -546,14 +629,15 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
                                                                          load(dt_bias, dtype, h));
                 decays[t] = expf(g);
             }
-            l2_normalise(qn, count, dk, q_scale);
-            l2_normalise(kn, count, dk, 1.0f);
             float *s = recurrent + slots[i] * state_size + h * dk * dv;
             float *cut_base = recurrent + h * dk * dv;
             const int64_t *offsets = cut_offsets + first_cut, *rows = cut_rows + first_cut;
 #ifndef __AVX512F__ /* AVX-512 builds keep rule_columns' sums in registers (not measured against) */
             if (count == 1 && num_cuts == 0)
-                rule_token(s, dk, dv, qn, kn, decays[0], betas[0], vs, o);
+                rule_token(s, dk, dv, qn, kn, decays[0], betas[0], vs, o,
+                           ih + 1 < last ? recurrent + slots[(ih + 1) / v_heads] * state_size +
+                                               (ih + 1) % v_heads * dk * dv
+                                         : NULL);
             else
 #endif
             for (int64_t c0 = 0; c0 < dv; c0 += RULE_COLS) {
