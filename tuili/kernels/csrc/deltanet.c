@@ -419,8 +419,8 @@ static void conv_weights(const void *weight, int64_t c_begin, int64_t c_end, int
                 load(weight, dtype, c * (width + 1) + j);
 }
 
-/* The slot's windows of channels c_begin .. c_end - 1 moved on by one input x (mixed's row
- * `first`): each channel's [w1 .. w_{K-1}, x], which is the range's values shifted by one place
+/* The slot's windows of channels c_begin .. c_end - 1 moved on by one input x (mixed's values
+ * from `at`): each channel's [w1 .. w_{K-1}, x], which is the range's values shifted by one place
  * (channel c's last taking c + 1's first) with x written over each last: bit copies, as the
  * windows hold the inputs as given. Storing ConvBlock windows back one value at a time took
  * ~0.25 ms of a 16-row decode call's conv on machine C. */
@@ -550,7 +550,8 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
         starts[i + 1] = starts[i] + count;
     }
     const int64_t key_dim = k_heads * dk, channels = 2 * key_dim + v_heads * dv, width = kernel - 1;
-    float *conv = malloc((size_t)(starts[num_items] * channels) * sizeof(float)); /* the conv's outputs, rounded */
+    /* the conv's outputs, rounded; then q and k L2-normalised in place */
+    float *conv = malloc((size_t)(starts[num_items] * channels) * sizeof(float));
     /* Each thread's buffers for one (item, head): its tokens' q and k normalised, its outputs
      * before the norm, decays and betas; then one token's gate and the norm's weight. */
     int64_t max_count = 1;
@@ -612,56 +613,59 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
          * any lengths, go one pair at a time to whichever thread is free. */
         const int64_t pairs = num_items * v_heads, runs = counts == NULL ? omp_get_num_threads() : pairs;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t run = 0; run < runs; run++)
-        for (int64_t ih = pairs * run / runs, last = pairs * (run + 1) / runs; ih < last; ih++) {
-            const int64_t i = ih / v_heads, h = ih % v_heads, kh = h / per_key, count = starts[i + 1] - starts[i];
-            const int64_t first_cut = cut_starts ? cut_starts[i] : 0, num_cuts = cut_starts ? cut_starts[i + 1] - first_cut : 0;
-            for (int64_t t = 0; t < count; t++) {
-                const int64_t row = firsts[i] + t;
-                const float *c = conv + (starts[i] + t) * channels;
-                if (t + GATHER_AHEAD < count) /* rows a conv row apart: the hardware does not fetch them ahead */
-                    prefetch_head(c + GATHER_AHEAD * channels, kh * dk, key_dim, 2 * key_dim + h * dv, dk, dv);
-                memcpy(qn + t * dk, c + kh * dk, (size_t)dk * sizeof(float));
-                memcpy(kn + t * dk, c + key_dim + kh * dk, (size_t)dk * sizeof(float));
-                memcpy(vs + t * dv, c + 2 * key_dim + h * dv, (size_t)dv * sizeof(float));
-                betas[t] = round_to(1.0f / (1.0f + expf(-load(b, dtype, row * ba_stride + h))), dtype);
-                const float g = -expf(load(a_log, dtype, h)) * softplus(load(a, dtype, row * ba_stride + h) +
-                                                                         load(dt_bias, dtype, h));
-                decays[t] = expf(g);
-            }
-            float *s = recurrent + slots[i] * state_size + h * dk * dv;
-            float *cut_base = recurrent + h * dk * dv;
-            const int64_t *offsets = cut_offsets + first_cut, *rows = cut_rows + first_cut;
-#ifndef __AVX512F__ /* AVX-512 builds keep rule_columns' sums in registers (not measured against) */
-            if (count == 1 && num_cuts == 0)
-                rule_token(s, dk, dv, qn, kn, decays[0], betas[0], vs, o,
-                           ih + 1 < last ? recurrent + slots[(ih + 1) / v_heads] * state_size +
-                                               (ih + 1) % v_heads * dk * dv
-                                         : NULL);
-            else
-#endif
-            for (int64_t c0 = 0; c0 < dv; c0 += RULE_COLS) {
-                const int64_t n = dv - c0 < RULE_COLS ? dv - c0 : RULE_COLS;
-                /* Over several tokens the block is worked on in a contiguous copy: its rows in the
-                 * state are dv floats apart, which maps a [128, 64] block of a 128-wide head onto
-                 * half of L1's sets, more lines than their ways hold. */
-                float *cols = s + c0;
-                int64_t stride = dv;
-                if (count > 1) {
-                    copy_columns(block, RULE_COLS, cols, stride, n, dk);
-                    cols = block;
-                    stride = RULE_COLS;
+        for (int64_t run = 0; run < runs; run++) {
+            const int64_t last = pairs * (run + 1) / runs;
+            for (int64_t ih = pairs * run / runs; ih < last; ih++) {
+                const int64_t i = ih / v_heads, h = ih % v_heads, kh = h / per_key, count = starts[i + 1] - starts[i];
+                const int64_t first_cut = cut_starts ? cut_starts[i] : 0;
+                const int64_t num_cuts = cut_starts ? cut_starts[i + 1] - first_cut : 0;
+                for (int64_t t = 0; t < count; t++) {
+                    const int64_t row = firsts[i] + t;
+                    const float *c = conv + (starts[i] + t) * channels;
+                    if (t + GATHER_AHEAD < count) /* rows a conv row apart: the hardware does not fetch them ahead */
+                        prefetch_head(c + GATHER_AHEAD * channels, kh * dk, key_dim, 2 * key_dim + h * dv, dk, dv);
+                    memcpy(qn + t * dk, c + kh * dk, (size_t)dk * sizeof(float));
+                    memcpy(kn + t * dk, c + key_dim + kh * dk, (size_t)dk * sizeof(float));
+                    memcpy(vs + t * dv, c + 2 * key_dim + h * dv, (size_t)dv * sizeof(float));
+                    betas[t] = round_to(1.0f / (1.0f + expf(-load(b, dtype, row * ba_stride + h))), dtype);
+                    const float g = -expf(load(a_log, dtype, h)) * softplus(load(a, dtype, row * ba_stride + h) +
+                                                                             load(dt_bias, dtype, h));
+                    decays[t] = expf(g);
                 }
-                if (n == RULE_COLS) /* the constant width lets the compiler keep the sums in registers */
-                    rule_columns(cols, stride, RULE_COLS, count, dk, qn, kn, decays, betas, vs + c0, dv, o + c0,
-                                 dv, cut_base + c0, dv, state_size, offsets, rows, num_cuts);
+                float *s = recurrent + slots[i] * state_size + h * dk * dv;
+                float *cut_base = recurrent + h * dk * dv;
+                const int64_t *offsets = cut_offsets + first_cut, *rows = cut_rows + first_cut;
+#ifndef __AVX512F__ /* AVX-512 builds keep rule_columns' sums in registers (not measured against) */
+                if (count == 1 && num_cuts == 0)
+                    rule_token(s, dk, dv, qn, kn, decays[0], betas[0], vs, o,
+                               ih + 1 < last ? recurrent + slots[(ih + 1) / v_heads] * state_size +
+                                                   (ih + 1) % v_heads * dk * dv
+                                             : NULL);
                 else
-                    rule_columns(cols, stride, n, count, dk, qn, kn, decays, betas, vs + c0, dv, o + c0, dv,
-                                 cut_base + c0, dv, state_size, offsets, rows, num_cuts);
-                if (count > 1) copy_columns(s + c0, dv, block, RULE_COLS, n, dk);
+#endif
+                for (int64_t c0 = 0; c0 < dv; c0 += RULE_COLS) {
+                    const int64_t n = dv - c0 < RULE_COLS ? dv - c0 : RULE_COLS;
+                    /* Over several tokens the block is worked on in a contiguous copy: its rows in the
+                     * state are dv floats apart, which maps a [128, 64] block of a 128-wide head onto
+                     * half of L1's sets, more lines than their ways hold. */
+                    float *cols = s + c0;
+                    int64_t stride = dv;
+                    if (count > 1) {
+                        copy_columns(block, RULE_COLS, cols, stride, n, dk);
+                        cols = block;
+                        stride = RULE_COLS;
+                    }
+                    if (n == RULE_COLS) /* the constant width lets the compiler keep the sums in registers */
+                        rule_columns(cols, stride, RULE_COLS, count, dk, qn, kn, decays, betas, vs + c0, dv, o + c0,
+                                     dv, cut_base + c0, dv, state_size, offsets, rows, num_cuts);
+                    else
+                        rule_columns(cols, stride, n, count, dk, qn, kn, decays, betas, vs + c0, dv, o + c0, dv,
+                                     cut_base + c0, dv, state_size, offsets, rows, num_cuts);
+                    if (count > 1) copy_columns(s + c0, dv, block, RULE_COLS, n, dk);
+                }
+                head_norms(o, count, z, firsts[i] * z_stride + h * dv, z_stride, w, eps, dv, dtype, out,
+                           firsts[i] * out_stride + h * dv, out_stride, zf);
             }
-            head_norms(o, count, z, firsts[i] * z_stride + h * dv, z_stride, w, eps, dv, dtype, out,
-                       firsts[i] * out_stride + h * dv, out_stride, zf);
         }
     }
     free(conv_blocks);
