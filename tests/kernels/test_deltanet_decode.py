@@ -30,14 +30,14 @@ def native_kernels_enabled(monkeypatch):
 
 
 def make_layer(dtype: torch.dtype, grouped: bool, num_k_heads: int = 2, num_v_heads: int = 4, dk: int = 16,
-               dv: int = 32, seed: int = 0) -> GatedDeltaNet:  # fmt: skip
+               dv: int = 32, seed: int = 0, conv_kernel: int = 4) -> GatedDeltaNet:  # fmt: skip
     """A layer with random weights on the native platform, its out projection the identity so
     that the gated norm's rows are compared as the kernel writes them."""
     generator = torch.Generator().manual_seed(seed)
     key_dim, value_dim = num_k_heads * dk, num_v_heads * dv
     qkvz = nn.Linear(HIDDEN, 2 * key_dim + 2 * value_dim, bias=False)
     ba = nn.Linear(HIDDEN, 2 * num_v_heads, bias=False)
-    layer = GatedDeltaNet(qkvz, ba, nn.Identity(), num_k_heads, num_v_heads, dk, dv, 4, 1e-6, Platform.detect(),
+    layer = GatedDeltaNet(qkvz, ba, nn.Identity(), num_k_heads, num_v_heads, dk, dv, conv_kernel, 1e-6, Platform.detect(),
                           grouped_by_key_head=grouped)  # fmt: skip
     with torch.no_grad():
         for param in layer.parameters():
@@ -120,6 +120,24 @@ def test_decode_matches_the_torch_rule(dtype, grouped, heads):
         got, expected = layer(x, batch), torch_layer(x, batch)
     assert_close(got, expected)
     assert torch.equal(layer.state.conv, torch_layer.state.conv)  # the conv state is the inputs, moved on
+    torch.testing.assert_close(layer.state.recurrent, torch_layer.state.recurrent, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("conv_kernel", [2, 3, 6])
+def test_decode_matches_the_torch_rule_with_other_conv_widths(dtype, conv_kernel):
+    """The kernel's decode conv has a copy for the common width (kernel 4) and a general one for
+    the rest: the rest checked too, over two steps so that the moved-on windows are read again."""
+    layer = make_layer(dtype, grouped=False, conv_kernel=conv_kernel)
+    torch_layer = on_portable(layer)
+    generator = torch.Generator().manual_seed(conv_kernel)
+    batch = decode_batch([6, 1, 3])
+    for _ in range(2):
+        x = torch.randn(3, HIDDEN, generator=generator).to(dtype)
+        with torch.no_grad():
+            got, expected = layer(x, batch), torch_layer(x, batch)
+        assert_close(got, expected)
+        assert torch.equal(layer.state.conv, torch_layer.state.conv)
     torch.testing.assert_close(layer.state.recurrent, torch_layer.state.recurrent, rtol=1e-5, atol=1e-6)
 
 

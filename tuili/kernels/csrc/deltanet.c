@@ -447,13 +447,13 @@ static void conv_row(const void *mixed, int64_t at, void *conv_state, int64_t sl
     for (int64_t c0 = c_begin; c0 < c_end; c0 += CONV_BLOCK) {
         const ConvBlock *blk = &blocks[(c0 - c_begin) / CONV_BLOCK];
         const void *windows = (const char *)conv_state + (size_t)(slot * channels + c0) * width * size;
+        const int64_t n = c_end - c0 < CONV_BLOCK ? c_end - c0 : CONV_BLOCK;
         float sum[CONV_BLOCK];
-        if (width == 3 && c_end - c0 >= CONV_BLOCK) /* kernel 4, as Qwen3.5's and Qwen3-Next's */
+        if (width == 3 && n == CONV_BLOCK) /* kernel 4, as Qwen3.5's and Qwen3-Next's */
             slot_sums(blk, windows, mixed, at + c0, CONV_BLOCK, 3, dtype, sum);
         else
-            slot_sums(blk, windows, mixed, at + c0, c_end - c0 < CONV_BLOCK ? c_end - c0 : CONV_BLOCK, width,
-                      dtype, sum);
-        conv_output(sum, c_end - c0 < CONV_BLOCK ? c_end - c0 : CONV_BLOCK, dtype, out + c0);
+            slot_sums(blk, windows, mixed, at + c0, n, width, dtype, sum);
+        conv_output(sum, n, dtype, out + c0);
     }
     shift_windows(conv_state, slot, channels, c_begin, c_end, width, mixed, at, dtype);
 }
@@ -592,9 +592,10 @@ static int deltanet_items(const void *mixed, int64_t mixed_stride, const void *z
         /* Each token's q and k L2-normalised in place, once per key head (not once per value head
          * that reads it), the k_heads rows side by side (one row's sum is a chain of dk
          * multiply-adds that waits on each; alone, they took ~10% of a decode call). */
+        const float q_scale = 1.0f / sqrtf((float)dk);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < starts[num_items]; t++) {
-            l2_normalise(conv + t * channels, k_heads, dk, 1.0f / sqrtf((float)dk));
+            l2_normalise(conv + t * channels, k_heads, dk, q_scale);
             l2_normalise(conv + t * channels + key_dim, k_heads, dk, 1.0f);
         }
         /* The rule and the norm, one (item, value head) at a time: the tokens' q, k and gates
