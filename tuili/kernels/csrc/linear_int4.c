@@ -534,27 +534,34 @@ static inline __attribute__((always_inline)) __m256 add_group_sums(__m256 t, __m
     return _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(sums), t);
 }
 
-/* The AVX2 loops' int32 sums come as "row vectors": for half h of a tile (rows 32h .. 32h + 31)
+/* add_group_sums for eight adjacent outputs first .. first + 7 of one row of x: the scales (and
+ * offsets) of group `sz` read with plain loads (scale_zero8: bf16 (scale, zero) pairs, or (pairs
+ * 0) each scale widened with a zero half). */
+static inline __attribute__((always_inline)) __m256i scale_zero8(const uint16_t *sz, int first, const int pairs) {
+    return pairs ? _mm256_loadu_si256((const __m256i *)(sz + 2 * first))
+                 : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + first)));
+}
+static inline __attribute__((always_inline)) void add_rows8_avx2(const uint16_t *sz, float *total, int first,
+                                                                 __m256i sums, float sx, float xsum, const int q8,
+                                                                 const int pairs) {
+    const __m256i scale_zero = scale_zero8(sz, first, pairs);
+    const __m256 s = scale_lanes(scale_zero), offset = q8 ? s : offset_lanes(scale_zero, s);
+    _mm256_storeu_ps(total + first, add_group_sums(_mm256_loadu_ps(total + first), s, offset, sums, sx, xsum, q8));
+}
+
+/* The decode loops' int32 sums come as "row vectors": for half h of a tile (rows 32h .. 32h + 31)
  * vector v (0..3) holds rows 32h + 4v .. 32h + 4v + 3 in lanes 0-3 and the rows 16 further in
- * lanes 4-7 (what unpacking tile rows k and k + 1 twice yields).
- * tile_rows_vnni's epilogue for one row of x and one row vector (`first`: the tile row of lane 0;
- * lanes 4-7 are 16 rows further): total += scale * sx * sums
- * + (zero - 8 scale) * sum x, or for Q8_0 scale * sx * sums, with the same fused operations in
- * the same order, lane by lane. `sz`: (scale, zero) pairs, or (pairs 0) scales alone. */
+ * lanes 4-7 (what unpacking tile rows k and k + 1 twice yields). Two of them, `low` for rows
+ * first .. first + 3 and `high` for the next four, become two vectors of eight adjacent rows
+ * (first .. first + 7 and the eight 16 further) by two lane swaps, each added as add_rows8_avx2
+ * does: the same operations lane by lane, hence the same bits, as the wide path. Adding each row
+ * vector as its two halves took ~17 operations per four rows (the scales and totals gathered from
+ * two places), a third of a one-row group's work. */
 static inline __attribute__((always_inline)) void add_sums_avx2(const uint16_t *sz, float *total, int first,
-                                                                __m256i sums, float sx, float xsum, const int q8,
-                                                                const int pairs) {
-    /* bf16 (scale, zero) per lane, or a scale widened to a lane: its zero half 0 */
-    const __m256i scale_zero =
-        pairs ? _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * first))),
-                                        _mm_loadu_si128((const __m128i *)(sz + 2 * (first + 16))), 1)
-              : _mm256_cvtepu16_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sz + first)),
-                                                         _mm_loadl_epi64((const __m128i *)(sz + first + 16))));
-    const __m256 s = scale_lanes(scale_zero);
-    __m256 t = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(total + first)), _mm_loadu_ps(total + first + 16), 1);
-    t = add_group_sums(t, s, q8 ? s : offset_lanes(scale_zero, s), sums, sx, xsum, q8);
-    _mm_storeu_ps(total + first, _mm256_castps256_ps128(t));
-    _mm_storeu_ps(total + first + 16, _mm256_extractf128_ps(t, 1));
+                                                                __m256i low, __m256i high, float sx, float xsum,
+                                                                const int q8, const int pairs) {
+    add_rows8_avx2(sz, total, first, _mm256_permute2x128_si256(low, high, 0x20), sx, xsum, q8, pairs);
+    add_rows8_avx2(sz, total, first + 16, _mm256_permute2x128_si256(low, high, 0x31), sx, xsum, q8, pairs);
 }
 
 /* The codes of tile rows k and k + 1 for the output rows of nibble half `half`, in int16 as four
@@ -640,11 +647,9 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
                     __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
                 }
             }
-            for (int j = 0; j < 2; j++) {
+            for (int j = 0; j < 2; j++) { /* add_rows8_avx2 with the scales read once for R rows */
                 const int first = 8 * (vec + j);
-                const __m256i scale_zero =
-                    a->pairs ? _mm256_loadu_si256((const __m256i *)(sz + 2 * first))
-                             : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + first)));
+                const __m256i scale_zero = scale_zero8(sz, first, a->pairs);
                 const __m256 s = scale_lanes(scale_zero), offset = q8 ? s : offset_lanes(scale_zero, s);
                 for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
@@ -712,9 +717,9 @@ static inline __attribute__((always_inline)) void rows_avx2(const int4_args *a, 
             for (int i = 0; i < R; i++) {
                 const int64_t at = (i0 + i) * groups + g;
                 const __m256i offset = _mm256_set1_epi32(q8 ? (int32_t)(128u * (uint32_t)a->xqsum[at]) : 0);
-                for (int v = 0; v < 4; v++)
-                    add_sums_avx2(sz, total[i], HALF * half + 4 * v, _mm256_sub_epi32(acc[i][v], offset), a->sx[at],
-                                  a->xsum[at], q8, a->pairs);
+                for (int v = 0; v < 4; v += 2)
+                    add_sums_avx2(sz, total[i], HALF * half + 4 * v, _mm256_sub_epi32(acc[i][v], offset),
+                                  _mm256_sub_epi32(acc[i][v + 1], offset), a->sx[at], a->xsum[at], q8, a->pairs);
             }
         }
     }
@@ -773,11 +778,12 @@ static inline __attribute__((always_inline)) void rows_int4_avx2(const int4_args
             }
             for (int i = 0; i < R; i++) {
                 const int64_t at = (i0 + i) * groups + g;
-                for (int v = 0; v < 2 * per_pass; v++) {
+                for (int v = 0; v < 2 * per_pass; v += 2) {
                     const int row = 4 * (2 * first + v);
-                    add_sums_avx2(sz, total[i], row, low[i][v], a->sx[at], a->xsum[at], 0, a->pairs);
+                    add_sums_avx2(sz, total[i], row, low[i][v], low[i][v + 1], a->sx[at], a->xsum[at], 0, a->pairs);
                     add_sums_avx2(sz, total[i], HALF + row, _mm256_srai_epi32(_mm256_sub_epi32(both[i][v], low[i][v]), 4),
-                                  a->sx[at], a->xsum[at], 0, a->pairs);
+                                  _mm256_srai_epi32(_mm256_sub_epi32(both[i][v + 1], low[i][v + 1]), 4), a->sx[at],
+                                  a->xsum[at], 0, a->pairs);
                 }
             }
         }
