@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from tuili.server.web import LATENCY_WINDOW
+
 API_KEY = "test-key"  # tests/server/conftest.py's
 ROOT_PATH = "/tuili"
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
@@ -235,6 +237,7 @@ def test_dashboard_moves_under_load_and_agrees_with_metrics(base, browser_page, 
     # A load of several seconds, so that the page's updates (one a second) see it running: 6
     # requests of 24 tokens took under a second on a Zen 4 and were missed.
     requests, output_len = 12, 96
+    load_started = time.monotonic()
     bench = subprocess.Popen(
         [sys.executable, "-m", "tuili.cli", "bench", "--base-url", base, "--api-key", API_KEY,
          "--num-requests", str(requests), "--concurrency", "3", "--input-len", "48", "--output-len", str(output_len),
@@ -276,7 +279,10 @@ def test_dashboard_moves_under_load_and_agrees_with_metrics(base, browser_page, 
     if "tuili:prefill_mfu" in metrics:
         assert _figure(page, "mfu") == pytest.approx(metrics["tuili:prefill_mfu"])
     ttft_count = metrics["tuili:time_to_first_token_seconds_count"]
-    assert requests <= _figure(page, "ttft-count") <= ttft_count
+    # The page counts the first tokens of the last minute (at least LATENCY_WINDOW seconds back):
+    # all of the load's when it began within that; on a slow machine its first ones may have left.
+    within_window = time.monotonic() - load_started < LATENCY_WINDOW
+    assert (requests if within_window else 1) <= _figure(page, "ttft-count") <= ttft_count
     for name in ("ttft-p50", "ttft-p99", "itl-p50", "itl-p99"):
         assert _figure(page, name) > 0, name
     steps = page.evaluate("() => fetch('stats', {headers: {Authorization: 'Bearer " + API_KEY + "'}})"
