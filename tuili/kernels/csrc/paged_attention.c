@@ -383,6 +383,30 @@ static inline __attribute__((always_inline)) void score_half(const float *restri
                                                              const void *const *restrict k, int I, int half,
                                                              float lanes[SCORE_ROWS][KEY_CHUNK][16], int t0,
                                                              const int bf16) {
+#if defined(__AVX2__) && defined(__FMA__)
+    /* The same multiply-adds as intrinsics, each query vector loaded once per step: GCC's own
+     * vectorization folded it into all SCORE_KEYS multiply-adds, 12 loads a step at two rows
+     * (four keys and eight query loads) where 6 serve. */
+    __m256 part[SCORE_ROWS][SCORE_KEYS];
+    for (int i = 0; i < I; i++)
+        for (int t = 0; t < SCORE_KEYS; t++) part[i][t] = _mm256_setzero_ps();
+    for (int64_t d = half; d < whole; d += 16) {
+        __m256 qv[SCORE_ROWS];
+        for (int i = 0; i < I; i++) {
+            qv[i] = _mm256_loadu_ps(q + i * D + d);
+            __asm__("" : "+x"(qv[i]));
+        }
+        for (int t = 0; t < SCORE_KEYS; t++) {
+            __m256 kv = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)k[t] + d))), 16))
+                             : _mm256_loadu_ps((const float *)k[t] + d);
+            __asm__("" : "+x"(kv));
+            for (int i = 0; i < I; i++) part[i][t] = _mm256_fmadd_ps(qv[i], kv, part[i][t]);
+        }
+    }
+    for (int i = 0; i < I; i++)
+        for (int t = 0; t < SCORE_KEYS; t++) _mm256_storeu_ps(lanes[i][t0 + t] + half, part[i][t]);
+#else
     float part[SCORE_ROWS][SCORE_KEYS][8] = {{{0}}};
     for (int64_t d = half; d < whole; d += 16)
         _Pragma("GCC unroll 3") for (int i = 0; i < I; i++)
@@ -392,6 +416,7 @@ static inline __attribute__((always_inline)) void score_half(const float *restri
     for (int i = 0; i < I; i++)
         for (int t = 0; t < SCORE_KEYS; t++)
             for (int l = 0; l < 8; l++) lanes[i][t0 + t][half + l] = part[i][t][l];
+#endif
 }
 
 /* dot_lanes16(q row i, k[t], D) for I <= SCORE_ROWS rows and SCORE_KEYS keys, in two parts: its
@@ -439,6 +464,35 @@ static inline void add_lanes(const float lanes[KEY_CHUNK][16], float *scores) {
 static inline __attribute__((always_inline)) void accumulate_block(float *restrict acc, const float *restrict p,
                                                                    const void *const *restrict vrow,
                                                                    int64_t keys, int64_t d, const int bf16) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (bf16) { /* as below, each 32-bit pair loaded once for its shift and its AND */
+        __m256 even[PV_BLOCK / 16], odd[PV_BLOCK / 16];
+        for (int v = 0; v < PV_BLOCK / 16; v++) {
+            const __m256 a = _mm256_loadu_ps(acc + 16 * v), b = _mm256_loadu_ps(acc + 16 * v + 8);
+            /* a, b: elements 16v .. 16v + 15 in order; even[v] and odd[v] their even and odd ones */
+            const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
+            even[v] = _mm256_shuffle_ps(lo, hi, 0x88);
+            odd[v] = _mm256_shuffle_ps(lo, hi, 0xDD);
+        }
+        for (int64_t t = 0; t < keys; t++) {
+            const __m256 weight = _mm256_set1_ps(p[t]);
+            const uint16_t *row = (const uint16_t *)vrow[t] + d;
+            for (int v = 0; v < PV_BLOCK / 16; v++) {
+                __m256i pairs = _mm256_loadu_si256((const __m256i *)(row + 16 * v));
+                __asm__("" : "+x"(pairs));
+                even[v] = _mm256_fmadd_ps(weight, _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)), even[v]);
+                odd[v] = _mm256_fmadd_ps(weight, _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u))),
+                                         odd[v]);
+            }
+        }
+        for (int v = 0; v < PV_BLOCK / 16; v++) {
+            const __m256 lo = _mm256_unpacklo_ps(even[v], odd[v]), hi = _mm256_unpackhi_ps(even[v], odd[v]);
+            _mm256_storeu_ps(acc + 16 * v, _mm256_permute2f128_ps(lo, hi, 0x20));
+            _mm256_storeu_ps(acc + 16 * v + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+        }
+        return;
+    }
+#endif
     if (bf16) {
         float even[PV_BLOCK / 2], odd[PV_BLOCK / 2];
         for (int l = 0; l < PV_BLOCK / 2; l++) {
