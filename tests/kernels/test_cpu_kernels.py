@@ -451,8 +451,8 @@ X86_VARIANTS = {
     "-mno-avx512bf16 -mno-avx512vnni": "matches_sdpa or split or fused_qkv or tiles or linear_small or int4 "
     "or q8_0 or representable or softmax",
     # no AVX2 either (x86-64-v2; what ARM and other CPUs build too): linear_int4's plain C sums, the
-    # DeltaNet kernel's plain loops
-    "-march=x86-64-v2": "int4 or q8_0 or deltanet",
+    # DeltaNet kernel's plain loops, paged attention's plain C scores and values (AVX2 has intrinsics)
+    "-march=x86-64-v2": "int4 or q8_0 or deltanet or matches_sdpa or split",
     "-march=x86-64-v3": "matches_sdpa or split or int64 or tiles or linear_small or amx_is_available "
     "or rms_norm or qk_norm or silu or int4 or q8_0 or representable or argmax or fused_qkv or kv_store "
     "or softmax or deltanet",

@@ -535,17 +535,20 @@ static inline __attribute__((always_inline)) __m256 add_group_sums(__m256 t, __m
 }
 
 /* add_group_sums for eight adjacent outputs first .. first + 7 of one row of x: the scales (and
- * offsets) of group `sz` read with plain loads (scale_zero8: bf16 (scale, zero) pairs, or (pairs
- * 0) each scale widened with a zero half). */
-static inline __attribute__((always_inline)) __m256i scale_zero8(const uint16_t *sz, int first, const int pairs) {
-    return pairs ? _mm256_loadu_si256((const __m256i *)(sz + 2 * first))
-                 : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + first)));
+ * offsets) of group `sz` read with plain loads (scales8: bf16 (scale, zero) pairs, or (pairs 0)
+ * each scale widened with a zero half). */
+static inline __attribute__((always_inline)) void scales8(const uint16_t *sz, int first, const int q8, const int pairs,
+                                                          __m256 *s, __m256 *offset) {
+    const __m256i scale_zero = pairs ? _mm256_loadu_si256((const __m256i *)(sz + 2 * first))
+                                     : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + first)));
+    *s = scale_lanes(scale_zero);
+    *offset = q8 ? *s : offset_lanes(scale_zero, *s);
 }
 static inline __attribute__((always_inline)) void add_rows8_avx2(const uint16_t *sz, float *total, int first,
                                                                  __m256i sums, float sx, float xsum, const int q8,
                                                                  const int pairs) {
-    const __m256i scale_zero = scale_zero8(sz, first, pairs);
-    const __m256 s = scale_lanes(scale_zero), offset = q8 ? s : offset_lanes(scale_zero, s);
+    __m256 s, offset;
+    scales8(sz, first, q8, pairs, &s, &offset);
     _mm256_storeu_ps(total + first, add_group_sums(_mm256_loadu_ps(total + first), s, offset, sums, sx, xsum, q8));
 }
 
@@ -649,8 +652,8 @@ static inline __attribute__((always_inline)) void tile_rows_avx2_wide(const int4
             }
             for (int j = 0; j < 2; j++) { /* add_rows8_avx2 with the scales read once for R rows */
                 const int first = 8 * (vec + j);
-                const __m256i scale_zero = scale_zero8(sz, first, a->pairs);
-                const __m256 s = scale_lanes(scale_zero), offset = q8 ? s : offset_lanes(scale_zero, s);
+                __m256 s, offset;
+                scales8(sz, first, q8, a->pairs, &s, &offset);
                 for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
                     _mm256_storeu_ps(total[i] + first, add_group_sums(_mm256_loadu_ps(total[i] + first), s, offset,
