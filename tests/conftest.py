@@ -86,6 +86,34 @@ def transformers_smollm2():
     return model.eval()
 
 
+def _kernel_isa(flags: str = "") -> frozenset[str]:
+    """The instruction-set macros the kernel sources test (`__AVX2__`, `__AVX512BF16__`, ...) that
+    the compiler defines for a build with `flags` as TUILI_KERNEL_CFLAGS: two builds with the same
+    set compile the same code paths."""
+    import re
+    import shlex
+    import shutil
+    import subprocess
+
+    from tuili.kernels import build, layout
+
+    tested = set()
+    for source in build.SOURCE_DIR.glob("*.[ch]"):
+        tested |= set(re.findall(r"\b__(?:AVX|FMA|AMX|F16C|SSE)\w*__\b", source.read_text()))
+    compiler = os.environ.get("TUILI_CC") or shutil.which("cc") or "gcc"  # as tuili.kernels.build picks it
+    command = [compiler, *build.FLAGS, *layout.compiler_defines(), *shlex.split(flags), "-dM", "-E", "-x", "c", "/dev/null"]
+    defined = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    return frozenset(tested & set(defined))
+
+
+@pytest.fixture(scope="session")
+def kernel_isa():
+    """`kernel_isa(flags)`: the instruction-set macros the kernel sources test that a build with
+    TUILI_KERNEL_CFLAGS=`flags` defines (no flags: this machine's own build). A variant build
+    whose set equals the native one compiles the code paths the suite already runs natively."""
+    return _kernel_isa
+
+
 def _prompt_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     """Logits of every prompt token, all prompts in one batch (a prefill)."""
     from tuili import SamplingParams

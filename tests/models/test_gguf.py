@@ -446,7 +446,7 @@ def test_sliding_window_is_refused(tmp_path):
         open_gguf(path)
 
 
-# -- the embedded SmolLM2 model against transformers' GGUF loading --------------------------------
+# -- the embedded SmolLM2 model (its tensors and config against transformers': test_smollm2_gguf.py) --
 
 
 @pytest.fixture(scope="module")
@@ -478,35 +478,6 @@ def test_smollm2_dequantizes_like_gguf_for_each_tensor_type(smollm2):
             reference = reference_dequantize(raw, qtype).reshape(info.shape)
             ours = dequantize(smollm2.raw_tensor(name), qtype, info.shape)
             torch.testing.assert_close(ours, torch.from_numpy(np.array(reference)), rtol=0, atol=0, msg=name)
-
-
-@pytest.mark.slow
-def test_smollm2_tensors_equal_transformers_gguf_loading(smollm2, transformers_smollm2):
-    reference = transformers_smollm2.state_dict()
-    assert smollm2.config["tie_word_embeddings"]
-    assert sorted(smollm2.tensor_names()) == sorted(set(reference) - {"lm_head.weight"})
-    differing = [
-        name for name in smollm2.tensor_names() if not torch.equal(smollm2.load_tensor(name), reference[name])
-    ]
-    assert differing == []
-
-
-@pytest.mark.slow
-def test_smollm2_config_matches_transformers(smollm2, transformers_smollm2):
-    reference = transformers_smollm2.config
-    ours = smollm2.config
-    for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "attention_bias"]:  # fmt: skip
-        assert ours[key] == getattr(reference, key), key
-    assert (
-        ours["architectures"] == ["LlamaForCausalLM"]
-        and type(transformers_smollm2).__name__ == "LlamaForCausalLM"
-    )
-    assert ours["rms_norm_eps"] == pytest.approx(reference.rms_norm_eps, rel=1e-6)
-    reference_theta = getattr(reference, "rope_parameters", None) or {"rope_theta": reference.rope_theta}
-    assert ours["rope_theta"] == reference_theta["rope_theta"]
-    assert ours["rope_scaling"] is None
 
 
 def test_smollm2_tokenizer_and_chat_template(smollm2):

@@ -224,7 +224,7 @@ def test_int8_greedy_answers_agree_with_bf16(int8, bf16, prompt_logits, prompts)
     assert agree >= 0.9, agree
 
 
-def test_packed_gguf_default_matches_float32(packed_default, float32, prompts):
+def test_packed_gguf_default_matches_float32(packed_default, float32, prompt_logits, prompts):
     """The default on this CPU: bf16 activations, the packed Q4_1/Q8_0 kernels computing the stored
     weights with bf16 scales and zero points and, at decode, x rounded to int8 per group of 32 as
     llama.cpp does (on CPUs with AVX512-VNNI only), and decode logits from a packed copy of the
@@ -233,7 +233,9 @@ def test_packed_gguf_default_matches_float32(packed_default, float32, prompts):
     Perplexity scores the text in one prefill, which runs the tiled kernels (bf16 x, no int8
     rounding): measured 0.01% off float32 on every CPU. Decode is checked teacher-forced through
     the decode path itself (one row per step: the gemv kernel and the packed logits), reading
-    float32's own answers, so that each position is judged on the same context:
+    float32's own answers, so that each position is judged on the same context; float32's logits
+    for those positions come from one prefill of each prompt and answer (the same sums as its
+    decode steps up to float32 rounding, far below the bounds):
 
     * the logits' RMS error, as a share of their spread, median over the answers' positions:
       0.089 with the int8 rounding of x (Xeon with AMX and EPYC Zen 5 alike: both have VNNI),
@@ -259,7 +261,7 @@ def test_packed_gguf_default_matches_float32(packed_default, float32, prompts):
     errors, same, total = [], 0, 0
     for prompt, answer in zip(prompts, float32.answers, strict=True):
         ids = float32.llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        reference = decode_logits(float32.llm, ids, answer)
+        reference = prompt_logits(float32.llm, [ids + answer])[len(ids) - 1 : -1]
         logits = decode_logits(packed_default.llm, ids, answer)
         errors.append((logits - reference).pow(2).mean(-1).sqrt() / reference.std(-1))
         same += int((logits.argmax(-1) == reference.argmax(-1)).sum())

@@ -1,5 +1,6 @@
-"""The embedded SmolLM2-135M-Instruct Q4_1 GGUF, end to end, against transformers loading the
-same file (its own GGUF reader and dequantizer, its own Llama forward)."""
+"""The embedded SmolLM2-135M-Instruct Q4_1 GGUF against transformers loading the same file (its
+own GGUF reader and dequantizer, its own Llama forward): the tensors and the config as loaded,
+then end to end. (One file, so that transformers loads it once: ~20 s.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from tuili import LLM, SamplingParams
+from tuili.models.default_model import default_model_path
+from tuili.models.gguf import open_gguf
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -14,6 +17,40 @@ QUESTIONS = [
     "用一句话介绍长城。",
 ]
 STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return open_gguf(default_model_path())
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_equal_transformers_gguf_loading(checkpoint, transformers_smollm2):
+    reference = transformers_smollm2.state_dict()
+    assert checkpoint.config["tie_word_embeddings"]
+    assert sorted(checkpoint.tensor_names()) == sorted(set(reference) - {"lm_head.weight"})
+    differing = [
+        name for name in checkpoint.tensor_names() if not torch.equal(checkpoint.load_tensor(name), reference[name])
+    ]
+    assert differing == []
+
+
+@pytest.mark.slow
+def test_smollm2_config_matches_transformers(checkpoint, transformers_smollm2):
+    reference = transformers_smollm2.config
+    ours = checkpoint.config
+    for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "attention_bias"]:  # fmt: skip
+        assert ours[key] == getattr(reference, key), key
+    assert (
+        ours["architectures"] == ["LlamaForCausalLM"]
+        and type(transformers_smollm2).__name__ == "LlamaForCausalLM"
+    )
+    assert ours["rms_norm_eps"] == pytest.approx(reference.rms_norm_eps, rel=1e-6)
+    reference_theta = getattr(reference, "rope_parameters", None) or {"rope_theta": reference.rope_theta}
+    assert ours["rope_theta"] == reference_theta["rope_theta"]
+    assert ours["rope_scaling"] is None
 
 
 @pytest.fixture(scope="module")
