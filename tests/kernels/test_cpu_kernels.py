@@ -535,6 +535,18 @@ def test_concurrent_builds_share_one_cached_library(fresh_processes):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
+def test_variants_are_told_apart_by_their_instruction_set_macros(kernel_isa):
+    """What decides whether a variant is rebuilt and rerun (fresh_processes): builds that take
+    other code paths have other macros."""
+    assert {"__AVX__", "__AVX2__", "__FMA__"} <= kernel_isa("-march=x86-64-v3")
+    assert not kernel_isa("-march=x86-64-v2") & {"__AVX2__", "__FMA__", "__AVX512F__"}
+    amx = kernel_isa("-march=sapphirerapids")
+    assert {"__AVX512F__", "__AVX512BF16__", "__AVX512VNNI__", "__AMX_TILE__", "__AMX_BF16__"} <= amx
+    assert amx - kernel_isa("-march=sapphirerapids -mno-amx-tile -mno-amx-bf16 -mno-amx-int8") == {
+        "__AMX_TILE__", "__AMX_BF16__"}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the variant flags are x86 ones")
 @pytest.mark.parametrize("flags", list(X86_VARIANTS))
 def test_code_paths_of_other_x86_cpus(fresh_processes, flags, monkeypatch, kernel_isa):
     if flags not in fresh_processes:
