@@ -151,8 +151,9 @@ def test_plan_measure_takes_this_machines_rates_again_around_the_runs(tmp_path, 
     monkeypatch.setenv("TUILI_CACHE_DIR", str(tmp_path / "cache"))
     path = checkpoint(tmp_path / "model", tied=True)
     host = {"decode_step": 3e-4, "decode_layer": 2e-4, "prefill_step": 5e-4, "prefill_layer": 4e-4}
-    # rates far from any real machine's: the refreshed ones must replace them
-    save_probe(HardwareSpec(name="this cpu (probed)", peak_flops={"fp32": 1e9, "bf16": 1e9}, memory_bandwidth=1e6,
+    # rates far from any real machine's: the refreshed ones must replace them (bf16's, below
+    # fp32's, is never used and stays unmeasured: tests/perf/test_hardware.py)
+    save_probe(HardwareSpec(name="this cpu (probed)", peak_flops={"fp32": 1e9, "bf16": 1e8}, memory_bandwidth=1e6,
                             memory_bytes=2**33, origin="probe", host_overhead_seconds=host), "cpu")
     assert main(["plan", "--model", str(path), "--device", "cpu", "--measure", "--dtype", "float32",
                  "--prompt", "24", "--output", "4", "--batch", "2", "--json"]) == 0

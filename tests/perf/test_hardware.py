@@ -193,6 +193,19 @@ def test_decode_matmul_overhead_and_rate_fit_the_probe_points():
     assert fit_gemv(measured, "bf16") is None
 
 
+def test_refreshing_rates_times_only_the_peaks_a_prediction_can_use():
+    """`plan --measure` refreshes memory and the fp32 peak (and any dtype at least as fast); a
+    dtype whose saved peak is below fp32's is never used (dtype_used takes fp32 instead) and
+    keeps its saved peak untimed: bf16 on CPUs without bf16 arithmetic, ~10 s a matmul."""
+    from tuili.perf.probe import refresh_rates
+
+    saved = HardwareSpec(name="saved", peak_flops={"fp32": 1e9, "bf16": 1e6}, memory_bandwidth=1e6,
+                         memory_bytes=2**33, origin="probe")
+    fresh = refresh_rates(saved, "cpu")
+    assert fresh.peak_flops["bf16"] == 1e6 and fresh.dtype_used("bf16") == "fp32"
+    assert fresh.peak_flops["fp32"] > 1e9 and fresh.memory_bandwidth > 1e8  # measured, not the saved ones
+
+
 def test_gauge_reads_memory_beyond_the_caches_and_the_matmul_peak():
     from tuili.perf.probe import Gauge, _last_level_cache_bytes
 

@@ -126,7 +126,13 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     dev = resolve_device(device)
     sizes = _sizes(dev, quick=False)
     read = _bandwidth(dev, sizes)[0].value
-    peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, skinny=False)}
+    # Only the peaks a prediction can use: a dtype whose saved peak is below fp32's is never one
+    # (HardwareSpec.dtype_used: tuili computes it in fp32 there), and it is the slow one to time:
+    # PyTorch's bf16 matmul on a CPU without bf16 arithmetic took ~10 s a call at this size, 39 of
+    # a `plan --measure`'s 41 s of refreshing on an AVX2 Zen 3. Its saved peak stays.
+    fp32 = spec.peak_flops.get("fp32", 0.0)
+    used = tuple(d for d in _matmul_dtypes(dev) if d in spec.peak_flops and (d == "fp32" or spec.peak_flops[d] >= fp32))
+    peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, used, skinny=False)}
     fresh = _packed_kernels(dev, peaks, sizes) if spec.packed_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
@@ -280,11 +286,16 @@ def _bandwidth(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
     ]
 
 
+def _matmul_dtypes(dev: torch.device) -> tuple[str, ...]:
+    """The dtypes whose matmul peaks a probe measures on ``dev``."""
+    return ("fp32", "bf16") if dev.type == "cpu" else ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+
+
 def _matmuls(
     dev: torch.device, sizes: _Sizes, dtypes: tuple[str, ...] | None = None, skinny: bool = True,
 ) -> list[Measurement]:
     if dtypes is None:
-        dtypes = ("fp32", "bf16") if dev.type == "cpu" else ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
+        dtypes = _matmul_dtypes(dev)
     out = []
     n = sizes.matmul_n
     for dtype in dtypes:
