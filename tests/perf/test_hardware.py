@@ -200,10 +200,12 @@ def test_refreshing_rates_times_only_the_peaks_a_prediction_can_use():
     from tuili.perf.probe import refresh_rates
 
     saved = HardwareSpec(name="saved", peak_flops={"fp32": 1e9, "bf16": 1e6}, memory_bandwidth=1e6,
-                         memory_bytes=2**33, origin="probe")
+                         memory_bytes=2**33, origin="probe", packed_kernel_seconds_per_value={"int8": 1e-5})
     fresh = refresh_rates(saved, "cpu")
     assert fresh.peak_flops["bf16"] == 1e6 and fresh.dtype_used("bf16") == "fp32"
     assert fresh.peak_flops["fp32"] > 1e9 and fresh.memory_bandwidth > 1e8  # measured, not the saved ones
+    if kernels.available():  # the packed kernels' rates are taken again too (they need a peak for bf16)
+        assert 0 < fresh.packed_kernel_seconds_per_value["int8"] < 1e-7
 
 
 def test_gauge_reads_memory_beyond_the_caches_and_the_matmul_peak():

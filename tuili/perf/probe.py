@@ -132,7 +132,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     # a `plan --measure`'s 41 s of refreshing on an AVX2 Zen 3. Its saved peak stays.
     fp32 = spec.peak_flops.get("fp32", 0.0)
     used = tuple(d for d in _matmul_dtypes(dev) if d in spec.peak_flops and (d == "fp32" or spec.peak_flops[d] >= fp32))
-    peaks = {m.name.split()[1]: m.value for m in _matmuls(dev, sizes, used, skinny=False)}
+    peaks = {**spec.peak_flops, **{m.name.split()[1]: m.value for m in _matmuls(dev, sizes, used, skinny=False)}}
     fresh = _packed_kernels(dev, peaks, sizes) if spec.packed_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
