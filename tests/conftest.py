@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,6 +87,7 @@ def transformers_smollm2():
     return model.eval()
 
 
+@functools.cache  # a compiler run and every source read per distinct flags
 def _kernel_isa(flags: str = "") -> frozenset[str]:
     """The instruction-set macros the kernel sources test (`__AVX2__`, `__AVX512BF16__`, ...) that
     the compiler defines for a build with `flags` as TUILI_KERNEL_CFLAGS: two builds with the same

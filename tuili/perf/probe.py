@@ -133,6 +133,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     fp32 = spec.peak_flops.get("fp32", 0.0)
     used = tuple(d for d in _matmul_dtypes(dev) if d in spec.peak_flops and (d == "fp32" or spec.peak_flops[d] >= fp32))
     peaks = {**spec.peak_flops, **{m.name.split()[1]: m.value for m in _matmuls(dev, sizes, used, skinny=False)}}
+    # (the saved peaks with those measured over them: `used` holds only dtypes the spec has)
     fresh = _packed_kernels(dev, peaks, sizes) if spec.packed_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
@@ -141,7 +142,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     return replace(
         spec,
         memory_bandwidth=read,
-        peak_flops={**spec.peak_flops, **{d: v for d, v in peaks.items() if d in spec.peak_flops}},
+        peak_flops=peaks,
         **(_packed_fields(fresh) if fresh else {}),
         **(_linear_fields(linears) if linears else {}),
         **(_attention_fields(attention) if attention else {}),
