@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -134,9 +137,16 @@ def test_never_probed_machine_gets_a_marked_estimate_then_its_probe():
     assert current_hardware("cpu") == probed
 
 
-def test_probe_quick_measures_saves_and_is_used(capsys):
-    assert main(["probe", "--device", "cpu", "--quick"]) == 0
-    out = capsys.readouterr().out
+def test_probe_quick_measures_saves_and_is_used():
+    # In a process of its own, without the suite's OMP_WAIT_POLICY=PASSIVE (tests/conftest.py,
+    # read once when OpenMP loads): the host overheads are a user's process's. With sleeping
+    # threads each parallel region's wake-up took 0.3-1 ms on machine A, the toy steps 1.5-5 ms,
+    # and the layer's ~30 us slope came out 0 in half the runs.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", "from tuili.cli import main; raise SystemExit(main())",
+                           "probe", "--device", "cpu", "--quick"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout
     assert "memory read" in out and "matmul fp32 large" in out and "skinny" in out
     spec = current_hardware("cpu")
     assert spec.origin == "probe"
@@ -227,3 +237,29 @@ def test_gauge_reads_memory_beyond_the_caches_and_the_matmul_peak():
     if not torch.cuda.is_available():
         with pytest.raises(TuiliError, match="no CUDA GPU"):
             Gauge("cuda")
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probed_prompt_attention_runs_the_path_a_prefill_takes(monkeypatch, native, dtype):
+    """The engine's default mode gives each prompt token the bits of a decode of it over the same
+    keys (batch invariance), so a prefill's attention is the decodes' paged kernel: the probe must
+    time that, not the causal kernel the mode bypasses (on AMX 3-8x faster, other bits)."""
+    from tuili.layers.attention import KVCache, PagedBatch, attention_backend
+    from tuili.perf.probe import _prompt_attention
+
+    if not native:
+        monkeypatch.setenv("TUILI_NATIVE_KERNELS", "0")
+    backend = attention_backend(Platform.detect("cpu"), dtype)
+    assert backend.reads_paged_prompts
+    tokens, (heads, kv_heads, head_dim) = 40, (4, 2, 64)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    prompt = _prompt_attention(backend, q, k, v)()
+    cache = KVCache.allocate((3, 16, kv_heads, head_dim), dtype, torch.device("cpu"))
+    backend.store(cache, k, v, torch.arange(tokens))
+    tables = torch.arange(3, dtype=torch.int32)[None]
+    for position in (0, 17, tokens - 1):
+        paged = PagedBatch(tables, torch.tensor([[0, 1, position]], dtype=torch.int32))
+        decode = backend.attend_paged(q[position : position + 1], cache, paged, head_dim**-0.5, torch.empty_like(q[:1]))
+        assert torch.equal(prompt[position], decode[0]), position
