@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -399,9 +399,21 @@ def _packed_weights(n: int, k: int) -> list:
     ]
 
 
-# Timings of a difference (a packed format's or the decode attention's time less a small call's)
-# before the measurement is left out as lost in the host's noise.
 _NOISE_TRIES = 3
+_T = TypeVar("_T")
+
+
+def _retimed(measure: Callable[[], _T], positive: Callable[[_T], float]) -> _T:
+    """``measure()`` again, up to _NOISE_TRIES times, while ``positive`` of its result is at or below
+    zero; the last result otherwise. For the measurements that are differences (a kernel's time
+    less a small call's, a slope over layers): on a loaded host one can come out at or below zero,
+    and a rate left out is one the plan cannot charge (the quick probe beside another busy test
+    process lost the int6 and the decode attention rates so, in CI runs on machine A)."""
+    for _ in range(_NOISE_TRIES):
+        result = measure()
+        if positive(result) > 0:
+            break
+    return result
 
 
 def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> list[Measurement]:
@@ -454,24 +466,21 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
                 for m in modules:
                     m(x)
 
-            # A few tries: on a loaded host a try's difference can come out at or below zero (the
-            # 64 x 64 call timed in a slow moment), and a format left out is a format the plan
-            # cannot charge (the quick probe beside another busy test process lost int6 so in a CI run).
-            for _ in range(_NOISE_TRIES):
+            def per_value_once(rows: int = rows, layers: Callable[[], None] = layers, tiny: torch.nn.Module = tiny,
+                      big: torch.nn.Module = big, copies: int = len(streamed)) -> tuple[str, float, float]:
                 fixed = _time(functools.partial(tiny, torch.randn(rows, small, dtype=torch.bfloat16)), dev,
                               sizes.seconds_per_item)
-                seconds = _time(layers, dev, sizes.seconds_per_item) / len(streamed)
+                seconds = _time(layers, dev, sizes.seconds_per_item) / copies
                 if rows == 1:
-                    measure, per_value = "kernel", (seconds - fixed) / (k * n)
-                elif big.kernel_for(rows, dev) == "gemv":
+                    return "kernel", (seconds - fixed) / (k * n), seconds
+                if big.kernel_for(rows, dev) == "gemv":
                     # many rows run the weight-only kernel too (the batch-invariant mode with native
                     # kernels): nothing is dequantized, the time grows with the rows
-                    measure, per_value = "rows", (seconds - fixed) / (k * n * rows)
-                else:
-                    product = 2 * rows * k * n / max(peaks["bf16"], peaks.get("fp32", 0.0))
-                    measure, per_value = "dequantization", (seconds - fixed - product) / (k * n)
-                if per_value > 0:
-                    break
+                    return "rows", (seconds - fixed) / (k * n * rows), seconds
+                product = 2 * rows * k * n / max(peaks["bf16"], peaks.get("fp32", 0.0))
+                return "dequantization", (seconds - fixed - product) / (k * n), seconds
+
+            measure, per_value, seconds = _retimed(per_value_once, lambda result: result[1])
             if per_value > 0:  # not lost in the host's noise
                 out.append(Measurement(f"{PACKED_PREFIX}{big.kernel_format} {measure} seconds per value", per_value,
                                        "s", seconds))
@@ -643,11 +652,11 @@ def _engine_decode_attention(dev: torch.device, sizes: _Sizes) -> list[Measureme
         layer_bytes = 2 * keys * kv_heads * head_dim * torch_dtype.itemsize
         count = -(-sizes.buffer_bytes // layer_bytes)
         small, large = layers(block, 1), layers(keys, count)
-        for _ in range(_NOISE_TRIES):  # as for the packed kernels: a difference lost in noise is timed again
-            fixed = _time(small, dev, sizes.seconds_per_item)
-            t = _time(large, dev, sizes.seconds_per_item) / count
-            if t > fixed:
-                break
+        def timed(small: Callable[[], object] = small, large: Callable[[], object] = large,
+                  count: int = count) -> tuple[float, float]:
+            return _time(small, dev, sizes.seconds_per_item), _time(large, dev, sizes.seconds_per_item) / count
+
+        fixed, t = _retimed(timed, lambda times: times[1] - times[0])
         if t > fixed:
             out.append(Measurement(f"{ENGINE_DECODE_ATTENTION} {dtype} {keys} keys read", layer_bytes / (t - fixed),
                                    "B/s", t))
@@ -704,14 +713,16 @@ def _host_overheads(dev: torch.device, quick: bool) -> list[Measurement]:
             # seconds, and engines timed one after the other then gave a 4-layer step faster than a
             # 1-layer one (a layer's cost came out zero; 1 CI run in ~30). A round's pair of best
             # steps sees the same host, and the median over rounds of their difference is the slope.
-            for _ in range(_NOISE_TRIES):  # again where a slope came out at or below zero
-                rounds = [[_toy_request_seconds(engine, request) for engine in engines]
-                          for request in range(_TOY_REQUESTS + 1)][1:]  # the first warms up
-                slopes = [statistics.median((b[i] - a[i]) / (hi - lo) for a, b in rounds) for i in range(2)]
-                if min(slopes) > 0:
-                    break
+            def timed(engines: list = engines) -> list[list[tuple[float, float]]]:
+                return [[_toy_request_seconds(engine, request) for engine in engines]
+                        for request in range(_TOY_REQUESTS + 1)][1:]  # the first warms up
+
+            def slope(rounds: list[list[tuple[float, float]]], i: int) -> float:
+                return statistics.median((b[i] - a[i]) / (hi - lo) for a, b in rounds)
+
+            rounds = _retimed(timed, lambda rounds: min(slope(rounds, 0), slope(rounds, 1)))
             for i, kind in enumerate(("decode", "prefill")):
-                layer = max(0.0, slopes[i])
+                layer = max(0.0, slope(rounds, i))
                 fits[prefix, kind] = max(0.0, min(a[i] for a, _ in rounds) - lo * layer), layer
     host = {}
     for kind in ("decode", "prefill"):
