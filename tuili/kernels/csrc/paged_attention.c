@@ -149,7 +149,8 @@ static inline int64_t visible_keys(const rows_t *st, int64_t r, int64_t c, int64
  * (dots[16], sum[blocks]) live in registers instead of being stored and reloaded every step. */
 #define UNROLLED _Pragma("GCC unroll 16")
 
-/* The first two levels of sum_lanes16's tree: per 128-bit lane, the sums of v[0 .. 3] in order
+/* The first two levels of a transpose-and-add tree over 16 vectors: per 128-bit lane, the sums of
+ * v[0 .. 3] in order
  * (each 128-bit lane of the result holds one partial sum of each of the four). */
 static inline __attribute__((always_inline)) __m512 sum_lanes4(const __m512 v[4]) {
     /* per 128-bit lane: v[0] and v[1], v[2] and v[3] folded to 2 values each */
@@ -168,27 +169,6 @@ static inline __attribute__((always_inline)) __m512 sum_quads(const __m512 quads
                          _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Lane t of the result is the sum of the 16 lanes of v[t] (a transpose-and-add tree). */
-static inline __m512 sum_lanes16(const __m512 v[16]) {
-    __m512 quads[4];
-    for (int i = 0; i < 4; i++) quads[i] = sum_lanes4(v + 4 * i);
-    return sum_quads(quads);
-}
-
-/* acc[d ..] += sum over t < keys of p[t] * vrow[t][d ..], `blocks` x 16 floats at a time so
- * that that many multiply-add chains run side by side. */
-#define ACCUMULATE(blocks)                                                                        \
-    for (; d + 16 * (blocks) <= D; d += 16 * (blocks)) {                                          \
-        __m512 sum[blocks];                                                                       \
-        UNROLLED for (int b = 0; b < (blocks); b++) sum[b] = _mm512_loadu_ps(acc + d + 16 * b);   \
-        for (int64_t t = 0; t < keys; t++) {                                                      \
-            __m512 weight = _mm512_set1_ps(p[t]);                                                 \
-            UNROLLED for (int b = 0; b < (blocks); b++)                                           \
-                sum[b] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vrow[t] + d + 16 * b), sum[b]);   \
-        }                                                                                         \
-        UNROLLED for (int b = 0; b < (blocks); b++) _mm512_storeu_ps(acc + d + 16 * b, sum[b]);   \
-    }
-
 /* Row r's scores for a chunk (lanes >= keys ignored) folded into its online softmax: its running
  * maximum and sum, its accumulator rescaled to a new maximum, p[t] the weight of key t (0 from
  * `keys` on). */
@@ -201,50 +181,76 @@ static inline void softmax_chunk(rows_t *st, int64_t r, __m512 raw, int64_t keys
     _mm512_storeu_ps(p, weights);
 }
 
-/* Row r's scores for a chunk (lanes >= keys ignored) folded into its online softmax
- * (softmax_chunk: p, the weights of the keys), and the chunk's values into its accumulator.
- * vrow[t] for t >= keys may point anywhere readable. */
-static inline void absorb_scores(rows_t *st, int64_t r, __m512 raw, int64_t keys, const float *const *vrow) {
+/* Rows rows[0 .. R - 1]'s scores against a chunk's 16 float32 keys (queries already scaled), into
+ * scores[i]: lane l of dots[i][t] sums q[d] * k[t][d] for d = l, l + 16, .., and a
+ * transpose-and-add tree reduces each key's lanes (sum_lanes4 per 4 keys, then sum_quads). R = 3 or 4 rows go together: each key vector is loaded once for
+ * all of them, 12 or 16 chains of products side by side (4 keys of each row), the first two
+ * levels of the tree per 4 keys and the last two after all 16: the same operations on the same
+ * values whatever R, so the same bits (one row at a time ran 19% slower, a 512-token prompt over a
+ * float32 cache, docs/kernels.md); R = 1 runs one row's 16 keys. Needs D % 16 == 0. */
+static inline __attribute__((always_inline)) void scores_f32(const rows_t *st, const int *rows,
+                                                            const float *const *krow, __m512 *scores, const int R) {
     const int64_t D = st->head_dim;
-    float p[16];
-    softmax_chunk(st, r, raw, keys, p);
-    float *acc = st->acc + r * D;
-    int64_t d = 0; /* eight chains where the head has room: two FMA ports of 4-cycle latency */
-    ACCUMULATE(8)
-    ACCUMULATE(4)
-    ACCUMULATE(1)
+    const int G = R == 1 ? 16 : 4;
+    __m512 quads[ROW_GROUP][4];
+    for (int g = 0; g < 16; g += G) {
+        __m512 dots[ROW_GROUP][16];
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 key[16];
+            UNROLLED for (int t = 0; t < G; t++) key[t] = _mm512_loadu_ps(krow[g + t] + d);
+            UNROLLED for (int i = 0; i < R; i++) {
+                const __m512 qd = _mm512_loadu_ps(st->q + rows[i] * D + d);
+                UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_fmadd_ps(qd, key[t], dots[i][t]);
+            }
+        }
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int j = 0; j < G / 4; j++) quads[i][g / 4 + j] = sum_lanes4(dots[i] + 4 * j);
+    }
+    UNROLLED for (int i = 0; i < R; i++) scores[i] = sum_quads(quads[i]);
 }
 
-/* One chunk of n <= 16 keys (positions c ..) of one KV head for rows [first, end) of the unit
- * (rows of that head); krow[t], vrow[t] for t >= n point at zeros. Needs D % 16 == 0. */
-static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
-                                const float *const *krow, const float *const *vrow) {
-    const int64_t D = st->head_dim;
-    for (int64_t r = first; r < end; r++) {
-        const int64_t keys = visible_keys(st, r, c, n);
-        if (keys == 0) continue;
-        const float *q = st->q + r * D;
-        __m512 dots[16];
-        UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-            __m512 qd = _mm512_loadu_ps(q + d);
-            UNROLLED for (int t = 0; t < 16; t++) dots[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(krow[t] + d), dots[t]);
+/* acc[i][d ..] += sum over t < keys of p[i][t] * vrow[t][d ..] for R rows, float32 values,
+ * `blocks` x 16 floats of each row at a time held in registers across the keys, each value
+ * vector loaded once for all R rows: every element adds the products in the order of t. */
+static inline __attribute__((always_inline)) void accumulate_f32(float *const *acc, const float (*p)[16],
+                                                                 int64_t keys, const float *const *vrow,
+                                                                 int64_t d, const int R, const int blocks) {
+    __m512 sum[ROW_GROUP][4];
+    UNROLLED for (int i = 0; i < R; i++)
+        UNROLLED for (int b = 0; b < blocks; b++) sum[i][b] = _mm512_loadu_ps(acc[i] + d + 16 * b);
+    for (int64_t t = 0; t < keys; t++) {
+        __m512 value[4];
+        UNROLLED for (int b = 0; b < blocks; b++) value[b] = _mm512_loadu_ps(vrow[t] + d + 16 * b);
+        UNROLLED for (int i = 0; i < R; i++) {
+            const __m512 weight = _mm512_set1_ps(p[i][t]);
+            UNROLLED for (int b = 0; b < blocks; b++) sum[i][b] = _mm512_fmadd_ps(weight, value[b], sum[i][b]);
         }
-        absorb_scores(st, r, sum_lanes16(dots), keys, vrow);
     }
+    UNROLLED for (int i = 0; i < R; i++)
+        UNROLLED for (int b = 0; b < blocks; b++) _mm512_storeu_ps(acc[i] + d + 16 * b, sum[i][b]);
+}
+
+static inline __attribute__((always_inline)) void accumulate_rows_f32(float *const *acc, const float (*p)[16],
+                                                                      int64_t keys, const float *const *vrow,
+                                                                      int64_t D, const int R) {
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) accumulate_f32(acc, p, keys, vrow, d, R, 4);
+    for (; d < D; d += 16) accumulate_f32(acc, p, keys, vrow, d, R, 1);
 }
 
 #ifdef __AVX512BF16__
 #define HAVE_BF16_SCORES 1
 /* Rows rows[0 .. R - 1]'s scaled scores against a chunk's 16 bf16 keys, into scores[i]: VDPBF16PS
  * takes 32 query and key values straight from q and the cache (exact products, summed in pairs in
- * float32), sum_lanes16's tree reduces each key's 16 lanes, and the sum is scaled afterwards, so
+ * float32), scores_f32's tree reduces each key's 16 lanes, and the sum is scaled afterwards, so
  * the keys are never converted. R = 3 or 4 rows go together: each key vector is loaded once for
  * all of them, and 12 or 16 chains of products run side by side (4 keys of each row), where one
  * row's 16 keys at a time left VDPBF16PS's latency showing and reloaded every key for every row (a
  * 512-token prompt's attention 1.4x slower on Zen 4); R = 1 runs the 16 keys of one row. Keys go
  * G at a time through the tree's first two levels (sum_lanes4 of keys 4j .. 4j + 3), the last two
- * (sum_quads) after all 16: sum_lanes16's operations on the same values whatever R, so the same
+ * (sum_quads) after all 16: the same operations on the same values whatever R, so the same
  * bits. Needs D % 32 == 0; krow[t] for t >= n point at zeros. */
 static inline __attribute__((always_inline)) void scores_bf16(const rows_t *st, float scale, const int *rows,
                                                              const uint16_t *const *krow, __m512 *scores, const int R) {
@@ -274,7 +280,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const rows_t *st, 
  * operation per 16 values, where widening in order took two and a copy to memory). Each 32
  * floats of an accumulator are taken apart into their even and odd elements for the chunk and
  * put back after it. Every element adds p[t] * v[t][d] in the order of t with one rounding, as
- * ACCUMULATE does: the same bits. */
+ * accumulate_f32 does: the same bits. */
 static inline __attribute__((always_inline)) void accumulate_pairs(float *const *acc, const float (*p)[16],
                                                                    int64_t keys, const uint16_t *const *vrow,
                                                                    int64_t D, const int R) {
@@ -307,13 +313,42 @@ static inline __attribute__((always_inline)) void accumulate_pairs(float *const 
     }
 }
 
+#endif
+
+/* R rows' raw scores against a chunk (scores_bf16 straight from the bf16 cache, else scores_f32
+ * over float32 keys), then their values (accumulate_pairs, accumulate_rows_f32). */
+static inline __attribute__((always_inline)) void group_scores(const rows_t *st, float scale, const int *rows,
+                                                              const void *const *krow, __m512 *scores,
+                                                              const int R, const int bf16) {
+#ifdef HAVE_BF16_SCORES
+    if (bf16) {
+        scores_bf16(st, scale, rows, (const uint16_t *const *)krow, scores, R);
+        return;
+    }
+#endif
+    scores_f32(st, rows, (const float *const *)krow, scores, R);
+}
+
+static inline __attribute__((always_inline)) void group_values(float *const *acc, const float (*p)[16], int64_t keys,
+                                                              const void *const *vrow, int64_t D, const int R,
+                                                              const int bf16) {
+#ifdef HAVE_BF16_SCORES
+    if (bf16) {
+        accumulate_pairs(acc, p, keys, (const uint16_t *const *)vrow, D, R);
+        return;
+    }
+#endif
+    accumulate_rows_f32(acc, p, keys, (const float *const *)vrow, D, R);
+}
+
 /* Rows [first, end) of one KV head (R <= ROW_GROUP of them) against a chunk of n <= 16 keys
- * (positions c ..), bf16 queries over a bf16 cache, keys and values read in place: every row's
- * scores (scores_bf16) and softmax first, then the values for all rows that see the same keys at
- * once (accumulate_pairs), each value loaded and widened once for all of them. krow[t], vrow[t]
- * for t >= n point at zeros. */
-static void attend_group_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
-                              const uint16_t *const *krow, const uint16_t *const *vrow) {
+ * (positions c ..): every row's scores and softmax first, then the values for all rows that see
+ * the same keys at once, each key and value vector loaded once for all of them. bf16: bf16
+ * queries over a bf16 cache read in place; else float32 queries (scaled) and keys. krow[t],
+ * vrow[t] for t >= n point at zeros. */
+static inline __attribute__((always_inline)) void attend_group(rows_t *st, float scale, int64_t first, int64_t end,
+                                                              int64_t c, int64_t n, const void *const *krow,
+                                                              const void *const *vrow, const int bf16) {
     float p[ROW_GROUP][16], *acc[ROW_GROUP];
     int64_t keys[ROW_GROUP];
     int rows = 0, same = 1, index[ROW_GROUP];
@@ -327,36 +362,45 @@ static void attend_group_bf16(rows_t *st, float scale, int64_t first, int64_t en
     }
     __m512 scores[ROW_GROUP];
     switch (rows) {
-    case 1: scores_bf16(st, scale, index, krow, scores, 1); break;
+    case 1: group_scores(st, scale, index, krow, scores, 1, bf16); break;
     case 2: /* a decode's two query heads: a row at a time, 16 chains each (2-6% faster than 8 x 2) */
-        scores_bf16(st, scale, index, krow, scores, 1);
-        scores_bf16(st, scale, index + 1, krow, scores + 1, 1);
+        group_scores(st, scale, index, krow, scores, 1, bf16);
+        group_scores(st, scale, index + 1, krow, scores + 1, 1, bf16);
         break;
-    case 3: scores_bf16(st, scale, index, krow, scores, 3); break;
-    case 4: scores_bf16(st, scale, index, krow, scores, 4); break;
+    case 3: group_scores(st, scale, index, krow, scores, 3, bf16); break;
+    case 4: group_scores(st, scale, index, krow, scores, 4, bf16); break;
     default: break;
     }
     for (int i = 0; i < rows; i++) softmax_chunk(st, index[i], scores[i], keys[i], p[i]);
     if (!same) { /* rows on the diagonal of a prompt end at different keys: one at a time */
-        for (int i = 0; i < rows; i++) accumulate_pairs(acc + i, p + i, keys[i], vrow, st->head_dim, 1);
+        for (int i = 0; i < rows; i++) group_values(acc + i, p + i, keys[i], vrow, st->head_dim, 1, bf16);
         return;
     }
     switch (rows) {
-    case 1: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 1); break;
-    case 2: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 2); break;
-    case 3: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 3); break;
-    case 4: accumulate_pairs(acc, p, keys[0], vrow, st->head_dim, 4); break;
+    case 1: group_values(acc, p, keys[0], vrow, st->head_dim, 1, bf16); break;
+    case 2: group_values(acc, p, keys[0], vrow, st->head_dim, 2, bf16); break;
+    case 3: group_values(acc, p, keys[0], vrow, st->head_dim, 3, bf16); break;
+    case 4: group_values(acc, p, keys[0], vrow, st->head_dim, 4, bf16); break;
     default: break;
     }
 }
 
-/* Rows [first, end) of one KV head against a chunk, ROW_GROUP rows at a time (attend_group_bf16):
- * a decode's rows of the head (its query heads, up to four) in one group, a prompt chunk's 32 in
- * eight. */
+/* Rows [first, end) of one KV head against a chunk, ROW_GROUP rows at a time (attend_group): a
+ * decode's rows of the head (its query heads, up to four) in one group, a prompt chunk's 32 in
+ * eight. Needs D % 16 == 0 (D % 32 == 0 for bf16). */
+static void attend_chunk_avx512(rows_t *st, int64_t first, int64_t end, int64_t c, int64_t n,
+                                const float *const *krow, const float *const *vrow) {
+    for (int64_t r = first; r < end; r += ROW_GROUP)
+        attend_group(st, 1.0f, r, end - r < ROW_GROUP ? end : r + ROW_GROUP, c, n, (const void *const *)krow,
+                     (const void *const *)vrow, 0);
+}
+
+#ifdef HAVE_BF16_SCORES
 static void attend_chunk_bf16(rows_t *st, float scale, int64_t first, int64_t end, int64_t c, int64_t n,
                               const uint16_t *const *krow, const uint16_t *const *vrow) {
     for (int64_t r = first; r < end; r += ROW_GROUP)
-        attend_group_bf16(st, scale, r, end - r < ROW_GROUP ? end : r + ROW_GROUP, c, n, krow, vrow);
+        attend_group(st, scale, r, end - r < ROW_GROUP ? end : r + ROW_GROUP, c, n, (const void *const *)krow,
+                     (const void *const *)vrow, 1);
 }
 #endif
 #endif
