@@ -325,6 +325,8 @@ static inline __attribute__((always_inline)) void group_scores(const rows_t *st,
         scores_bf16(st, scale, rows, (const uint16_t *const *)krow, scores, R);
         return;
     }
+#else
+    (void)scale, (void)bf16;
 #endif
     scores_f32(st, rows, (const float *const *)krow, scores, R);
 }
@@ -337,6 +339,8 @@ static inline __attribute__((always_inline)) void group_values(float *const *acc
         accumulate_pairs(acc, p, keys, (const uint16_t *const *)vrow, D, R);
         return;
     }
+#else
+    (void)bf16;
 #endif
     accumulate_rows_f32(acc, p, keys, (const float *const *)vrow, D, R);
 }
