@@ -369,7 +369,13 @@ static void widen_tile_vnni(const int4_args *a, int64_t tile, __m512i *cache) {
     const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
     const __m512i offset = _mm512_set1_epi16(a->q8 ? 128 : 0);
     const __m128i low_nibble = _mm_set1_epi8(0x0F), high_nibble = _mm_set1_epi8((char)0xF0);
-    for (int64_t k = 0; k < a->kp; k += 2)
+    for (int64_t k = 0; k < a->kp; k += 2) {
+        /* the packed rows PREFETCH_ROWS ahead, as unpack_quad asks for them: a tile's codes come
+         * from memory once per call */
+        if (k % 4 == 0) {
+            prefetch_quad(codes + k * HALF);
+            if (a->q8) prefetch_quad(low + k * HALF);
+        }
         for (int half = 0; half < 2; half++) { /* tile columns 16 half .. 16 half + 15 */
             __m128i first[2], second[2]; /* output rows 16 half + j and 32 + 16 half + j, tile rows k, k + 1 */
             for (int l = 0; l < 2; l++) {
@@ -391,6 +397,7 @@ static void widen_tile_vnni(const int4_args *a, int64_t tile, __m512i *cache) {
                 to[2 * part + half] = _mm512_sub_epi16(_mm512_cvtepu8_epi16(pairs), offset);
             }
         }
+    }
 }
 
 /* acc + VPDPWSSD(w's int16 pairs, x's), the accumulator kept in its register (as dpbusd). */
