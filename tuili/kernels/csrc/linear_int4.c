@@ -47,9 +47,9 @@
  * the registers); a tile, 32 K' bytes, is still in L2 for the next four. From a few rows on (a
  * prompt) each tile's codes are widened once to int16 into a per-thread buffer of 128 K bytes that
  * every row then reads, instead of permuting and masking the packed bytes again for each pair of
- * rows: VNNI CPUs from CACHE_MIN_ROWS rows (tile_rows_vnni_wide, VPDPWSSD; 6-bit codes unpacked to
- * bytes, 64 K, unpack_tile), AVX2 from WIDE_MIN_ROWS (tile_rows_avx2_wide, VPMADDWD); the integer
- * sums, hence the bits, are the same either way. */
+ * rows: VNNI CPUs from CACHE_MIN_ROWS rows (tile_rows_vnni_wide, VPDPWSSD), AVX2 from
+ * WIDE_MIN_ROWS (tile_rows_avx2_wide, VPMADDWD); the integer sums, hence the bits, are the same
+ * either way. */
 #include <omp.h>
 #include <stdlib.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -74,7 +74,7 @@
 #else
 #define PREFETCH_ROWS 64
 #endif
-#define CACHE_MIN_ROWS 16 /* rows of x from which a tile's codes are unpacked once (VNNI) */
+#define CACHE_MIN_ROWS 16 /* rows of x from which a tile's codes are widened once (VNNI) */
 #define LOW_STEPS 254     /* integer dots (VNNI, AVX2): x / sx ~ high + low / LOW_STEPS, both int8 */
 
 typedef struct {
@@ -217,18 +217,17 @@ static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i
     return acc;
 }
 
-/* The products of four k of V x 16 codes (w[v]: tile rows 16 v .. 16 v + 15 of those taken) with
- * rows i0.. of x, its xq part into acc and its xq_low part into rest. */
+/* The products of four k of 64 codes (w: rows 0-15, 16-31, 32-47, 48-63) with rows i0.. of x,
+ * its xq part into acc and its xq_low part into rest. */
 static inline __attribute__((always_inline)) void add_products(const int4_args *a, int64_t i0, int64_t k,
-                                                               const __m512i w[4], __m512i acc[ROWS_AT_ONCE][4],
-                                                               __m512i rest[ROWS_AT_ONCE][4], const int R,
-                                                               const int V) {
+                                                               const __m512i w[4], __m512i acc[VNNI_ROWS][4],
+                                                               __m512i rest[VNNI_ROWS][4], const int R) {
     UNROLLED for (int i = 0; i < R; i++) {
         int32_t four_high, four_low;
         memcpy(&four_high, a->xq + (i0 + i) * a->kp + k, sizeof four_high);
         memcpy(&four_low, a->xq_low + (i0 + i) * a->kp + k, sizeof four_low);
         const __m512i xh = _mm512_set1_epi32(four_high), xl = _mm512_set1_epi32(four_low);
-        UNROLLED for (int v = 0; v < V; v++) {
+        UNROLLED for (int v = 0; v < 4; v++) {
             acc[i][v] = dpbusd(acc[i][v], w[v], xh);
             rest[i][v] = dpbusd(rest[i][v], w[v], xl);
         }
@@ -237,11 +236,11 @@ static inline __attribute__((always_inline)) void add_products(const int4_args *
 
 /* acc = LOW_STEPS * acc + rest: the group's sums of codes x (x / sx), exact in int32 (|acc| < 2^31
  * for groups of up to 256: the caller checks). Q8_0's; int4's fold in float32 (below). */
-static inline __attribute__((always_inline)) void fold_low(__m512i acc[ROWS_AT_ONCE][4],
-                                                           __m512i rest[ROWS_AT_ONCE][4], const int R, const int V) {
+static inline __attribute__((always_inline)) void fold_low(__m512i acc[VNNI_ROWS][4], __m512i rest[VNNI_ROWS][4],
+                                                           const int R) {
     const __m512i steps = _mm512_set1_epi32(LOW_STEPS);
     UNROLLED for (int i = 0; i < R; i++)
-        UNROLLED for (int v = 0; v < V; v++)
+        UNROLLED for (int v = 0; v < 4; v++)
             acc[i][v] = _mm512_add_epi32(_mm512_mullo_epi32(acc[i][v], steps), rest[i][v]);
 }
 
@@ -289,44 +288,31 @@ static inline __attribute__((always_inline)) void unpack_quad(const int4_args *a
     }
 }
 
-/* A tile's codes unpacked once (unpack_quad for every k), for prompts: rows of x go through the
- * tile VNNI_ROWS at a time, and unpacking it again for each pair of rows cost more than the
- * products (Q8_0 prefill ran at 0.65x the bf16 weights' speed). The sums are the same integers
- * either way, so the result does not depend on whether a call unpacks once or per pair. */
-static void unpack_tile(const int4_args *a, int64_t tile, __m512i *cache) {
-    for (int64_t k = 0; k < a->kp; k += 4) unpack_quad(a, tile, k, cache + k);
-}
-
-/* Rows i0 .. i0 + R - 1 of x against the V x 16 output rows from 16 v0 of tile `tile`, all groups,
- * into total; the codes come from `cache` (unpack_tile's) when it is not NULL. Int4 weights add (zero - 8 scale) * sum x per group;
- * Q8_0 subtracts 128 * sum xq, exact in int32 (sum xq * q = sum xq * u - 128 sum xq). */
-KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[][TILE],
-                      const __m512i *cache, const int R, const int V, const int v0) {
+/* Rows i0 .. i0 + R - 1 of x against tile `tile`, all groups, into total, the codes unpacked as
+ * they are read (decodes: below CACHE_MIN_ROWS rows). Int4 weights add (zero - 8 scale) * sum x
+ * per group; Q8_0 subtracts 128 * sum xq, exact in int32 (sum xq * q = sum xq * u - 128 sum xq). */
+KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[][TILE], const int R) {
     const int64_t groups = a->kp / a->group;
-    __m512 sum[ROWS_AT_ONCE][4]; /* total's rows, in registers across the groups */
+    __m512 sum[VNNI_ROWS][4]; /* total's rows, in registers across the groups */
     UNROLLED for (int i = 0; i < R; i++)
-        UNROLLED for (int v = 0; v < V; v++) sum[i][v] = _mm512_loadu_ps(total[i] + (v0 + v) * 16);
+        UNROLLED for (int v = 0; v < 4; v++) sum[i][v] = _mm512_loadu_ps(total[i] + v * 16);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = group_scales(a, tile, g);
         if (g + 2 < groups) prefetch_scales(group_scales(a, tile, g + 2), a->pairs);
-        __m512i acc[ROWS_AT_ONCE][4], rest[ROWS_AT_ONCE][4]; /* sums of codes x xq and x xq_low */
+        __m512i acc[VNNI_ROWS][4], rest[VNNI_ROWS][4]; /* sums of codes x xq and x xq_low */
         UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int v = 0; v < V; v++) acc[i][v] = rest[i][v] = _mm512_setzero_si512();
+            UNROLLED for (int v = 0; v < 4; v++) acc[i][v] = rest[i][v] = _mm512_setzero_si512();
         for (int64_t k = g * a->group; k < (g + 1) * a->group; k += 4) {
             __m512i w[4];
-            if (cache != NULL) {
-                UNROLLED for (int v = 0; v < V; v++) w[v] = _mm512_load_si512(cache + k + v0 + v);
-            } else {
-                unpack_quad(a, tile, k, w); /* all four: V = 4 */
-            }
-            add_products(a, i0, k, w, acc, rest, R, V);
+            unpack_quad(a, tile, k, w);
+            add_products(a, i0, k, w, acc, rest, R);
         }
-        if (a->q8) fold_low(acc, rest, R, V);
-        UNROLLED for (int v = 0; v < V; v++) {
-            const __m512 s = scales16(sz, (v0 + v) * 16, a->pairs);
+        if (a->q8) fold_low(acc, rest, R);
+        UNROLLED for (int v = 0; v < 4; v++) {
+            const __m512 s = scales16(sz, v * 16, a->pairs);
             if (a->q8) {
                 /* 6-bit codes may carry a zero per group (GGUF Q5_1, Q5_K): + zero * sum x */
-                const __m512 z = zeros16(sz, (v0 + v) * 16, a->pairs);
+                const __m512 z = zeros16(sz, v * 16, a->pairs);
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
                     const __m512i corrected = _mm512_sub_epi32(acc[i][v], _mm512_set1_epi32((a->q6 ? 32 : 128) * a->xqsum[at]));
@@ -334,7 +320,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
                     sum[i][v] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(a->sx[at])), _mm512_cvtepi32_ps(corrected), t);
                 }
             } else {
-                const __m512 z = zeros16(sz, (v0 + v) * 16, a->pairs);
+                const __m512 z = zeros16(sz, v * 16, a->pairs);
                 const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z); /* zero - 8 scale */
                 UNROLLED for (int i = 0; i < R; i++) {
                     const int64_t at = (i0 + i) * groups + g;
@@ -351,51 +337,34 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
         }
     }
     UNROLLED for (int i = 0; i < R; i++)
-        UNROLLED for (int v = 0; v < V; v++) _mm512_storeu_ps(total[i] + (v0 + v) * 16, sum[i][v]);
+        UNROLLED for (int v = 0; v < 4; v++) _mm512_storeu_ps(total[i] + v * 16, sum[i][v]);
 }
-
-/* From CACHE_MIN_ROWS rows on, int4 and Q8_0 codes are widened once per tile to int16 and
- * multiplied by x16 = LOW_STEPS xq + xq_low (both int8 parts in one int16, |.| <= 32385) with
- * VPDPWSSD, 32 products per instruction into 16 int32 lanes: the integers the two VPDPBUSD parts
- * and their fold make (|sum| <= group x 255 x 32385 < 2^31 for groups of up to 256), in one
- * accumulator set instead of two and without the fold, so four rows x 64 outputs fit the
- * registers and a group's epilogue is a third shorter. The AVX2 wide path's layout and epilogue
- * (tile_rows_avx2_wide): the same bits as the VNNI path at every row count.
+/* From CACHE_MIN_ROWS rows on (prompts) each tile's codes are widened once to int16 and multiplied
+ * by x16 = LOW_STEPS xq + xq_low (both int8 parts in one int16, |.| <= 32385) with VPDPWSSD, 32
+ * products per instruction into 16 int32 lanes: the integers that the two VPDPBUSD parts and their
+ * fold make (|sum| <= group x 255 x 32385 < 2^31 for groups of up to 256), in one accumulator set
+ * instead of two and without the fold, so four rows x 64 outputs fit the registers and a group's
+ * epilogue is a third shorter. The AVX2 wide path's layout and epilogue (tile_rows_avx2_wide): the
+ * same bits as the VNNI path at every row count.
  *
  * The buffer: for each pair of tile rows (k, k + 1) four vectors, cache[k / 2 * 4 + v], lane l of
- * vector v the two int16 codes (k, k + 1) of output row 16 v + l. Q8_0's codes are q = u - 128
- * (signed), int4's as stored (0..15). 6-bit codes keep the unpacked bytes (unpack_tile). */
+ * vector v the two int16 codes (k, k + 1) of output row 16 v + l, signed: int4 codes as stored
+ * (0..15), Q8_0's q = u - 128, 6-bit ones q = u - 32. They come from unpack_quad (which asks for
+ * the packed rows ahead: without that, 16-row calls from memory ran 5-15% slower than unpacking per
+ * pair of rows): its lane of four bytes (k .. k + 3) becomes two int16 pairs, (k, k + 1) in the
+ * vector of pair k / 2 and (k + 2, k + 3) in the next. */
 static void widen_tile_vnni(const int4_args *a, int64_t tile, __m512i *cache) {
-    const uint8_t *codes = a->packed + tile * (a->q8 ? 2 : 1) * a->kp * HALF, *low = codes + a->kp * HALF;
-    const __m512i offset = _mm512_set1_epi16(a->q8 ? 128 : 0);
-    const __m128i low_nibble = _mm_set1_epi8(0x0F), high_nibble = _mm_set1_epi8((char)0xF0);
-    for (int64_t k = 0; k < a->kp; k += 2) {
-        /* the packed rows PREFETCH_ROWS ahead, as unpack_quad asks for them: a tile's codes come
-         * from memory once per call */
-        if (k % 4 == 0) {
-            prefetch_quad(codes + k * HALF);
-            if (a->q8) prefetch_quad(low + k * HALF);
-        }
-        for (int half = 0; half < 2; half++) { /* tile columns 16 half .. 16 half + 15 */
-            __m128i first[2], second[2]; /* output rows 16 half + j and 32 + 16 half + j, tile rows k, k + 1 */
-            for (int l = 0; l < 2; l++) {
-                const __m128i c = _mm_loadu_si128((const __m128i *)(codes + (k + l) * HALF + 16 * half));
-                if (a->q8) { /* u = 16h + l: h from the first K rows, l from the next K */
-                    const __m128i lo = _mm_loadu_si128((const __m128i *)(low + (k + l) * HALF + 16 * half));
-                    first[l] = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(c, 4), high_nibble), _mm_and_si128(lo, low_nibble));
-                    second[l] = _mm_or_si128(_mm_and_si128(c, high_nibble), _mm_and_si128(_mm_srli_epi16(lo, 4), low_nibble));
-                } else {
-                    first[l] = _mm_and_si128(c, low_nibble);
-                    second[l] = _mm_and_si128(_mm_srli_epi16(c, 4), low_nibble);
-                }
-            }
-            __m512i *to = cache + k / 2 * 4;
-            const __m128i *rows[2] = {first, second};
-            for (int part = 0; part < 2; part++) { /* vectors half and 2 + half */
-                const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi8(rows[part][0], rows[part][1]),
-                                                       _mm_unpacklo_epi8(rows[part][0], rows[part][1]));
-                to[2 * part + half] = _mm512_sub_epi16(_mm512_cvtepu8_epi16(pairs), offset);
-            }
+    const __m512i offset = _mm512_set1_epi16(a->q6 ? 32 : a->q8 ? 128 : 0);
+    const __m512i first_pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i second_pairs = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t k = 0; k < a->kp; k += 4) {
+        __m512i w[4];
+        unpack_quad(a, tile, k, w);
+        for (int v = 0; v < 4; v++) { /* lanes 0-7 and 8-15 of w[v], each byte an int16 */
+            const __m512i low = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(w[v])), offset);
+            const __m512i high = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w[v], 1)), offset);
+            cache[k / 2 * 4 + v] = _mm512_permutex2var_epi32(low, first_pairs, high);
+            cache[(k / 2 + 1) * 4 + v] = _mm512_permutex2var_epi32(low, second_pairs, high);
         }
     }
 }
@@ -440,10 +409,13 @@ KERNEL tile_rows_vnni_wide(const int4_args *a, int64_t tile, int64_t i0, float t
         }
         UNROLLED for (int v = 0; v < 4; v++) {
             const __m512 s = scales16(sz, v * 16, a->pairs);
-            const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, zeros16(sz, v * 16, a->pairs));
+            const __m512 z = zeros16(sz, v * 16, a->pairs);
+            /* int4: zero - 8 scale; 6-bit codes with zeros (GGUF Q5_1, Q5_K): the zero (no term for Q8_0) */
+            const __m512 offset = a->q8 ? z : _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
             UNROLLED for (int i = 0; i < R; i++) {
                 const int64_t at = (i0 + i) * groups + g;
-                const __m512 t = a->q8 ? sum[i][v] : _mm512_fmadd_ps(offset, _mm512_set1_ps(a->xsum[at]), sum[i][v]);
+                const __m512 t = a->q8 && !a->pairs ? sum[i][v]
+                                                    : _mm512_fmadd_ps(offset, _mm512_set1_ps(a->xsum[at]), sum[i][v]);
                 sum[i][v] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(a->sx[at])), _mm512_cvtepi32_ps(acc[i][v]), t);
             }
         }
@@ -503,14 +475,11 @@ KERNEL q8_tile_rows(const int4_args *a, int64_t tile, int64_t i0, float total[RO
             q8_tile_rows(a, t, i0, tot, R);                                                           \
         } else if (a->exact) {                                                                        \
             tile_rows(a, t, i0, tot, R);                                                              \
-        } else if (cache != NULL && a->x16 != NULL) {                                                 \
+        } else if (cache != NULL) {                                                                   \
             tile_rows_vnni_wide(a, t, i0, tot, cache, R);                                             \
-        } else if (cache != NULL && (R) > VNNI_ROWS) {                                                \
-            tile_rows_vnni(a, t, i0, tot, cache, R, 2, 0);                                            \
-            tile_rows_vnni(a, t, i0, tot, cache, R, 2, 2);                                            \
         } else {                                                                                      \
-            tile_rows_vnni(a, t, i0, tot, cache, (R) < VNNI_ROWS ? (R) : VNNI_ROWS, 4, 0);            \
-            if ((R) > VNNI_ROWS) tile_rows_vnni(a, t, i0 + VNNI_ROWS, tot + VNNI_ROWS, cache, (R) - VNNI_ROWS, 4, 0); \
+            tile_rows_vnni(a, t, i0, tot, (R) < VNNI_ROWS ? (R) : VNNI_ROWS);                         \
+            if ((R) > VNNI_ROWS) tile_rows_vnni(a, t, i0 + VNNI_ROWS, tot + VNNI_ROWS, (R) - VNNI_ROWS); \
         }                                                                                             \
     }
 #else
@@ -1128,7 +1097,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
 #if defined(AVX2_DOTS)
     const int64_t x16_values = m * k;
 #elif defined(VNNI)
-    const int64_t x16_values = m >= CACHE_MIN_ROWS && copies != 3 ? m * k : 0;
+    const int64_t x16_values = m >= CACHE_MIN_ROWS ? m * k : 0;
 #else
     const int64_t x16_values = 0;
 #endif
@@ -1146,8 +1115,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
     const int64_t cache_rows = CACHE_MIN_ROWS;
 #endif
 #if defined(VNNI) || defined(AVX2_DOTS)
-    /* a tile unpacked: 64 K bytes (VNNI's 6-bit codes), or widened to int16, 128 K (x16's paths) */
-    const size_t cache_bytes = (size_t)k * TILE * (x16 != NULL ? 2 : 1);
+    const size_t cache_bytes = (size_t)k * TILE * 2; /* a tile widened to int16: 128 K bytes at K = 1024 */
 #endif
     const x_forms forms = {xf, xsum, sx, xqsum, xq, xq_low, x16};
     const int4_args a = {xf, xsum, xq, xq_low, sx, xqsum, x16, packed, scale_zero, out, out_dtype, copies >= 2,
@@ -1162,7 +1130,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         for (int64_t at = 0; at < m * groups; at++) round_group(x, x_dtype, group, at, exact, &forms);
         void *cache = NULL;
 #if defined(VNNI) || defined(AVX2_DOTS)
-        /* Only calls of cache_rows rows or more unpack a tile once: below, writing and rereading
+        /* Only calls of cache_rows rows or more widen a tile once: below, writing and rereading
          * the buffer costs more than unpacking per pair (VNNI: measured at 4 and 8 rows on Zen 5;
          * AVX2: WIDE_MIN_ROWS). */
         if (!exact && m >= cache_rows) {
@@ -1174,10 +1142,7 @@ int tuili_linear_int4(const void *x, int x_dtype, const void *packed, const void
         for (int64_t tile = 0; tile < tiles; tile++) {
             if (failed) continue;
 #ifdef VNNI
-            if (cache != NULL && x16 != NULL)
-                widen_tile_vnni(&a, tile, cache);
-            else if (cache != NULL)
-                unpack_tile(&a, tile, cache);
+            if (cache != NULL) widen_tile_vnni(&a, tile, cache);
 #elif defined(AVX2_DOTS)
             if (cache != NULL) widen_tile_avx2(&a, tile, cache);
 #endif
