@@ -181,36 +181,6 @@ static inline void softmax_chunk(rows_t *st, int64_t r, __m512 raw, int64_t keys
     _mm512_storeu_ps(p, weights);
 }
 
-/* Rows rows[0 .. R - 1]'s scores against a chunk's 16 float32 keys (queries already scaled), into
- * scores[i]: lane l of dots[i][t] sums q[d] * k[t][d] for d = l, l + 16, .., and a
- * transpose-and-add tree reduces each key's lanes (sum_lanes4 per 4 keys, then sum_quads). R = 3 or 4 rows go together: each key vector is loaded once for
- * all of them, 12 or 16 chains of products side by side (4 keys of each row), the first two
- * levels of the tree per 4 keys and the last two after all 16: the same operations on the same
- * values whatever R, so the same bits (one row at a time ran 19% slower, a 512-token prompt over a
- * float32 cache, docs/kernels.md); R = 1 runs one row's 16 keys. Needs D % 16 == 0. */
-static inline __attribute__((always_inline)) void scores_f32(const rows_t *st, const int *rows,
-                                                            const float *const *krow, __m512 *scores, const int R) {
-    const int64_t D = st->head_dim;
-    const int G = R == 1 ? 16 : 4;
-    __m512 quads[ROW_GROUP][4];
-    for (int g = 0; g < 16; g += G) {
-        __m512 dots[ROW_GROUP][16];
-        UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-            __m512 key[16];
-            UNROLLED for (int t = 0; t < G; t++) key[t] = _mm512_loadu_ps(krow[g + t] + d);
-            UNROLLED for (int i = 0; i < R; i++) {
-                const __m512 qd = _mm512_loadu_ps(st->q + rows[i] * D + d);
-                UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_fmadd_ps(qd, key[t], dots[i][t]);
-            }
-        }
-        UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int j = 0; j < G / 4; j++) quads[i][g / 4 + j] = sum_lanes4(dots[i] + 4 * j);
-    }
-    UNROLLED for (int i = 0; i < R; i++) scores[i] = sum_quads(quads[i]);
-}
-
 /* acc[i][d ..] += sum over t < keys of p[i][t] * vrow[t][d ..] for R rows, float32 values,
  * `blocks` x 16 floats of each row at a time held in registers across the keys, each value
  * vector loaded once for all R rows: every element adds the products in the order of t. */
@@ -242,38 +212,6 @@ static inline __attribute__((always_inline)) void accumulate_rows_f32(float *con
 
 #ifdef __AVX512BF16__
 #define HAVE_BF16_SCORES 1
-/* Rows rows[0 .. R - 1]'s scaled scores against a chunk's 16 bf16 keys, into scores[i]: VDPBF16PS
- * takes 32 query and key values straight from q and the cache (exact products, summed in pairs in
- * float32), scores_f32's tree reduces each key's 16 lanes, and the sum is scaled afterwards, so
- * the keys are never converted. R = 3 or 4 rows go together: each key vector is loaded once for
- * all of them, and 12 or 16 chains of products run side by side (4 keys of each row), where one
- * row's 16 keys at a time left VDPBF16PS's latency showing and reloaded every key for every row (a
- * 512-token prompt's attention 1.4x slower on Zen 4); R = 1 runs the 16 keys of one row. Keys go
- * G at a time through the tree's first two levels (sum_lanes4 of keys 4j .. 4j + 3), the last two
- * (sum_quads) after all 16: the same operations on the same values whatever R, so the same
- * bits. Needs D % 32 == 0; krow[t] for t >= n point at zeros. */
-static inline __attribute__((always_inline)) void scores_bf16(const rows_t *st, float scale, const int *rows,
-                                                             const uint16_t *const *krow, __m512 *scores, const int R) {
-    const int64_t D = st->head_dim;
-    const int G = R == 1 ? 16 : 4;
-    __m512 quads[ROW_GROUP][4];
-    for (int g = 0; g < 16; g += G) {
-        __m512 dots[ROW_GROUP][16];
-        UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 32) {
-            UNROLLED for (int i = 0; i < R; i++) {
-                const __m512bh qd = (__m512bh)_mm512_loadu_si512(st->q_bf16[rows[i]] + d);
-                UNROLLED for (int t = 0; t < G; t++)
-                    dots[i][t] = _mm512_dpbf16_ps(dots[i][t], qd, (__m512bh)_mm512_loadu_si512(krow[g + t] + d));
-            }
-        }
-        UNROLLED for (int i = 0; i < R; i++)
-            UNROLLED for (int j = 0; j < G / 4; j++) quads[i][g / 4 + j] = sum_lanes4(dots[i] + 4 * j);
-    }
-    UNROLLED for (int i = 0; i < R; i++) scores[i] = _mm512_mul_ps(sum_quads(quads[i]), _mm512_set1_ps(scale));
-}
-
 /* acc[i][d] += sum over t < keys of p[i][t] * vrow[t][d] for R rows at once, the bf16 values read
  * in place: a 32-bit lane of a value row holds its elements 2j and 2j + 1, the even one the lane
  * shifted left by 16 and the odd one the lane with its low half cleared (exact widenings, one
@@ -315,22 +253,62 @@ static inline __attribute__((always_inline)) void accumulate_pairs(float *const 
 
 #endif
 
-/* R rows' raw scores against a chunk (scores_bf16 straight from the bf16 cache, else scores_f32
- * over float32 keys), then their values (accumulate_pairs, accumulate_rows_f32). */
+/* Rows rows[0 .. R - 1]'s scaled scores against a chunk's 16 keys, into scores[i]: lane l of
+ * dots[i][t] sums the products of row i's query and key t over d = l, l + 16, .. (bf16: over the
+ * pairs 2l, 2l + 1, 2l + 32, ..), and a transpose-and-add tree reduces each key's 16 lanes.
+ * R = 3 or 4 rows go together: each key vector is loaded once for all of them, and 12 or 16
+ * chains of products run side by side (4 keys of each row); R = 1 runs the 16 keys of one row.
+ * Keys go G at a time through the tree's first two levels (sum_lanes4 of keys 4j .. 4j + 3), the
+ * last two (sum_quads) after all 16: the same operations on the same values whatever R, so the
+ * same bits. One row's 16 keys at a time had left the products' latency showing and reloaded
+ * every key for every row: a 512-token prompt's attention 1.4x slower on Zen 4 (bf16), 1.2x on
+ * machine A over a float32 cache (docs/kernels.md). krow[t] for t >= n point at zeros.
+ * - bf16 (bf16 queries over a bf16 cache, AVX512-BF16; D % 32 == 0): VDPBF16PS takes 32 query and
+ *   key values straight from q and the cache (exact products, summed in pairs in float32), and
+ *   the sum is scaled afterwards, so the keys are never converted.
+ * - float32 (queries already scaled, float32 keys; D % 16 == 0): FMAs. */
 static inline __attribute__((always_inline)) void group_scores(const rows_t *st, float scale, const int *rows,
                                                               const void *const *krow, __m512 *scores,
                                                               const int R, const int bf16) {
+    const int64_t D = st->head_dim;
+    const int G = R == 1 ? 16 : 4;
+    __m512 quads[ROW_GROUP][4];
+    for (int g = 0; g < 16; g += G) {
+        __m512 dots[ROW_GROUP][16];
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_setzero_ps();
 #ifdef HAVE_BF16_SCORES
-    if (bf16) {
-        scores_bf16(st, scale, rows, (const uint16_t *const *)krow, scores, R);
-        return;
-    }
-#else
-    (void)scale, (void)bf16;
+        if (bf16) {
+            const uint16_t *const *key16 = (const uint16_t *const *)krow;
+            for (int64_t d = 0; d < D; d += 32) {
+                UNROLLED for (int i = 0; i < R; i++) {
+                    const __m512bh qd = (__m512bh)_mm512_loadu_si512(st->q_bf16[rows[i]] + d);
+                    UNROLLED for (int t = 0; t < G; t++)
+                        dots[i][t] = _mm512_dpbf16_ps(dots[i][t], qd, (__m512bh)_mm512_loadu_si512(key16[g + t] + d));
+                }
+            }
+        } else
 #endif
-    scores_f32(st, rows, (const float *const *)krow, scores, R);
+        {
+            const float *const *key32 = (const float *const *)krow;
+            for (int64_t d = 0; d < D; d += 16) {
+                __m512 key[16];
+                UNROLLED for (int t = 0; t < G; t++) key[t] = _mm512_loadu_ps(key32[g + t] + d);
+                UNROLLED for (int i = 0; i < R; i++) {
+                    const __m512 qd = _mm512_loadu_ps(st->q + rows[i] * D + d);
+                    UNROLLED for (int t = 0; t < G; t++) dots[i][t] = _mm512_fmadd_ps(qd, key[t], dots[i][t]);
+                }
+            }
+        }
+        UNROLLED for (int i = 0; i < R; i++)
+            UNROLLED for (int j = 0; j < G / 4; j++) quads[i][g / 4 + j] = sum_lanes4(dots[i] + 4 * j);
+    }
+    UNROLLED for (int i = 0; i < R; i++)
+        scores[i] = bf16 ? _mm512_mul_ps(sum_quads(quads[i]), _mm512_set1_ps(scale)) : sum_quads(quads[i]);
 }
 
+/* R rows' values into their accumulators: accumulate_pairs from the bf16 cache in place, else
+ * accumulate_rows_f32 over float32 values. */
 static inline __attribute__((always_inline)) void group_values(float *const *acc, const float (*p)[16], int64_t keys,
                                                               const void *const *vrow, int64_t D, const int R,
                                                               const int bf16) {
