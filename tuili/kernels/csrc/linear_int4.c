@@ -339,6 +339,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
     UNROLLED for (int i = 0; i < R; i++)
         UNROLLED for (int v = 0; v < 4; v++) _mm512_storeu_ps(total[i] + v * 16, sum[i][v]);
 }
+
 /* From CACHE_MIN_ROWS rows on (prompts) each tile's codes are widened once to int16 and multiplied
  * by x16 = LOW_STEPS xq + xq_low (both int8 parts in one int16, |.| <= 32385) with VPDPWSSD, 32
  * products per instruction into 16 int32 lanes: the integers that the two VPDPBUSD parts and their
