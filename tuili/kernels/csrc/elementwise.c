@@ -26,6 +26,7 @@
 #endif
 
 #include "common.h"
+#include "exp16.h"
 #include "kernels.h"
 
 #define ROWS_PER_GRAB 4
@@ -136,6 +137,82 @@ static void qk_head_bf16(const uint16_t *src, uint16_t *dst, const float *w, con
     }
     for (int64_t i = 0; i < n; i++) _mm256_storeu_si256((__m256i *)(dst + 16 * i), narrow_bf16(v[i]));
 }
+
+/* Up to sixteen values of a row (lanes from `lanes` on left 0), widened to float32; and stored
+ * back, narrowed to bf16 to nearest even as row_store does. */
+static inline __m512 load16(const void *src, int dtype, __mmask16 lanes) {
+    if (dtype == TUILI_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, src)), 16));
+    return _mm512_maskz_loadu_ps(lanes, src);
+}
+static inline void store16(void *dst, __m512 v, int dtype, __mmask16 lanes) {
+    if (dtype == TUILI_BF16)
+        _mm256_mask_storeu_epi16(dst, lanes, narrow_bf16(v));
+    else
+        _mm512_mask_storeu_ps(dst, lanes, v);
+}
+
+/* round(v) to the dtype and back, as row_round. */
+static inline __m512 round16(__m512 v, int dtype) {
+    return dtype == TUILI_BF16 ? widen_narrowed(narrow_bf16(v)) : v;
+}
+
+/* sigmoid and silu on sixteen lanes from e = e^-|x| (exp16 of -|x|, exp_neg_abs's operations):
+ * the scalar loops' operations (one IEEE division each), so the same bits (a NaN stays a NaN, its
+ * sign and payload as the compiler's code for the loops leaves them aside). */
+static inline __m512 exp_neg_abs16(__m512 x) { return exp16(_mm512_or_ps(x, _mm512_set1_ps(-0.0f))); }
+
+/* n values: out = round(silu(gate)) * up, sixteen at a time in registers, where the scalar loops
+ * (below) pass six times through float32 buffers: 512 x 3072 bf16 on machine A, two threads,
+ * 0.80 -> 0.69 ms; 64 rows 121 -> 91 us. */
+static void silu_mul_row(const char *g, const char *u, char *out, int64_t n, int dtype, size_t size) {
+    for (int64_t d = 0; d < n; d += 16) {
+        const __mmask16 lanes = n - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - d)) - 1u);
+        const __m512 x = load16(g + d * size, dtype, lanes), e = exp_neg_abs16(x);
+        const __m512 numerator = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NGE_UQ), x, e);
+        const __m512 silu = round16(_mm512_div_ps(numerator, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), dtype);
+        store16(out + d * size, _mm512_mul_ps(silu, load16(u + d * size, dtype, lanes)), dtype, lanes);
+    }
+}
+
+/* n values: x = round(x * round(sigmoid(gate))) in place. */
+static void sigmoid_gate_row(char *x, const char *g, int64_t n, int dtype, size_t size) {
+    for (int64_t d = 0; d < n; d += 16) {
+        const __mmask16 lanes = n - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - d)) - 1u);
+        const __m512 gate = load16(g + d * size, dtype, lanes), e = exp_neg_abs16(gate), one = _mm512_set1_ps(1.0f);
+        const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
+        const __m512 sigmoid = round16(_mm512_div_ps(numerator, _mm512_add_ps(e, one)), dtype);
+        store16(x + d * size, _mm512_mul_ps(load16(x + d * size, dtype, lanes), sigmoid), dtype, lanes);
+    }
+}
+#else
+static void silu_mul_row(const char *g, const char *u, char *out, int64_t n, int dtype, size_t size) {
+    (void)size;
+    float gate[n], up[n];
+    row_load(gate, g, dtype, n);
+    row_load(up, u, dtype, n);
+    for (int64_t d = 0; d < n; d++) { /* silu = x sigmoid(x), by exp_neg_abs */
+        const float x = gate[d], e = exp_neg_abs(x);
+        gate[d] = (x >= 0.0f ? x : x * e) / (1.0f + e);
+    }
+    row_round(gate, dtype, n);
+    for (int64_t d = 0; d < n; d++) gate[d] *= up[d];
+    row_store(out, gate, dtype, n);
+}
+
+static void sigmoid_gate_row(char *x, const char *g, int64_t n, int dtype, size_t size) {
+    (void)size;
+    float v[n], gate[n];
+    row_load(v, x, dtype, n);
+    row_load(gate, g, dtype, n);
+    for (int64_t d = 0; d < n; d++) { /* sigmoid, by exp_neg_abs */
+        const float e = exp_neg_abs(gate[d]);
+        gate[d] = (gate[d] >= 0.0f ? 1.0f : e) / (1.0f + e);
+    }
+    row_round(gate, dtype, n);
+    for (int64_t d = 0; d < n; d++) v[d] *= gate[d];
+    row_store(x, v, dtype, n);
+}
 #endif
 
 int tuili_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
@@ -236,17 +313,8 @@ int tuili_sigmoid_gate(void *x, const void *gate, int64_t rows, int64_t heads, i
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, ROWS_PER_GRAB) collapse(2)
     for (int64_t row = 0; row < rows; row++) {
         for (int64_t h = 0; h < heads; h++) {
-            float v[head_dim], g[head_dim];
-            char *xr = (char *)x + (row * heads + h) * head_dim * size;
-            row_load(v, xr, dtype, head_dim);
-            row_load(g, (const char *)gate + (row * gate_stride + h * gate_head_stride) * size, dtype, head_dim);
-            for (int64_t d = 0; d < head_dim; d++) { /* sigmoid, by exp_neg_abs */
-                const float e = exp_neg_abs(g[d]);
-                g[d] = (g[d] >= 0.0f ? 1.0f : e) / (1.0f + e);
-            }
-            row_round(g, dtype, head_dim);
-            for (int64_t d = 0; d < head_dim; d++) v[d] *= g[d];
-            row_store(xr, v, dtype, head_dim);
+            sigmoid_gate_row((char *)x + (row * heads + h) * head_dim * size,
+                             (const char *)gate + (row * gate_stride + h * gate_head_stride) * size, head_dim, dtype, size);
         }
     }
     return TUILI_OK;
@@ -263,16 +331,7 @@ int tuili_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, 
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const int64_t first = chunk * SILU_CHUNK, n = inter - first < SILU_CHUNK ? inter - first : SILU_CHUNK;
             const char *g = (const char *)gate_up + (row * 2 * inter + first) * size, *u = g + inter * size;
-            float gate[SILU_CHUNK], up[SILU_CHUNK];
-            row_load(gate, g, dtype, n);
-            row_load(up, u, dtype, n);
-            for (int64_t d = 0; d < n; d++) { /* silu = x sigmoid(x), by exp_neg_abs */
-                const float x = gate[d], e = exp_neg_abs(x);
-                gate[d] = (x >= 0.0f ? x : x * e) / (1.0f + e);
-            }
-            row_round(gate, dtype, n);
-            for (int64_t d = 0; d < n; d++) gate[d] *= up[d];
-            row_store((char *)out + (row * inter + first) * size, gate, dtype, n);
+            silu_mul_row(g, u, (char *)out + (row * inter + first) * size, n, dtype, size);
         }
     }
     return TUILI_OK;
