@@ -36,7 +36,7 @@ from tuili.layers.linear import PanelLinear
 from tuili.layers.moe import QuantizedExperts, SparseMoE
 from tuili.layers.pooler import MeanAccumulator
 from tuili.layers.quant import QuantizedLinear
-from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
+from tuili.layers.sampler import SampledToken, Sampler, SamplingRow, seeded_stream
 from tuili.models.llama import LlamaForCausalLM
 from tuili.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -420,10 +420,7 @@ class ModelRunner:
         if params.seed is not None:
             generator = self._generators.get(seq.seq_id)
             if generator is None:
-                # Each of a request's n outputs gets its own stream, derived from the seed.
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed((params.seed + seq.index * 1_000_003) % 2**64)
-                self._generators[seq.seq_id] = generator
+                generator = self._generators[seq.seq_id] = seeded_stream(params.seed, seq.index, self.device)
         return SamplingRow(
             params=params,
             token_ids=seq.token_ids + list(proposed) if proposed else seq.token_ids,

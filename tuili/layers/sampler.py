@@ -85,6 +85,16 @@ class SamplingRow:
         return self.token_ids[self.prompt_len :]
 
 
+def seeded_stream(seed: int, index: int, device: torch.device, salt: int = 0) -> torch.Generator:
+    """The random stream of output ``index`` of a request seeded with ``seed`` (a sequence's
+    SamplingRow.generator): each of its n outputs draws from its own, a rerun with the same seed
+    repeats them, and ``salt`` keeps another stream of the same output apart (a draft model's
+    proposals)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed + index * 1_000_003 + salt) % 2**64)
+    return generator
+
+
 @dataclass
 class SampledToken:
     token_id: int

@@ -52,7 +52,7 @@ from tuili.engine.state_slots import StateSlots
 from tuili.engine.stopping import StopTokens
 from tuili.errors import TuiliError
 from tuili.layers.attention import KVCache
-from tuili.layers.sampler import SampledToken, Sampler, SamplingRow
+from tuili.layers.sampler import SampledToken, Sampler, SamplingRow, seeded_stream
 from tuili.models.loader import load_model
 from tuili.platform import Platform
 
@@ -297,9 +297,9 @@ class DraftModel:
         if params.seed is not None:
             generator = self._generators.get(seq.seq_id)
             if generator is None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed((params.seed + seq.index * 1_000_003 + _DRAFT_SEED_SALT) % 2**64)
-                self._generators[seq.seq_id] = generator
+                generator = self._generators[seq.seq_id] = seeded_stream(
+                    params.seed, seq.index, self.device, salt=_DRAFT_SEED_SALT
+                )
         return SamplingRow(params, shadow.token_ids, seq.prompt_len, generator,
                            self.stop_tokens.suppressed(params, shadow.num_tokens - seq.prompt_len))
 
