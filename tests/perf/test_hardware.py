@@ -18,6 +18,7 @@ from tuili.layers.quant import make_linear, quantize_int4
 from tuili.perf.hardware import (
     ENGINE_ATTENTION_TOKENS,
     LINKS,
+    PACKED_CALL_ROWS,
     PRESETS,
     HardwareSpec,
     load_spec_file,
@@ -164,13 +165,21 @@ def test_probe_quick_measures_saves_and_is_used():
     here = Platform.detect("cpu")
     formats = {"int4+zeros", "int8"} | ({"int4"} if here.native_kernels else set())
     formats |= {"int6", "int6+zeros"} if here.native_kernels and kernels.linear_int6_available() else set()
-    assert set(spec.packed_kernel_seconds_per_value) == formats
-    assert all(f"packed {fmt} kernel seconds per value" in out for fmt in formats)
+    assert set(spec.packed_kernel_seconds_per_value) == formats == set(spec.packed_call_seconds_by_rows)
+    assert all(f"packed {fmt} call 1 seconds per value" in out for fmt in formats)
     module = make_linear(quantize_int4(torch.randn(64, 64), 32), platform=here)
     kernel_rows = module.kernel_for(PACKED_OP_MAX_ROWS + 1, torch.device("cpu")) == "gemv"
     many, dequantized = spec.packed_rows_seconds_per_value, spec.packed_dequant_seconds_per_value
     assert all((fmt in many) != (fmt in dequantized) for fmt in formats) and set(many) | set(dequantized) == formats
     assert ("int4+zeros" in many) == kernel_rows
+    # each call curve: the rows the kernel takes, up to its blocks where many rows run it; one row's
+    # point is the one-row figure, and the most rows' the many-row figure per row
+    for fmt, curve in spec.packed_call_seconds_by_rows.items():
+        taken = [rows for rows in PACKED_CALL_ROWS if rows <= PACKED_OP_MAX_ROWS or fmt in many]
+        assert sorted(curve) == taken, (fmt, curve)
+        assert curve[1] == spec.packed_kernel_seconds_per_value[fmt]
+        if fmt in many:
+            assert many[fmt] == pytest.approx(curve[max(curve)] / max(curve))
     # the engine's causal prompt attention, per prompt length, in the dtype --quick measures
     assert set(spec.attention_flops_by_tokens["fp32"]) == set(ENGINE_ATTENTION_TOKENS)
     assert "engine attention fp32 1024 tokens" in out

@@ -132,6 +132,35 @@ def test_where_many_rows_run_the_int4_kernel_a_prefill_pays_it_per_row_and_dequa
     assert packed_plan(spec, 1)["decode_step_seconds"] == packed_plan(CPU, 1)["decode_step_seconds"]
 
 
+def curve_spec(curve: dict[int, float], **fields) -> HardwareSpec:
+    return HardwareSpec(**{**CPU.to_dict(), "packed_call_seconds_by_rows": {"int4+zeros": curve}, **fields})
+
+
+@pytest.mark.parametrize("batch, per_value", [(1, 1e-9), (4, 2e-9), (8, 2e-9 + 3.5e-9 * 4 / 12), (16, 5.5e-9)])
+def test_a_decode_step_takes_one_kernel_call_on_the_measured_curve(batch, per_value):
+    """A probe's curve (a call reads and unpacks the codes once for all its rows): a decode step of
+    B sequences is one call per linear, charged the curve's time at B rows (interpolated between
+    the measured 4 and 16), not B times one row's; the one-row figures of older specs do not count
+    where a curve stands."""
+    curve = {1: 1e-9, 4: 2e-9, 16: 5.5e-9, 64: 1.5e-8, 256: 5e-8}
+    spec, slower = curve_spec(curve), curve_spec({rows: 3 * s for rows, s in curve.items()},
+                                                 packed_kernel_seconds_per_value={"int4+zeros": 1.0e-6})
+    step = packed_plan(slower, batch)["decode_step_seconds"] - packed_plan(spec, batch)["decode_step_seconds"]
+    assert step == pytest.approx(SMOLLM2_LAYER_VALUES * 2 * per_value, rel=1e-9)
+
+
+def test_a_prompt_past_the_kernel_rows_is_charged_its_blocks_on_the_curve():
+    """The batch-invariant mode: a 300-token prompt runs each linear as calls of 256 and 44 rows,
+    charged the curve at each (the probe's 256-row block, and 44 rows between 16 and 64), with no
+    dequantization."""
+    curve = {1: 1e-9, 4: 2e-9, 16: 5.5e-9, 64: 1.5e-8, 256: 5e-8}
+    spec, slower = curve_spec(curve), curve_spec({rows: 3 * s for rows, s in curve.items()})
+    p, q = (plan(SMOLLM2, s, prompt=300, context=332, packed_formats=INT4) for s in (spec, slower))
+    assert p["prefill_dequant_seconds"] == 0
+    at_44 = 5.5e-9 + (1.5e-8 - 5.5e-9) * (44 - 16) / 48
+    assert q["ttft_seconds"] - p["ttft_seconds"] == pytest.approx(SMOLLM2_LAYER_VALUES * 2 * (5e-8 + at_44), rel=1e-9)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_int4_kernel_unpacks_every_weight_for_every_row(batch):
     """A kernel slow enough to be the packed linears' ceiling: the decode step takes their
@@ -184,7 +213,8 @@ def test_a_saved_spec_round_trips_its_overheads(private_cache):
     spec = HardwareSpec(name="box (probed)", peak_flops={"fp32": 1e11}, memory_bandwidth=2e10, memory_bytes=2**34,
                         origin="probe", host_overhead_seconds={"decode_layer": 2.5e-4, "decode_step": 1.25e-4},
                         packed_kernel_seconds_per_value={"int4": 1.5e-10, "int8": 2.5e-10},
-                        packed_dequant_seconds_per_value={"int4": 2.5e-9}, packed_rows_seconds_per_value={"int8": 3.5e-11})
+                        packed_dequant_seconds_per_value={"int4": 2.5e-9}, packed_rows_seconds_per_value={"int8": 3.5e-11},
+                        packed_call_seconds_by_rows={"int8": {1: 2.5e-10, 16: 1.5e-9, 256: 9e-9}})
     save_probe(spec, "cpu")
     loaded = current_hardware("cpu")
     assert loaded == spec and loaded.host_overhead_seconds == {"decode_layer": 2.5e-4, "decode_step": 1.25e-4}
@@ -213,7 +243,11 @@ def test_a_spec_saved_before_overheads_still_loads(tmp_path):
      ({"int4_dequant_seconds_per_value": 2.0}, "int4_dequant_seconds_per_value"),
      ({"int4_kernel_seconds_per_value": -1e-9}, "int4_kernel_seconds_per_value"),
      ({"packed_kernel_seconds_per_value": {"int4": 0.0}}, r"packed_kernel_seconds_per_value\['int4'\]"),
-     ({"packed_rows_seconds_per_value": {"int5": 1e-10}}, "'int5'")],
+     ({"packed_rows_seconds_per_value": {"int5": 1e-10}}, "'int5'"),
+     ({"packed_call_seconds_by_rows": {"int5": {"1": 1e-10}}}, "'int5'"),
+     ({"packed_call_seconds_by_rows": {"int4": {"0": 1e-10}}}, "rows 0"),
+     ({"packed_call_seconds_by_rows": {"int4": {"16": 0.5}}}, r"packed_call_seconds_by_rows\['int4'\]\[16\]"),
+     ({"packed_call_seconds_by_rows": {"int4": [1e-10]}}, "map")],
 )
 def test_bad_overheads_in_a_spec_are_named(tmp_path, fields, message):
     path = tmp_path / "bad.json"

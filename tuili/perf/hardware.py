@@ -50,6 +50,9 @@ class LinkSpec:
 ENGINE_PREFILL_ROWS = 512  # the product size of HardwareSpec.linear_prefill_flops
 ENGINE_LINEAR_ROWS = (64, 128, 256, 512)  # the product sizes of HardwareSpec.linear_flops_by_rows
 ENGINE_ATTENTION_TOKENS = (64, 256, 1024)  # the prompt lengths of HardwareSpec.attention_flops_by_tokens
+# The rows of one packed-kernel call at which the probe times it (HardwareSpec.packed_call_seconds_by_rows):
+# decode batches, and the blocks of up to kernels.LINEAR_INT4_MAX_ROWS rows a prompt runs in
+PACKED_CALL_ROWS = (1, 4, 16, 64, 256)
 # HardwareSpec's measured curves: a FLOP/s per dtype at each size (rows of a product, tokens of a prompt)
 CURVES = ("linear_flops_by_rows", "attention_flops_by_tokens")
 # ... and its measured rates, one per dtype
@@ -79,6 +82,12 @@ class HardwareSpec:
     that format's dequantization is then absent. A spec saved before the formats were told apart
     gives one figure each (``int4_kernel_seconds_per_value``, ...): the "int4+zeros" kernel's,
     which it had timed.
+    ``packed_call_seconds_by_rows``, per format: the time per weight value of one call of that
+    kernel on each number of rows of PACKED_CALL_ROWS it takes (beyond a call's fixed cost), the
+    curve a step's calls are charged on (interpolated in rows): a call reads and unpacks the codes
+    once for all its rows, so 16 rows cost a few times one row's time, not 16 times, and a
+    256-row block less per row than 33 rows. Where a format has it, it stands for the two figures
+    above; specs saved before 2026-12-08 have none and are charged rows x those.
     ``linear_stream_bandwidth`` and ``linear_prefill_flops``, per dtype: the bytes/s at which
     tuili's own dense linear layers (tuili/layers/linear.py, with whatever native kernels run
     here) stream a weight matrix from memory at one row, and their FLOP/s at a 512-row product
@@ -113,6 +122,7 @@ class HardwareSpec:
     packed_kernel_seconds_per_value: dict[str, float] = field(default_factory=dict)
     packed_dequant_seconds_per_value: dict[str, float] = field(default_factory=dict)
     packed_rows_seconds_per_value: dict[str, float] = field(default_factory=dict)
+    packed_call_seconds_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
     linear_stream_bandwidth: dict[str, float] = field(default_factory=dict)
     linear_prefill_flops: dict[str, float] = field(default_factory=dict)
     linear_flops_by_rows: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -151,6 +161,19 @@ class HardwareSpec:
                     raise TuiliError(
                         f"{name}[{fmt!r}] of {self.name!r}={seconds!r} is invalid: expected seconds per weight "
                         f"value, > 0 and well under a millisecond"
+                    )
+        for fmt, curve in self.packed_call_seconds_by_rows.items():
+            if fmt not in PACKED_FORMATS:
+                raise TuiliError(f"hardware {self.name!r} lists packed_call_seconds_by_rows for {fmt!r}: expected "
+                                 f"packed formats among {', '.join(PACKED_FORMATS)}")
+            for rows, seconds in curve.items():
+                if not isinstance(rows, int) or rows < 1:
+                    raise TuiliError(f"packed_call_seconds_by_rows[{fmt!r}] of {self.name!r} has the rows {rows!r}: "
+                                     f"expected integers >= 1")
+                if not 0 < seconds < 1e-3:
+                    raise TuiliError(
+                        f"packed_call_seconds_by_rows[{fmt!r}][{rows}] of {self.name!r}={seconds!r} is invalid: "
+                        f"expected seconds per weight value, > 0 and well under a millisecond"
                     )
         for name in PER_DTYPE:
             for dtype, value in getattr(self, name).items():
@@ -214,6 +237,12 @@ class HardwareSpec:
     def estimated(self) -> bool:
         return self.origin == "estimate"
 
+    def packed_call_seconds(self, fmt: str, rows: int) -> float | None:
+        """Seconds per weight value of one packed-kernel call of ``rows`` rows in format ``fmt``
+        (packed_call_seconds_by_rows, interpolated); None where the format's curve was not measured."""
+        curve = self.packed_call_seconds_by_rows.get(fmt)
+        return _interpolate(curve, rows) if curve else None
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -266,6 +295,15 @@ class HardwareSpec:
                 }
                 for dtype, curve in _mapping(where, name, data.get(name)).items()
             } for name in CURVES},
+            packed_call_seconds_by_rows={
+                str(fmt).lower(): {
+                    _size(f"{where} packed_call_seconds_by_rows[{fmt!r}]", rows):
+                        _number(f"{where} packed_call_seconds_by_rows[{fmt!r}][{rows!r}]", seconds)
+                    for rows, seconds in _mapping(where, f"packed_call_seconds_by_rows[{fmt!r}]", curve).items()
+                }
+                for fmt, curve in _mapping(where, "packed_call_seconds_by_rows",
+                                           data.get("packed_call_seconds_by_rows")).items()
+            },
         )
 
 

@@ -312,6 +312,12 @@ def _measure(
                      f"{rates(machine.packed_dequant_seconds_per_value)} ns per value")
         notes.append(f"packed linears ({shares} of their values): their kernel at "
                      f"{rates(machine.packed_kernel_seconds_per_value)} ns per weight value and row; {many_rows}")
+        if machine.packed_call_seconds_by_rows:
+            calls = "; ".join(
+                f"{fmt} " + ", ".join(f"{rows}: {seconds * 1e9:.3f}" for rows, seconds in sorted(curve.items()))
+                for fmt, curve in machine.packed_call_seconds_by_rows.items() if fmt in inputs.packed_formats
+            )
+            notes.append(f"a packed kernel call is charged on its measured curve (rows: ns per value and call): {calls}")
     return MeasureReport(
         model=str(source.path), device=str(engine.device), dtype=working, hardware=hardware.name,
         hardware_origin=hardware.origin, prompt=inputs.prompt, output=inputs.output, batch=inputs.batch,
@@ -333,6 +339,8 @@ def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
         machine, name=f"{machine.name}, 1/{ranks} per rank", peak_flops=each(machine.peak_flops),
         memory_bandwidth=machine.memory_bandwidth / ranks, memory_bytes=machine.memory_bytes // ranks,
         **{name: {fmt: seconds * ranks for fmt, seconds in getattr(machine, name).items()} for name in PACKED_FIELDS},
+        packed_call_seconds_by_rows={fmt: {rows: seconds * ranks for rows, seconds in curve.items()}
+                                     for fmt, curve in machine.packed_call_seconds_by_rows.items()},
         **{name: each(getattr(machine, name)) for name in (*PER_DTYPE, *CURVES)},
     )
 

@@ -29,6 +29,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tuili.kernels import LINEAR_INT4_MAX_ROWS
 from tuili.layers.quant import INT4_GEMV_MAX_ROWS, INT4_TILE_ROWS, KERNEL_FORMATS
 from tuili.perf.shapes import ModelShape
 
@@ -50,6 +51,7 @@ HOST_KEYS = (
 # the planner follows the engine's thresholds.
 PACKED_OP_MAX_ROWS = INT4_GEMV_MAX_ROWS
 PACKED_BLOCK_ROWS = INT4_TILE_ROWS
+PACKED_CALL_MAX_ROWS = LINEAR_INT4_MAX_ROWS  # rows per call of that kernel: more go in blocks of this many
 # The kinds of weight (tuili/perf/shapes.py KINDS) whose matrices the engine packs: every decoder
 # layer's projections (full attention, a Gated DeltaNet's in_proj_qkvz, in_proj_ba and out_proj),
 # its dense MLP or shared expert, and a MoE layer's router and shared-expert gate. Routed experts
@@ -85,13 +87,25 @@ def host_seconds(shape: ModelShape, step: Step, seconds: Mapping[str, float]) ->
 @dataclass(frozen=True)
 class PackedWork:
     """The work of a step's packed int4 linears beyond bytes and FLOPs. Their weight-only kernel
-    unpacks the codes as it multiplies, at a measured time per weight value and row
-    (``kernel_values``); a step of more rows dequantizes every weight once, tile by tile, into
-    the compute dtype and multiplies the tiles (``dequantized``)."""
+    unpacks the codes as it multiplies, each linear in ``calls`` of so many rows (a step's rows in
+    blocks of up to PACKED_CALL_MAX_ROWS), at a measured time per weight value and call; a step
+    of more rows dequantizes every weight once, tile by tile, into the compute dtype and
+    multiplies the tiles (``dequantized``)."""
 
     values: int  # weight values of the packed linears (whole 64-row blocks)
-    kernel_values: int  # values x rows through the weight-only kernel; 0 when tiled
+    calls: tuple[int, ...]  # the rows of each weight-only kernel call per linear; () when tiled
     dequantized: int  # values dequantized into tiles; 0 when the kernel runs
+
+    @property
+    def kernel_values(self) -> int:
+        """Values x rows through the weight-only kernel."""
+        return self.values * sum(self.calls)
+
+
+def kernel_calls(rows: int) -> tuple[int, ...]:
+    """The rows of each call the packed module makes for ``rows`` rows (its blocks)."""
+    full, rest = divmod(rows, PACKED_CALL_MAX_ROWS)
+    return (PACKED_CALL_MAX_ROWS,) * full + ((rest,) if rest else ())
 
 
 def packed_work(shape: ModelShape, step: Step, kernel_takes_many_rows: bool = False) -> PackedWork | None:
@@ -106,5 +120,5 @@ def packed_work(shape: ModelShape, step: Step, kernel_takes_many_rows: bool = Fa
         if w.kind in PACKED_KINDS and w.op == "matmul"
     )
     if step.tokens <= PACKED_OP_MAX_ROWS or kernel_takes_many_rows:
-        return PackedWork(values, values * step.tokens, 0)
-    return PackedWork(values, 0, values)
+        return PackedWork(values, kernel_calls(step.tokens), 0)
+    return PackedWork(values, (), values)

@@ -246,7 +246,10 @@ class Roofline:
         step = replace(step, packed=self.inputs.packed_linears)
         if step not in self._packed:  # a plan asks for a few step shapes, many times
             # a probe that found many rows running the weight-only kernel gave its rate there
-            self._packed[step] = packed_work(self.cost.shape, step, bool(self.hardware.packed_rows_seconds_per_value))
+            hw = self.hardware
+            many = bool(hw.packed_rows_seconds_per_value) or any(
+                max(curve) > PACKED_OP_MAX_ROWS for curve in hw.packed_call_seconds_by_rows.values())
+            self._packed[step] = packed_work(self.cost.shape, step, many)
         return self._packed[step]
 
     def _roofline(self, flops: float, nbytes: float) -> float:
@@ -312,11 +315,9 @@ class Roofline:
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
         hw = self.hardware
         packed_flops = 2 * step.tokens * packed.values
-        # the kernel's time per value and row: at one row, or at many where it runs them
-        many = step.tokens > PACKED_OP_MAX_ROWS
-        kernel_rate = self.packed_seconds(hw.packed_rows_seconds_per_value if many else hw.packed_kernel_seconds_per_value)
+        kernel = packed.values * sum(self.call_seconds(rows, self.inputs.packed_formats) for rows in packed.calls)
         roofline = self._roofline(flops - packed_flops, nbytes - self.packed_bytes) + max(
-            self._roofline(packed_flops, self.packed_bytes), packed.kernel_values * kernel_rate
+            self._roofline(packed_flops, self.packed_bytes), kernel
         )
         dequant = packed.dequantized * self.packed_seconds(hw.packed_dequant_seconds_per_value)
         # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the
@@ -334,16 +335,33 @@ class Roofline:
         ``by_format``, weighted by the formats' shares of the values."""
         return sum(share * _format_seconds(by_format, fmt) for fmt, share in self.inputs.packed_formats.items())
 
+    def call_seconds(self, rows: int, shares: dict[str, float]) -> float:
+        """Seconds per packed value of one weight-only kernel call of ``rows`` rows, the formats
+        weighted by ``shares``: on the spec's measured curve (packed_call_seconds_by_rows), where a
+        format without one takes the mean of those measured; without curves (specs saved before
+        them), rows x the kernel's time per value and row, at one row or at many."""
+        hw = self.hardware
+        if hw.packed_call_seconds_by_rows:
+            def seconds(fmt: str) -> float:
+                measured = hw.packed_call_seconds(fmt, rows)
+                if measured is not None:
+                    return measured
+                curves = [hw.packed_call_seconds(f, rows) or 0.0 for f in hw.packed_call_seconds_by_rows]
+                return sum(curves) / len(curves)
+        else:
+            by_row = hw.packed_rows_seconds_per_value if rows > PACKED_OP_MAX_ROWS else hw.packed_kernel_seconds_per_value
+
+            def seconds(fmt: str) -> float:
+                return rows * _format_seconds(by_row, fmt)
+        return sum(share * seconds(fmt) for fmt, share in shares.items())
+
     def _head_extra(self, rows: int) -> float:
         """What the output matrix's packed copy takes beyond its bytes at the memory's rate, for
-        ``rows`` rows of logits (a decode step's sequences; a prompt's last token)."""
+        ``rows`` rows of logits (a decode step's sequences; a prompt's last token): one call."""
         if not self.inputs.head_format:
             return 0.0
-        many = rows > PACKED_OP_MAX_ROWS
-        hw = self.hardware
-        rate = _format_seconds(hw.packed_rows_seconds_per_value if many else hw.packed_kernel_seconds_per_value,
-                               self.inputs.head_format)
-        return max(0.0, rows * self.head_values * rate - self.head_bytes / self.bandwidth)
+        kernel = self.head_values * self.call_seconds(rows, {self.inputs.head_format: 1.0})
+        return max(0.0, kernel - self.head_bytes / self.bandwidth)
 
     def _below_peak(self, flops: float, rate: float) -> float:
         """Seconds per device that ``flops`` take at ``rate`` beyond their time at the peak."""

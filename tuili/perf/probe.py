@@ -33,11 +33,13 @@ from tuili.perf.hardware import (
     ENGINE_ATTENTION_TOKENS,
     ENGINE_LINEAR_ROWS,
     ENGINE_PREFILL_ROWS,
+    PACKED_CALL_ROWS,
     PACKED_FIELDS,
     PER_DTYPE,
     HardwareSpec,
 )
 from tuili.perf.harness import build_engine
+from tuili.perf.overhead import PACKED_OP_MAX_ROWS
 from tuili.platform import Platform
 from tuili.sampling import SamplingParams
 
@@ -419,9 +421,10 @@ def _retimed(measure: Callable[[], _T], positive: Callable[[_T], float]) -> _T:
 def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> list[Measurement]:
     """Where tuili packs linears (a CPU), for each packed format its modules hold here
     (PACKED_FORMATS; 6-bit codes only where the kernels read them): the time per weight value of
-    their weight-only kernel at one row, and of dequantizing a weight when a matmul has more rows
-    than that kernel takes, or, where the module runs those rows through the same kernel (the
-    batch-invariant mode with native kernels), that kernel's time per value and row there.
+    one call of their weight-only kernel at each number of rows of PACKED_CALL_ROWS it takes (its
+    call curve: up to PACKED_OP_MAX_ROWS, and up to its 256-row blocks where the module runs many
+    rows through it, the batch-invariant mode with native kernels), and else the time of
+    dequantizing a weight when a matmul has more rows than that kernel takes.
 
     Timed through the engine's module (tuili/layers/quant/) on 4096 x 1024 weights, less the
     time of the same call on a 64 x 64 weight: what a call costs whatever its size (the Python
@@ -439,7 +442,6 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
     if dev.type != "cpu" or "bf16" not in peaks:
         return []
     from tuili.layers.quant import make_linear
-    from tuili.perf.overhead import PACKED_OP_MAX_ROWS
 
     k, n, small = 1024, 4096, 64
     platform = Platform.detect(dev)
@@ -459,7 +461,11 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
         timed.add(big.kernel_format)
         module_bytes = sum(b.numel() * b.element_size() for b in big.buffers())
         streamed = [big] + [copy.deepcopy(big) for _ in range(-(-sizes.buffer_bytes // module_bytes) - 1)]
-        for rows in (1, PACKED_OP_MAX_ROWS + 1):
+        # the kernel's calls of a decode's rows and of a prompt's blocks, where it takes them; a
+        # module that dequantizes many rows instead is timed on those once, at PACKED_OP_MAX_ROWS + 1
+        calls = [rows for rows in PACKED_CALL_ROWS if rows <= PACKED_OP_MAX_ROWS or big.kernel_for(rows, dev) == "gemv"]
+        tiled = [] if big.kernel_for(PACKED_OP_MAX_ROWS + 1, dev) == "gemv" else [PACKED_OP_MAX_ROWS + 1]
+        for rows in calls + tiled:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
 
             def layers(x: torch.Tensor = x, modules: list[torch.nn.Module] = streamed) -> None:
@@ -467,23 +473,24 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
                     m(x)
 
             def per_value_once(rows: int = rows, layers: Callable[[], None] = layers, tiny: torch.nn.Module = tiny,
-                      big: torch.nn.Module = big, copies: int = len(streamed)) -> tuple[str, float, float]:
+                               copies: int = len(streamed), call: bool = rows in calls) -> tuple[float, float]:
                 fixed = _time(functools.partial(tiny, torch.randn(rows, small, dtype=torch.bfloat16)), dev,
                               sizes.seconds_per_item)
                 seconds = _time(layers, dev, sizes.seconds_per_item) / copies
-                if rows == 1:
-                    return "kernel", (seconds - fixed) / (k * n), seconds
-                if big.kernel_for(rows, dev) == "gemv":
-                    # many rows run the weight-only kernel too (the batch-invariant mode with native
-                    # kernels): nothing is dequantized, the time grows with the rows
-                    return "rows", (seconds - fixed) / (k * n * rows), seconds
+                if call:  # the kernel's time per value for the call
+                    return (seconds - fixed) / (k * n), seconds
                 product = 2 * rows * k * n / max(peaks["bf16"], peaks.get("fp32", 0.0))
-                return "dequantization", (seconds - fixed - product) / (k * n), seconds
+                return (seconds - fixed - product) / (k * n), seconds
 
-            measure, per_value, seconds = _retimed(per_value_once, lambda result: result[1])
-            if per_value > 0:  # not lost in the host's noise
-                out.append(Measurement(f"{PACKED_PREFIX}{big.kernel_format} {measure} seconds per value", per_value,
+            per_value, seconds = _retimed(per_value_once, lambda result: result[0])
+            if per_value <= 0:  # lost in the host's noise
+                continue
+            if rows in calls:
+                out.append(Measurement(f"{PACKED_PREFIX}{big.kernel_format} call {rows} seconds per value", per_value,
                                        "s", seconds))
+            else:
+                out.append(Measurement(f"{PACKED_PREFIX}{big.kernel_format} dequantization seconds per value",
+                                       per_value, "s", seconds))
         del streamed
     return out
 
@@ -671,12 +678,24 @@ def _attention_fields(attention: list[Measurement]) -> dict[str, dict]:
     return {"attention_flops_by_tokens": curves}
 
 
-def _packed_fields(results: list[Measurement]) -> dict[str, dict[str, float]]:
-    fields: dict[str, dict[str, float]] = {name: {} for name in PACKED_MEASURES.values()}
+def _packed_fields(results: list[Measurement]) -> dict[str, dict]:
+    """The spec's packed fields: each format's call curve, and from it the one-figure rates of the
+    specs saved before the curves (one row; per row at the most rows, where many-row steps run the
+    kernel), with the dequantization where they do not."""
+    fields: dict[str, dict] = {name: {} for name in (*PACKED_MEASURES.values(), "packed_call_seconds_by_rows")}
+    curves = fields["packed_call_seconds_by_rows"]
     for m in results:
         if m.name.startswith(PACKED_PREFIX):
-            fmt, measure = m.name.removeprefix(PACKED_PREFIX).split()[:2]
-            fields[PACKED_MEASURES[measure]][fmt] = m.value
+            fmt, measure, *rest = m.name.removeprefix(PACKED_PREFIX).split()
+            if measure == "call":
+                curves.setdefault(fmt, {})[int(rest[0])] = m.value
+            else:
+                fields[PACKED_MEASURES[measure]][fmt] = m.value
+    for fmt, curve in curves.items():
+        if 1 in curve:
+            fields["packed_kernel_seconds_per_value"][fmt] = curve[1]
+        if max(curve) > PACKED_OP_MAX_ROWS:
+            fields["packed_rows_seconds_per_value"][fmt] = curve[max(curve)] / max(curve)
     return fields
 
 
