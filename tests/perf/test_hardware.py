@@ -16,6 +16,7 @@ from tuili.cli import main
 from tuili.errors import TuiliError
 from tuili.layers.quant import make_linear, quantize_int4
 from tuili.perf.hardware import (
+    ELEMENTWISE_KINDS,
     ENGINE_ATTENTION_TOKENS,
     LINKS,
     PACKED_CALL_ROWS,
@@ -190,6 +191,10 @@ def test_probe_quick_measures_saves_and_is_used():
         assert spec.decode_attention_bandwidth == {}
     # the DeltaNet prompt kernel, where the native kernels run
     assert spec.deltanet_prefill_flops["fp32"] > 0 and "engine deltanet fp32 256 tokens" in out
+    # a layer's elementwise work, per kind, in the dtype --quick measures
+    assert set(spec.elementwise_seconds_per_value["fp32"]) == set(ELEMENTWISE_KINDS)
+    assert all(0 < s < 1e-6 for s in spec.elementwise_seconds_per_value["fp32"].values())
+    assert "engine elementwise fp32 silu seconds per value" in out
 
 
 def test_probe_of_a_missing_gpu_is_a_clear_error(capsys):

@@ -161,6 +161,28 @@ def test_a_prompt_past_the_kernel_rows_is_charged_its_blocks_on_the_curve():
     assert q["ttft_seconds"] - p["ttft_seconds"] == pytest.approx(SMOLLM2_LAYER_VALUES * 2 * (5e-8 + at_44), rel=1e-9)
 
 
+@pytest.mark.parametrize("config, rope", [(SMOLLM2, "rope"), (QWEN3_06B, "qk_rope")])
+def test_the_elementwise_work_is_charged_per_token_at_its_measured_rates(config, rope):
+    """Every layer's two norms (and the final one) over the hidden size, each attention layer's
+    rotation of its q and k heads (with the per-head norms where the model has them: Qwen3), each
+    dense MLP's SiLU over the intermediate size: the prompt's tokens and a decode step's sequences
+    times those values at the spec's seconds per value."""
+    rates = {"norm": 3e-10, "rope": 1e-10, "qk_rope": 4e-10, "silu": 5e-10}
+    spec = HardwareSpec(**{**CPU.to_dict(), "elementwise_seconds_per_value": {"fp32": rates}})
+    layers, hidden, inter = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
+    per_token = ((2 * layers + 1) * hidden * rates["norm"] + layers * inter * rates["silu"]
+                 + layers * (config["num_attention_heads"] + config["num_key_value_heads"]) * head_dim * rates[rope])
+    for batch in (1, 4):
+        with_rates, without = plan(config, spec, batch=batch), plan(config, CPU, batch=batch)
+        assert with_rates["ttft_seconds"] - without["ttft_seconds"] == pytest.approx(256 * per_token, rel=1e-9)
+        assert with_rates["decode_step_seconds"] - without["decode_step_seconds"] == pytest.approx(
+            batch * per_token, rel=1e-9)
+    # rates measured for another dtype charge nothing
+    bf16_only = HardwareSpec(**{**CPU.to_dict(), "elementwise_seconds_per_value": {"bf16": rates}})
+    assert plan(config, bf16_only)["ttft_seconds"] == plan(config, CPU)["ttft_seconds"]
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_int4_kernel_unpacks_every_weight_for_every_row(batch):
     """A kernel slow enough to be the packed linears' ceiling: the decode step takes their
@@ -214,7 +236,8 @@ def test_a_saved_spec_round_trips_its_overheads(private_cache):
                         origin="probe", host_overhead_seconds={"decode_layer": 2.5e-4, "decode_step": 1.25e-4},
                         packed_kernel_seconds_per_value={"int4": 1.5e-10, "int8": 2.5e-10},
                         packed_dequant_seconds_per_value={"int4": 2.5e-9}, packed_rows_seconds_per_value={"int8": 3.5e-11},
-                        packed_call_seconds_by_rows={"int8": {1: 2.5e-10, 16: 1.5e-9, 256: 9e-9}})
+                        packed_call_seconds_by_rows={"int8": {1: 2.5e-10, 16: 1.5e-9, 256: 9e-9}},
+                        elementwise_seconds_per_value={"bf16": {"norm": 3e-10, "silu": 4e-10}})
     save_probe(spec, "cpu")
     loaded = current_hardware("cpu")
     assert loaded == spec and loaded.host_overhead_seconds == {"decode_layer": 2.5e-4, "decode_step": 1.25e-4}
@@ -247,7 +270,10 @@ def test_a_spec_saved_before_overheads_still_loads(tmp_path):
      ({"packed_call_seconds_by_rows": {"int5": {"1": 1e-10}}}, "'int5'"),
      ({"packed_call_seconds_by_rows": {"int4": {"0": 1e-10}}}, "rows 0"),
      ({"packed_call_seconds_by_rows": {"int4": {"16": 0.5}}}, r"packed_call_seconds_by_rows\['int4'\]\[16\]"),
-     ({"packed_call_seconds_by_rows": {"int4": [1e-10]}}, "map")],
+     ({"packed_call_seconds_by_rows": {"int4": [1e-10]}}, "map"),
+     ({"elementwise_seconds_per_value": {"bf16": {"gelu": 1e-10}}}, "'gelu'"),
+     ({"elementwise_seconds_per_value": {"bf16": {"silu": -1e-10}}}, r"elementwise_seconds_per_value\['bf16'\]"),
+     ({"elementwise_seconds_per_value": {"fp64": {"silu": 1e-10}}}, "'fp64'")],
 )
 def test_bad_overheads_in_a_spec_are_named(tmp_path, fields, message):
     path = tmp_path / "bad.json"

@@ -53,6 +53,10 @@ ENGINE_ATTENTION_TOKENS = (64, 256, 1024)  # the prompt lengths of HardwareSpec.
 # The rows of one packed-kernel call at which the probe times it (HardwareSpec.packed_call_seconds_by_rows):
 # decode batches, and the blocks of up to kernels.LINEAR_INT4_MAX_ROWS rows a prompt runs in
 PACKED_CALL_ROWS = (1, 4, 16, 64, 256)
+# The elementwise work of a decoder layer that HardwareSpec.elementwise_seconds_per_value times per
+# dtype: the RMSNorm (with its residual add), the rotary embedding of q and k without and with
+# Qwen3's per-head norms, and SiLU(gate) * up (tuili/layers, csrc/elementwise.c)
+ELEMENTWISE_KINDS = ("norm", "rope", "qk_rope", "silu")
 # HardwareSpec's measured curves: a FLOP/s per dtype at each size (rows of a product, tokens of a prompt)
 CURVES = ("linear_flops_by_rows", "attention_flops_by_tokens")
 # ... and its measured rates, one per dtype
@@ -108,6 +112,10 @@ class HardwareSpec:
     (csrc/deltanet.c, token by token) on a prompt, its FLOPs counted as the cost model counts the
     rule's (7 per state value and token); a hybrid's prompt charges its rule at this rate.
     Measured only where the native CPU kernels run.
+    ``elementwise_seconds_per_value``, per dtype: the seconds per value of the elementwise work
+    of a decoder layer as the engine runs it (ELEMENTWISE_KINDS: per value of a normed row, of the
+    rotated q and k heads, of the SiLU's output), on a 512-token prompt of a small model's widths;
+    a step charges its tokens' values at them (docs/ruler.md §4.3).
     """
 
     name: str
@@ -129,6 +137,7 @@ class HardwareSpec:
     attention_flops_by_tokens: dict[str, dict[int, float]] = field(default_factory=dict)
     deltanet_prefill_flops: dict[str, float] = field(default_factory=dict)
     decode_attention_bandwidth: dict[str, float] = field(default_factory=dict)
+    elementwise_seconds_per_value: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -174,6 +183,19 @@ class HardwareSpec:
                     raise TuiliError(
                         f"packed_call_seconds_by_rows[{fmt!r}][{rows}] of {self.name!r}={seconds!r} is invalid: "
                         f"expected seconds per weight value, > 0 and well under a millisecond"
+                    )
+        for dtype, kinds in self.elementwise_seconds_per_value.items():
+            if dtype not in PEAK_DTYPES:
+                raise TuiliError(f"hardware {self.name!r} lists elementwise_seconds_per_value for {dtype!r}: "
+                                 f"expected dtypes among {', '.join(PEAK_DTYPES)}")
+            for kind, seconds in kinds.items():
+                if kind not in ELEMENTWISE_KINDS:
+                    raise TuiliError(f"hardware {self.name!r} lists elementwise_seconds_per_value[{dtype!r}] for "
+                                     f"{kind!r}: expected kinds among {', '.join(ELEMENTWISE_KINDS)}")
+                if not 0 < seconds < 1e-3:
+                    raise TuiliError(
+                        f"elementwise_seconds_per_value[{dtype!r}][{kind!r}] of {self.name!r}={seconds!r} is "
+                        f"invalid: expected seconds per value, > 0 and well under a millisecond"
                     )
         for name in PER_DTYPE:
             for dtype, value in getattr(self, name).items():
@@ -303,6 +325,14 @@ class HardwareSpec:
                 }
                 for fmt, curve in _mapping(where, "packed_call_seconds_by_rows",
                                            data.get("packed_call_seconds_by_rows")).items()
+            },
+            elementwise_seconds_per_value={
+                str(dtype).lower(): {
+                    str(kind): _number(f"{where} elementwise_seconds_per_value[{dtype!r}][{kind!r}]", seconds)
+                    for kind, seconds in _mapping(where, f"elementwise_seconds_per_value[{dtype!r}]", kinds).items()
+                }
+                for dtype, kinds in _mapping(where, "elementwise_seconds_per_value",
+                                             data.get("elementwise_seconds_per_value")).items()
             },
         )
 

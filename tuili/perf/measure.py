@@ -300,6 +300,12 @@ def _measure(
         notes.append(f"tuili's decode attention measured here reads a {inputs.kv_dtype} cache at "
                      f"{machine.decode_attention_bandwidth[inputs.kv_dtype] / 1e9:.1f} GB/s{each_rank} (the memory "
                      f"{machine.memory_bandwidth / 1e9:.1f}): the decode steps' cache reads are charged at it")
+    elementwise = machine.elementwise_seconds_per_value.get(roof.compute_dtype, {})
+    if elementwise:
+        notes.append(f"tuili's elementwise work measured here (ns per value: "
+                     f"{', '.join(f'{kind} {seconds * 1e9:.3f}' for kind, seconds in elementwise.items())}{each_rank}): "
+                     f"+{roof.elementwise(inputs.prompt) * 1e3:.2f} ms in the prefill, "
+                     f"+{roof.elementwise(inputs.batch) * 1e3:.2f} ms per decode step")
     if inputs.packed_linears:
         def rates(by_format: dict[str, float]) -> str:
             return ", ".join(f"{fmt} {by_format[fmt] * 1e9:.3f}" if fmt in by_format else f"{fmt} unmeasured"
@@ -341,6 +347,8 @@ def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
         **{name: {fmt: seconds * ranks for fmt, seconds in getattr(machine, name).items()} for name in PACKED_FIELDS},
         packed_call_seconds_by_rows={fmt: {rows: seconds * ranks for rows, seconds in curve.items()}
                                      for fmt, curve in machine.packed_call_seconds_by_rows.items()},
+        elementwise_seconds_per_value={dtype: {kind: seconds * ranks for kind, seconds in kinds.items()}
+                                       for dtype, kinds in machine.elementwise_seconds_per_value.items()},
         **{name: each(getattr(machine, name)) for name in (*PER_DTYPE, *CURVES)},
     )
 

@@ -242,6 +242,26 @@ class Roofline:
         step = replace(step, packed=self.inputs.packed_linears)
         return host_seconds(self.cost.shape, step, self.hardware.host_overhead_seconds)
 
+    def elementwise(self, tokens: int) -> float:
+        """Seconds per device of the elementwise work of ``tokens`` tokens through every layer, at
+        the spec's measured seconds per value (elementwise_seconds_per_value): each layer's two
+        RMSNorms (and the final one) over the hidden size, an attention layer's rotation of its q
+        and k heads (with Qwen3's per-head norms where the model has them), a dense MLP's SiLU
+        over the intermediate size. A MoE layer's experts and a DeltaNet layer's gates run in
+        kernels of their own and are not counted. 0 where nothing was measured."""
+        rates = self.hardware.elementwise_seconds_per_value.get(self.compute_dtype)
+        if not rates:
+            return 0.0
+        shape = self.cost.shape
+        rope = "qk_rope" if shape.traits.qk_norm else "rope"
+        per_token = (
+            (2 * shape.num_layers + 1) * shape.hidden_size * rates.get("norm", 0.0)
+            + shape.attention_layers * (shape.num_heads + shape.num_kv_heads) * shape.head_dim * rates.get(rope, 0.0)
+            / self.tp
+            + sum(not moe for moe in shape.moe_layers) * shape.intermediate_size * rates.get("silu", 0.0) / self.tp
+        )
+        return tokens * per_token
+
     def _packed_work(self, step: Step) -> PackedWork | None:
         step = replace(step, packed=self.inputs.packed_linears)
         if step not in self._packed:  # a plan asks for a few step shapes, many times
@@ -303,13 +323,15 @@ class Roofline:
         packed = self._packed_work(step)
         # A decode's attention and a packed output head are kernels of their own: their time
         # beyond their bytes at the memory's rate (the cache read at the attention's measured
-        # rate, the logits at the head's kernel's) adds to the step's.
-        reads_extra = cache_bytes * (1 / self.kv_stream - 1 / self.bandwidth)
-        reads_extra += self._head_extra(1 if step.prefill else step.tokens)
+        # rate, the logits at the head's kernel's) adds to the step's; so does the elementwise
+        # work between the matmuls (norms, rotary, SiLU), at its measured rate.
+        extra = cache_bytes * (1 / self.kv_stream - 1 / self.bandwidth)
+        extra += self._head_extra(1 if step.prefill else step.tokens)
+        extra += self.elementwise(step.tokens)
         if packed is None:
             roofline = self._roofline(flops, nbytes)
             floor = self._engine_floor(flops, nbytes, weight_bytes, step.tokens, attention, state)
-            kernels = max(0.0, floor - roofline) + reads_extra  # kernels of their own, after the rest
+            kernels = max(0.0, floor - roofline) + extra  # kernels of their own, after the rest
             return StepCost(flops, nbytes, roofline + kernels + overhead + comm, roofline, overhead, kernels=kernels)
         # The packed linears run in kernels of their own, after one another and the rest: the
         # rest's roofline plus theirs, where unpacking the codes is a third ceiling.
@@ -322,7 +344,7 @@ class Roofline:
         dequant = packed.dequantized * self.packed_seconds(hw.packed_dequant_seconds_per_value)
         # Below the peak, at the engine's measured rates: a prompt's attention at its own, and the
         # dequantized tiles of a many-row step through the same matmuls as dense linears (§4.2).
-        kernels = reads_extra + self._below_peak(attention, self.attention_flops(step.tokens))
+        kernels = extra + self._below_peak(attention, self.attention_flops(step.tokens))
         kernels += self._below_peak(state, self.deltanet_flops(step.tokens))
         if packed.dequantized:
             kernels += self._below_peak(packed_flops, self.linear_flops(step.tokens))

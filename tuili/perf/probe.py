@@ -96,7 +96,8 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
     attention = _engine_attention(dev, sizes)
     decodes = _engine_decode_attention(dev, sizes)
     deltanet = _engine_deltanet(dev, sizes)
-    results += linears + attention + decodes + deltanet
+    elementwise = _engine_elementwise(dev, sizes)
+    results += linears + attention + decodes + deltanet + elementwise
     read = next(m.value for m in results if m.name == "memory read")
     spec = HardwareSpec(
         name=f"{_device_name(dev)} (probed)",
@@ -111,6 +112,7 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
         **_attention_fields(attention),
         **_decode_attention_fields(decodes),
         **_deltanet_fields(deltanet),
+        **_elementwise_fields(elementwise),
     )
     host = _host_overheads(dev, quick)
     results += host
@@ -141,6 +143,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
     decodes = _engine_decode_attention(dev, sizes) if spec.decode_attention_bandwidth else []
     deltanet = _engine_deltanet(dev, sizes) if spec.deltanet_prefill_flops else []
+    elementwise = _engine_elementwise(dev, sizes) if spec.elementwise_seconds_per_value else []
     return replace(
         spec,
         memory_bandwidth=read,
@@ -150,6 +153,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
         **(_attention_fields(attention) if attention else {}),
         **(_decode_attention_fields(decodes) if decodes else {}),
         **(_deltanet_fields(deltanet) if deltanet else {}),
+        **(_elementwise_fields(elementwise) if elementwise else {}),
     )
 
 
@@ -579,6 +583,60 @@ def _prompt_attention(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.T
                        torch.tensor([[0, tokens, 0]], dtype=torch.int32, device=k.device))
     result = torch.empty_like(q)
     return lambda: backend.attend_paged(q, cache, paged, scale, result)
+
+
+ENGINE_ELEMENTWISE = "engine elementwise"
+ELEMENTWISE_TOKENS = 512  # the prompt whose elementwise work the probe times
+ELEMENTWISE_WIDTHS = (1024, 3072)  # hidden and intermediate size: a small model's (Qwen3-0.6B's)
+
+
+def _engine_elementwise(dev: torch.device, sizes: _Sizes) -> list[Measurement]:
+    """The elementwise work of a decoder layer as the engine runs it (tuili/layers: the native
+    fused kernels where they run, else torch), per value, on a prompt of ELEMENTWISE_TOKENS tokens
+    of a small model's widths (ATTENTION_HEADS, ELEMENTWISE_WIDTHS): RMSNorm with its residual add
+    (per value of the row), the rotation of q and k without and with Qwen3's per-head norms (per
+    value of the q and k heads), SiLU(gate) * up (per output value). Between a prompt's matmuls
+    they run on their own: on machine A they took ~10% of a 512-token bf16 prompt, which the
+    plan had left out (docs/ruler.md §4.3)."""
+    from tuili.layers.activation import silu_and_mul
+    from tuili.layers.norm import RMSNorm
+    from tuili.layers.rotary import RotaryEmbedding, norm_and_rotate
+
+    heads, kv_heads, head_dim = ATTENTION_HEADS
+    hidden, inter = ELEMENTWISE_WIDTHS
+    tokens, platform = ELEMENTWISE_TOKENS, Platform.detect(dev)
+    tables = RotaryEmbedding(head_dim, tokens, 1e6, None).tables(torch.arange(tokens, device=dev))
+    out = []
+    for dtype in sizes.skinny_dtypes:
+        torch_dtype = _TORCH_DTYPES[dtype]
+
+        def rows(width: int, dtype: torch.dtype = torch_dtype) -> torch.Tensor:
+            return torch.randn(tokens, width, device=dev).to(dtype)
+
+        norm = RMSNorm(hidden, 1e-6, platform).to(dev, torch_dtype)
+        qk_norms = tuple(RMSNorm(head_dim, 1e-6, platform).to(dev, torch_dtype) for _ in range(2))
+        x, residual, gate_up = rows(hidden), rows(hidden), rows(2 * inter)
+        qkv = rows((heads + 2 * kv_heads) * head_dim).view(tokens, heads + 2 * kv_heads, head_dim)
+        work = {  # kind: (the engine's call, values)
+            "norm": (lambda x=x, r=residual, n=norm: n(x, r), tokens * hidden),
+            "rope": (lambda q=qkv: norm_and_rotate(q, heads, kv_heads, None, tables, platform),
+                     tokens * (heads + kv_heads) * head_dim),
+            "qk_rope": (lambda q=qkv, n=qk_norms: norm_and_rotate(q, heads, kv_heads, n, tables, platform),
+                        tokens * (heads + kv_heads) * head_dim),
+            "silu": (lambda g=gate_up: silu_and_mul(g, platform), tokens * inter),
+        }
+        for kind, (call, values) in work.items():
+            t = _time(call, dev, sizes.seconds_per_item)
+            out.append(Measurement(f"{ENGINE_ELEMENTWISE} {dtype} {kind} seconds per value", t / values, "s", t))
+    return out
+
+
+def _elementwise_fields(results: list[Measurement]) -> dict[str, dict]:
+    per_value: dict[str, dict[str, float]] = {}
+    for m in results:
+        dtype, kind = m.name.removeprefix(ENGINE_ELEMENTWISE).split()[:2]
+        per_value.setdefault(dtype, {})[kind] = m.value
+    return {"elementwise_seconds_per_value": per_value}
 
 
 ENGINE_DELTANET = "engine deltanet"
