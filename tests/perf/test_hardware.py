@@ -224,12 +224,14 @@ def test_refreshing_rates_times_only_the_peaks_a_prediction_can_use():
     from tuili.perf.probe import refresh_rates
 
     saved = HardwareSpec(name="saved", peak_flops={"fp32": 1e9, "bf16": 1e6}, memory_bandwidth=1e6,
-                         memory_bytes=2**33, origin="probe", packed_kernel_seconds_per_value={"int8": 1e-5})
-    fresh = refresh_rates(saved, "cpu")
+                         memory_bytes=2**33, origin="probe", packed_kernel_seconds_per_value={"int8": 1e-5, "int4": 2e-5})
+    fresh = refresh_rates(saved, "cpu", packed_formats={"int8"})
     assert fresh.peak_flops["bf16"] == 1e6 and fresh.dtype_used("bf16") == "fp32"
     assert fresh.peak_flops["fp32"] > 1e9 and fresh.memory_bandwidth > 1e8  # measured, not the saved ones
-    if kernels.available():  # the packed kernels' rates are taken again too (they need a peak for bf16)
-        assert 0 < fresh.packed_kernel_seconds_per_value["int8"] < 1e-7
+    if kernels.available():  # the packed kernels' rates are taken again too (they need a peak for bf16)...
+        assert 0 < fresh.packed_kernel_seconds_per_value["int8"] < 1e-7 and 1 in fresh.packed_call_seconds_by_rows["int8"]
+    # ... in the formats asked for (a model's): the others keep their saved figures
+    assert fresh.packed_kernel_seconds_per_value["int4"] == 2e-5 and "int4" not in fresh.packed_call_seconds_by_rows
 
 
 def test_gauge_reads_memory_beyond_the_caches_and_the_matmul_peak():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Collection
 
 from tuili.engine.cli import parse_json_object
 from tuili.errors import TuiliError
@@ -142,8 +143,8 @@ def run_plan(args: argparse.Namespace) -> int:
             if spec.origin in ("probe", "estimate"):
                 from tuili.perf.probe import refresh_rates
 
-                def refresh() -> hw.HardwareSpec:
-                    return refresh_rates(spec, device)
+                def refresh(packed_formats: Collection[str]) -> hw.HardwareSpec:
+                    return refresh_rates(spec, device, packed_formats)
             report = measure(source, cost, spec, inputs, device, args.dtype, refresh)
             print(json.dumps(report.as_dict(), indent=2) if args.json else format_measurement(report))
             return 0

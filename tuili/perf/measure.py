@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -81,11 +81,12 @@ class MeasureReport:
 
 def measure(
     source: ModelSource, cost: ModelCost, hardware: HardwareSpec, inputs: PlanInputs, device: str,
-    dtype: str = "auto", refresh: Callable[[], HardwareSpec] | None = None,
+    dtype: str = "auto", refresh: Callable[[Collection[str]], HardwareSpec] | None = None,
 ) -> MeasureReport:
     """Run the engine and compare. ``refresh`` (for this machine's own probe) measures the host's
     drifting rates again: it runs before and after the engine, and the predictions use the mean of
-    the two, so that prediction and measurement see the same machine."""
+    the two, so that prediction and measurement see the same machine; it is given the packed
+    formats the engine holds (their kernels timed again, the other formats' figures kept)."""
     ranks = inputs.tp * inputs.pp
     if inputs.gpus != ranks:
         raise TuiliError(f"--measure runs one replica of --tp {inputs.tp} x --pp {inputs.pp} = {ranks} ranks on this "
@@ -109,7 +110,7 @@ def measure(
 
 def _measure(
     engine: LLMEngine, log: StepLog, source: ModelSource, cost: ModelCost, hardware: HardwareSpec,
-    inputs: PlanInputs, refresh: Callable[[], HardwareSpec] | None, threads: int,
+    inputs: PlanInputs, refresh: Callable[[Collection[str]], HardwareSpec] | None, threads: int,
 ) -> MeasureReport:  # fmt: skip
     import torch
 
@@ -140,8 +141,8 @@ def _measure(
         # the worker ranks wait for a step.
         assert refresh is not None
         torch.set_num_threads(threads)
-        try:
-            return refresh()
+        try:  # the packed kernels only in the formats this model holds
+            return refresh({*inputs.packed_formats, *([inputs.head_format] if inputs.head_format else [])})
         finally:
             torch.set_num_threads(engine_threads)
 

@@ -19,7 +19,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -121,12 +121,14 @@ def probe(device: str = "cpu", quick: bool = False) -> tuple[HardwareSpec, list[
     return spec, results
 
 
-def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
+def refresh_rates(spec: HardwareSpec, device: str = "cpu", packed_formats: Collection[str] | None = None) -> HardwareSpec:
     """``spec`` (this machine's probe) with the rates that move with the host's load measured
     again now, as a full probe measures them: memory read bandwidth, large matmuls per dtype,
     tuili's own linears, attention and packed kernels. Host overheads and memory size stay. A shared
     or throttled machine's rates drift by up to 2x within an hour (docs/ruler.md), so `plan
-    --measure` takes them in the same minutes as the engine runs it compares with; ~10 s."""
+    --measure` takes them in the same minutes as the engine runs it compares with; ~10 s.
+    ``packed_formats``: the packed formats to time again (a model's), the others' figures kept;
+    None for all of them (each takes a few seconds for its call curve)."""
     dev = resolve_device(device)
     sizes = _sizes(dev, quick=False)
     read = _bandwidth(dev, sizes)[0].value
@@ -138,7 +140,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
     used = tuple(d for d in _matmul_dtypes(dev) if d in spec.peak_flops and (d == "fp32" or spec.peak_flops[d] >= fp32))
     peaks = {**spec.peak_flops, **{m.name.split()[1]: m.value for m in _matmuls(dev, sizes, used, skinny=False)}}
     # (the saved peaks with those measured over them: `used` holds only dtypes the spec has)
-    fresh = _packed_kernels(dev, peaks, sizes) if spec.packed_kernel_seconds_per_value else []
+    fresh = _packed_kernels(dev, peaks, sizes, packed_formats) if spec.packed_kernel_seconds_per_value else []
     linears = _engine_linears(dev, sizes) if spec.linear_stream_bandwidth else []
     attention = _engine_attention(dev, sizes) if spec.attention_flops_by_tokens else []
     decodes = _engine_decode_attention(dev, sizes) if spec.decode_attention_bandwidth else []
@@ -148,7 +150,7 @@ def refresh_rates(spec: HardwareSpec, device: str = "cpu") -> HardwareSpec:
         spec,
         memory_bandwidth=read,
         peak_flops=peaks,
-        **(_packed_fields(fresh) if fresh else {}),
+        **{name: {**getattr(spec, name), **timed} for name, timed in _packed_fields(fresh).items()},
         **(_linear_fields(linears) if linears else {}),
         **(_attention_fields(attention) if attention else {}),
         **(_decode_attention_fields(decodes) if decodes else {}),
@@ -216,6 +218,8 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
         **{name: {dtype: mean(curve, getattr(b, name).get(dtype, {})) for dtype, curve in getattr(a, name).items()}
            for name in CURVES},
         **{name: mean(getattr(a, name), getattr(b, name)) for name in PACKED_FIELDS},
+        **{name: {key: mean(inner, getattr(b, name).get(key, {})) for key, inner in getattr(a, name).items()}
+           for name in ("packed_call_seconds_by_rows", "elementwise_seconds_per_value")},
     )
 
 
@@ -422,7 +426,8 @@ def _retimed(measure: Callable[[], _T], positive: Callable[[_T], float]) -> _T:
     return result
 
 
-def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -> list[Measurement]:
+def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes,
+                    formats: Collection[str] | None = None) -> list[Measurement]:
     """Where tuili packs linears (a CPU), for each packed format its modules hold here
     (PACKED_FORMATS; 6-bit codes only where the kernels read them): the time per weight value of
     one call of their weight-only kernel at each number of rows of PACKED_CALL_ROWS it takes (its
@@ -460,7 +465,8 @@ def _packed_kernels(dev: torch.device, peaks: dict[str, float], sizes: _Sizes) -
     timed: set[str] = set()  # kernel formats already timed (several weights may share one)
     for weight, tiny_weight in zip(_packed_weights(n, k), _packed_weights(small, small), strict=True):
         big, tiny = module(weight), module(tiny_weight)
-        if big is None or tiny is None or big.kernel_format in timed:
+        if big is None or tiny is None or big.kernel_format in timed or (formats is not None and
+                                                                           big.kernel_format not in formats):
             continue
         timed.add(big.kernel_format)
         module_bytes = sum(b.numel() * b.element_size() for b in big.buffers())
