@@ -96,11 +96,6 @@ class PackedWork:
     calls: tuple[int, ...]  # the rows of each weight-only kernel call per linear; () when tiled
     dequantized: int  # values dequantized into tiles; 0 when the kernel runs
 
-    @property
-    def kernel_values(self) -> int:
-        """Values x rows through the weight-only kernel."""
-        return self.values * sum(self.calls)
-
 
 def kernel_calls(rows: int) -> tuple[int, ...]:
     """The rows of each call the packed module makes for ``rows`` rows (its blocks)."""

@@ -33,6 +33,7 @@ from tuili.perf.overhead import (
     PackedWork,
     Step,
     host_seconds,
+    kernel_calls,
     packed_work,
 )
 from tuili.perf.speculation import Speculation
@@ -379,10 +380,12 @@ class Roofline:
 
     def _head_extra(self, rows: int) -> float:
         """What the output matrix's packed copy takes beyond its bytes at the memory's rate, for
-        ``rows`` rows of logits (a decode step's sequences; a prompt's last token): one call."""
+        ``rows`` rows of logits (a decode step's sequences; a prompt's last token), in the calls
+        of up to PACKED_CALL_MAX_ROWS rows the packed module makes."""
         if not self.inputs.head_format:
             return 0.0
-        kernel = self.head_values * self.call_seconds(rows, {self.inputs.head_format: 1.0})
+        share = {self.inputs.head_format: 1.0}
+        kernel = self.head_values * sum(self.call_seconds(calls, share) for calls in kernel_calls(rows))
         return max(0.0, kernel - self.head_bytes / self.bandwidth)
 
     def _below_peak(self, flops: float, rate: float) -> float:
