@@ -163,40 +163,20 @@ class HardwareSpec:
                 )
         for name in PACKED_FIELDS:
             for fmt, seconds in getattr(self, name).items():
-                if fmt not in PACKED_FORMATS:
-                    raise TuiliError(f"hardware {self.name!r} lists {name} for {fmt!r}: expected packed formats "
-                                     f"among {', '.join(PACKED_FORMATS)}")
-                if not 0 < seconds < 1e-3:
-                    raise TuiliError(
-                        f"{name}[{fmt!r}] of {self.name!r}={seconds!r} is invalid: expected seconds per weight "
-                        f"value, > 0 and well under a millisecond"
-                    )
+                self._check_key(name, fmt, PACKED_FORMATS, "packed formats")
+                self._check_seconds(f"{name}[{fmt!r}]", seconds, "seconds per weight value")
         for fmt, curve in self.packed_call_seconds_by_rows.items():
-            if fmt not in PACKED_FORMATS:
-                raise TuiliError(f"hardware {self.name!r} lists packed_call_seconds_by_rows for {fmt!r}: expected "
-                                 f"packed formats among {', '.join(PACKED_FORMATS)}")
+            self._check_key("packed_call_seconds_by_rows", fmt, PACKED_FORMATS, "packed formats")
             for rows, seconds in curve.items():
                 if not isinstance(rows, int) or rows < 1:
                     raise TuiliError(f"packed_call_seconds_by_rows[{fmt!r}] of {self.name!r} has the rows {rows!r}: "
                                      f"expected integers >= 1")
-                if not 0 < seconds < 1e-3:
-                    raise TuiliError(
-                        f"packed_call_seconds_by_rows[{fmt!r}][{rows}] of {self.name!r}={seconds!r} is invalid: "
-                        f"expected seconds per weight value, > 0 and well under a millisecond"
-                    )
+                self._check_seconds(f"packed_call_seconds_by_rows[{fmt!r}][{rows}]", seconds, "seconds per weight value")
         for dtype, kinds in self.elementwise_seconds_per_value.items():
-            if dtype not in PEAK_DTYPES:
-                raise TuiliError(f"hardware {self.name!r} lists elementwise_seconds_per_value for {dtype!r}: "
-                                 f"expected dtypes among {', '.join(PEAK_DTYPES)}")
+            self._check_key("elementwise_seconds_per_value", dtype, PEAK_DTYPES, "dtypes")
             for kind, seconds in kinds.items():
-                if kind not in ELEMENTWISE_KINDS:
-                    raise TuiliError(f"hardware {self.name!r} lists elementwise_seconds_per_value[{dtype!r}] for "
-                                     f"{kind!r}: expected kinds among {', '.join(ELEMENTWISE_KINDS)}")
-                if not 0 < seconds < 1e-3:
-                    raise TuiliError(
-                        f"elementwise_seconds_per_value[{dtype!r}][{kind!r}] of {self.name!r}={seconds!r} is "
-                        f"invalid: expected seconds per value, > 0 and well under a millisecond"
-                    )
+                self._check_key(f"elementwise_seconds_per_value[{dtype!r}]", kind, ELEMENTWISE_KINDS, "kinds")
+                self._check_seconds(f"elementwise_seconds_per_value[{dtype!r}][{kind!r}]", seconds, "seconds per value")
         for name in PER_DTYPE:
             for dtype, value in getattr(self, name).items():
                 if dtype not in PEAK_DTYPES:
@@ -221,6 +201,16 @@ class HardwareSpec:
             raise TuiliError(
                 f"hardware {self.name!r} names interconnect {self.interconnect!r}: expected one of {', '.join(LINKS)}"
             )
+
+    def _check_key(self, field: str, key: str, allowed: tuple[str, ...], what: str) -> None:
+        if key not in allowed:
+            raise TuiliError(f"hardware {self.name!r} lists {field} for {key!r}: expected {what} among "
+                             f"{', '.join(allowed)}")
+
+    def _check_seconds(self, where: str, seconds: float, what: str) -> None:
+        if not 0 < seconds < 1e-3:
+            raise TuiliError(f"{where} of {self.name!r}={seconds!r} is invalid: expected {what}, > 0 and well under "
+                             f"a millisecond")
 
     def linear_flops(self, dtype: str, rows: int) -> float | None:
         """FLOP/s of tuili's linears in ``dtype`` at a product of ``rows`` rows: interpolated
