@@ -70,6 +70,33 @@ static void norm_row(float *buf, const float *w, int64_t dim, float eps, int off
     for (int64_t d = 0; d < dim; d++) buf[d] *= w[d];
 }
 
+/* SiLU(gate) * up and the sigmoid gate over n values of a row, through float32 buffers. */
+static void silu_mul_loops(const char *g, const char *u, char *out, int64_t n, int dtype) {
+    float gate[n], up[n];
+    row_load(gate, g, dtype, n);
+    row_load(up, u, dtype, n);
+    for (int64_t d = 0; d < n; d++) { /* silu = x sigmoid(x), by exp_neg_abs */
+        const float x = gate[d], e = exp_neg_abs(x);
+        gate[d] = (x >= 0.0f ? x : x * e) / (1.0f + e);
+    }
+    row_round(gate, dtype, n);
+    for (int64_t d = 0; d < n; d++) gate[d] *= up[d];
+    row_store(out, gate, dtype, n);
+}
+
+static void sigmoid_gate_loops(char *x, const char *g, int64_t n, int dtype) {
+    float v[n], gate[n];
+    row_load(v, x, dtype, n);
+    row_load(gate, g, dtype, n);
+    for (int64_t d = 0; d < n; d++) { /* sigmoid, by exp_neg_abs */
+        const float e = exp_neg_abs(gate[d]);
+        gate[d] = (gate[d] >= 0.0f ? 1.0f : e) / (1.0f + e);
+    }
+    row_round(gate, dtype, n);
+    for (int64_t d = 0; d < n; d++) v[d] *= gate[d];
+    row_store(x, v, dtype, n);
+}
+
 #define MAX_DIM 16384 /* the longest row the stack buffer takes; Python checks it */
 
 #if defined(__AVX512F__) && defined(__FMA__)
@@ -138,18 +165,17 @@ static void qk_head_bf16(const uint16_t *src, uint16_t *dst, const float *w, con
     for (int64_t i = 0; i < n; i++) _mm256_storeu_si256((__m256i *)(dst + 16 * i), narrow_bf16(v[i]));
 }
 
-/* Up to sixteen values of a row (lanes from `lanes` on left 0), widened to float32; and stored
- * back, narrowed to bf16 to nearest even as row_store does. */
-static inline __m512 load16(const void *src, int dtype, __mmask16 lanes) {
-    if (dtype == TUILI_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, src)), 16));
-    return _mm512_maskz_loadu_ps(lanes, src);
+/* Sixteen values of a row widened to float32; and stored back, narrowed to bf16 to nearest even
+ * as row_store does (AVX-512F alone: no masked 16-bit loads, so a row's last n % 16 values take
+ * the loops below, with the same operations). */
+static inline __m512 load16(const void *src, int dtype) {
+    return dtype == TUILI_BF16 ? widen_bf16(src) : _mm512_loadu_ps(src);
 }
-static inline void store16(void *dst, __m512 v, int dtype, __mmask16 lanes) {
+static inline void store16(void *dst, __m512 v, int dtype) {
     if (dtype == TUILI_BF16)
-        _mm256_mask_storeu_epi16(dst, lanes, narrow_bf16(v));
+        _mm256_storeu_si256((__m256i *)dst, narrow_bf16(v));
     else
-        _mm512_mask_storeu_ps(dst, lanes, v);
+        _mm512_storeu_ps(dst, v);
 }
 
 /* round(v) to the dtype and back, as row_round. */
@@ -160,58 +186,44 @@ static inline __m512 round16(__m512 v, int dtype) {
 /* sigmoid and silu on sixteen lanes from e = e^-|x| (exp16 of -|x|, exp_neg_abs's operations):
  * the scalar loops' operations (one IEEE division each), so the same bits (a NaN stays a NaN, its
  * sign and payload as the compiler's code for the loops leaves them aside). */
-static inline __m512 exp_neg_abs16(__m512 x) { return exp16(_mm512_or_ps(x, _mm512_set1_ps(-0.0f))); }
+static inline __m512 exp_neg_abs16(__m512 x) {
+    return exp16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+}
 
-/* n values: out = round(silu(gate)) * up, sixteen at a time in registers, where the scalar loops
- * (below) pass six times through float32 buffers: 512 x 3072 bf16 on machine A, two threads,
- * 0.80 -> 0.69 ms; 64 rows 121 -> 91 us. */
-static void silu_mul_row(const char *g, const char *u, char *out, int64_t n, int dtype, size_t size) {
-    for (int64_t d = 0; d < n; d += 16) {
-        const __mmask16 lanes = n - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - d)) - 1u);
-        const __m512 x = load16(g + d * size, dtype, lanes), e = exp_neg_abs16(x);
+/* n values: out = round(silu(gate)) * up, sixteen at a time in registers, where the loops
+ * (silu_mul_loops) pass six times through float32 buffers: 512 x 3072 bf16 on machine A, two
+ * threads, 0.80 -> 0.69 ms; 64 rows 121 -> 91 us. */
+static void silu_mul_row(const char *g, const char *u, char *out, int64_t n, int dtype) {
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+        const __m512 x = load16(g + d * size, dtype), e = exp_neg_abs16(x);
         const __m512 numerator = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NGE_UQ), x, e);
         const __m512 silu = round16(_mm512_div_ps(numerator, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), dtype);
-        store16(out + d * size, _mm512_mul_ps(silu, load16(u + d * size, dtype, lanes)), dtype, lanes);
+        store16(out + d * size, _mm512_mul_ps(silu, load16(u + d * size, dtype)), dtype);
     }
+    if (d < n) silu_mul_loops(g + d * size, u + d * size, out + d * size, n - d, dtype);
 }
 
 /* n values: x = round(x * round(sigmoid(gate))) in place. */
-static void sigmoid_gate_row(char *x, const char *g, int64_t n, int dtype, size_t size) {
-    for (int64_t d = 0; d < n; d += 16) {
-        const __mmask16 lanes = n - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - d)) - 1u);
-        const __m512 gate = load16(g + d * size, dtype, lanes), e = exp_neg_abs16(gate), one = _mm512_set1_ps(1.0f);
+static void sigmoid_gate_row(char *x, const char *g, int64_t n, int dtype) {
+    const size_t size = dtype == TUILI_BF16 ? 2 : 4;
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+        const __m512 gate = load16(g + d * size, dtype), e = exp_neg_abs16(gate), one = _mm512_set1_ps(1.0f);
         const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
         const __m512 sigmoid = round16(_mm512_div_ps(numerator, _mm512_add_ps(e, one)), dtype);
-        store16(x + d * size, _mm512_mul_ps(load16(x + d * size, dtype, lanes), sigmoid), dtype, lanes);
+        store16(x + d * size, _mm512_mul_ps(load16(x + d * size, dtype), sigmoid), dtype);
     }
+    if (d < n) sigmoid_gate_loops(x + d * size, g + d * size, n - d, dtype);
 }
 #else
-static void silu_mul_row(const char *g, const char *u, char *out, int64_t n, int dtype, size_t size) {
-    (void)size;
-    float gate[n], up[n];
-    row_load(gate, g, dtype, n);
-    row_load(up, u, dtype, n);
-    for (int64_t d = 0; d < n; d++) { /* silu = x sigmoid(x), by exp_neg_abs */
-        const float x = gate[d], e = exp_neg_abs(x);
-        gate[d] = (x >= 0.0f ? x : x * e) / (1.0f + e);
-    }
-    row_round(gate, dtype, n);
-    for (int64_t d = 0; d < n; d++) gate[d] *= up[d];
-    row_store(out, gate, dtype, n);
+static void silu_mul_row(const char *g, const char *u, char *out, int64_t n, int dtype) {
+    silu_mul_loops(g, u, out, n, dtype);
 }
 
-static void sigmoid_gate_row(char *x, const char *g, int64_t n, int dtype, size_t size) {
-    (void)size;
-    float v[n], gate[n];
-    row_load(v, x, dtype, n);
-    row_load(gate, g, dtype, n);
-    for (int64_t d = 0; d < n; d++) { /* sigmoid, by exp_neg_abs */
-        const float e = exp_neg_abs(gate[d]);
-        gate[d] = (gate[d] >= 0.0f ? 1.0f : e) / (1.0f + e);
-    }
-    row_round(gate, dtype, n);
-    for (int64_t d = 0; d < n; d++) v[d] *= gate[d];
-    row_store(x, v, dtype, n);
+static void sigmoid_gate_row(char *x, const char *g, int64_t n, int dtype) {
+    sigmoid_gate_loops(x, g, n, dtype);
 }
 #endif
 
@@ -314,7 +326,7 @@ int tuili_sigmoid_gate(void *x, const void *gate, int64_t rows, int64_t heads, i
     for (int64_t row = 0; row < rows; row++) {
         for (int64_t h = 0; h < heads; h++) {
             sigmoid_gate_row((char *)x + (row * heads + h) * head_dim * size,
-                             (const char *)gate + (row * gate_stride + h * gate_head_stride) * size, head_dim, dtype, size);
+                             (const char *)gate + (row * gate_stride + h * gate_head_stride) * size, head_dim, dtype);
         }
     }
     return TUILI_OK;
@@ -331,7 +343,7 @@ int tuili_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, 
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
             const int64_t first = chunk * SILU_CHUNK, n = inter - first < SILU_CHUNK ? inter - first : SILU_CHUNK;
             const char *g = (const char *)gate_up + (row * 2 * inter + first) * size, *u = g + inter * size;
-            silu_mul_row(g, u, (char *)out + (row * inter + first) * size, n, dtype, size);
+            silu_mul_row(g, u, (char *)out + (row * inter + first) * size, n, dtype);
         }
     }
     return TUILI_OK;
