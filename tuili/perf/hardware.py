@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,8 @@ PACKED_CALL_ROWS = (1, 4, 16, 64, 256)
 # dtype: the RMSNorm (with its residual add), the rotary embedding of q and k without and with
 # Qwen3's per-head norms, and SiLU(gate) * up (tuili/layers, csrc/elementwise.c)
 ELEMENTWISE_KINDS = ("norm", "rope", "qk_rope", "silu")
+# HardwareSpec's seconds per value two keys deep: per format and call rows, per dtype and kind
+SECONDS_TABLES = ("packed_call_seconds_by_rows", "elementwise_seconds_per_value")
 # HardwareSpec's measured curves: a FLOP/s per dtype at each size (rows of a product, tokens of a prompt)
 CURVES = ("linear_flops_by_rows", "attention_flops_by_tokens")
 # ... and its measured rates, one per dtype
@@ -300,30 +303,9 @@ class HardwareSpec:
             **{name: {str(k).lower(): _number(f"{where} {name}[{k!r}]", v)
                       for k, v in _mapping(where, name, data.get(name)).items()}
                for name in (*PER_DTYPE, *PACKED_FIELDS)},
-            **{name: {
-                str(dtype).lower(): {
-                    _size(f"{where} {name}[{dtype!r}]", size): _number(f"{where} {name}[{dtype!r}][{size!r}]", value)
-                    for size, value in _mapping(where, f"{name}[{dtype!r}]", curve).items()
-                }
-                for dtype, curve in _mapping(where, name, data.get(name)).items()
-            } for name in CURVES},
-            packed_call_seconds_by_rows={
-                str(fmt).lower(): {
-                    _size(f"{where} packed_call_seconds_by_rows[{fmt!r}]", rows):
-                        _number(f"{where} packed_call_seconds_by_rows[{fmt!r}][{rows!r}]", seconds)
-                    for rows, seconds in _mapping(where, f"packed_call_seconds_by_rows[{fmt!r}]", curve).items()
-                }
-                for fmt, curve in _mapping(where, "packed_call_seconds_by_rows",
-                                           data.get("packed_call_seconds_by_rows")).items()
-            },
-            elementwise_seconds_per_value={
-                str(dtype).lower(): {
-                    str(kind): _number(f"{where} elementwise_seconds_per_value[{dtype!r}][{kind!r}]", seconds)
-                    for kind, seconds in _mapping(where, f"elementwise_seconds_per_value[{dtype!r}]", kinds).items()
-                }
-                for dtype, kinds in _mapping(where, "elementwise_seconds_per_value",
-                                             data.get("elementwise_seconds_per_value")).items()
-            },
+            **{name: _table(where, name, data, _size) for name in CURVES},
+            packed_call_seconds_by_rows=_table(where, "packed_call_seconds_by_rows", data, _size),
+            elementwise_seconds_per_value=_table(where, "elementwise_seconds_per_value", data, lambda _, kind: str(kind)),
         )
 
 
@@ -336,6 +318,18 @@ def _interpolate(curve: dict[int, float], size: int) -> float:
         if size <= high:
             return low_rate + (high_rate - low_rate) * (size - low) / (high - low)
     return points[-1][1]
+
+
+def _table(where: str, name: str, data: dict, inner_key: Callable[[str, object], object]) -> dict:
+    """Field ``name`` of ``data``: numbers by an outer key (a dtype, a format) and an inner one
+    (``inner_key`` of the written key: a curve's size, a kind)."""
+    return {
+        str(outer).lower(): {
+            inner_key(f"{where} {name}[{outer!r}]", key): _number(f"{where} {name}[{outer!r}][{key!r}]", seconds)
+            for key, seconds in _mapping(where, f"{name}[{outer!r}]", table).items()
+        }
+        for outer, table in _mapping(where, name, data.get(name)).items()
+    }
 
 
 def _size(where: str, value: object) -> int:

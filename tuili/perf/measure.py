@@ -25,7 +25,15 @@ from tuili.errors import TuiliError
 from tuili.perf.checkpoint import ModelSource
 from tuili.perf.cost import CheckpointBytes, ModelCost
 from tuili.perf.formats import canonical_dtype, weight_format
-from tuili.perf.hardware import CURVES, ENGINE_PREFILL_ROWS, PACKED_FIELDS, PER_DTYPE, HardwareSpec, link
+from tuili.perf.hardware import (
+    CURVES,
+    ENGINE_PREFILL_ROWS,
+    PACKED_FIELDS,
+    PER_DTYPE,
+    SECONDS_TABLES,
+    HardwareSpec,
+    link,
+)
 from tuili.perf.harness import StepLog, build_engine
 from tuili.perf.meter import UtilizationMeter
 from tuili.perf.plan import PlanInputs, Roofline, SpeculativeStepCost, StepCost, allreduce_seconds
@@ -346,10 +354,8 @@ def shared_by(machine: HardwareSpec, ranks: int) -> HardwareSpec:
         machine, name=f"{machine.name}, 1/{ranks} per rank", peak_flops=each(machine.peak_flops),
         memory_bandwidth=machine.memory_bandwidth / ranks, memory_bytes=machine.memory_bytes // ranks,
         **{name: {fmt: seconds * ranks for fmt, seconds in getattr(machine, name).items()} for name in PACKED_FIELDS},
-        packed_call_seconds_by_rows={fmt: {rows: seconds * ranks for rows, seconds in curve.items()}
-                                     for fmt, curve in machine.packed_call_seconds_by_rows.items()},
-        elementwise_seconds_per_value={dtype: {kind: seconds * ranks for kind, seconds in kinds.items()}
-                                       for dtype, kinds in machine.elementwise_seconds_per_value.items()},
+        **{name: {outer: {key: seconds * ranks for key, seconds in table.items()}
+                  for outer, table in getattr(machine, name).items()} for name in SECONDS_TABLES},
         **{name: each(getattr(machine, name)) for name in (*PER_DTYPE, *CURVES)},
     )
 

@@ -36,6 +36,7 @@ from tuili.perf.hardware import (
     PACKED_CALL_ROWS,
     PACKED_FIELDS,
     PER_DTYPE,
+    SECONDS_TABLES,
     HardwareSpec,
 )
 from tuili.perf.harness import build_engine
@@ -219,7 +220,7 @@ def mean_rates(a: HardwareSpec, b: HardwareSpec) -> HardwareSpec:
            for name in CURVES},
         **{name: mean(getattr(a, name), getattr(b, name)) for name in PACKED_FIELDS},
         **{name: {key: mean(inner, getattr(b, name).get(key, {})) for key, inner in getattr(a, name).items()}
-           for name in ("packed_call_seconds_by_rows", "elementwise_seconds_per_value")},
+           for name in SECONDS_TABLES},
     )
 
 
