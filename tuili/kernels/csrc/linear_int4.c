@@ -288,14 +288,24 @@ static inline __attribute__((always_inline)) void unpack_quad(const int4_args *a
     }
 }
 
+/* Rows 0 .. R - 1 of a tile's totals into registers (the VNNI kernels hold them across the
+ * groups), and back. */
+static inline __attribute__((always_inline)) void load_totals(__m512 sum[][4], float total[][TILE], const int R) {
+    UNROLLED for (int i = 0; i < R; i++)
+        UNROLLED for (int v = 0; v < 4; v++) sum[i][v] = _mm512_loadu_ps(total[i] + v * 16);
+}
+static inline __attribute__((always_inline)) void store_totals(float total[][TILE], __m512 sum[][4], const int R) {
+    UNROLLED for (int i = 0; i < R; i++)
+        UNROLLED for (int v = 0; v < 4; v++) _mm512_storeu_ps(total[i] + v * 16, sum[i][v]);
+}
+
 /* Rows i0 .. i0 + R - 1 of x against tile `tile`, all groups, into total, the codes unpacked as
  * they are read (decodes: below CACHE_MIN_ROWS rows). Int4 weights add (zero - 8 scale) * sum x
  * per group; Q8_0 subtracts 128 * sum xq, exact in int32 (sum xq * q = sum xq * u - 128 sum xq). */
 KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[][TILE], const int R) {
     const int64_t groups = a->kp / a->group;
     __m512 sum[VNNI_ROWS][4]; /* total's rows, in registers across the groups */
-    UNROLLED for (int i = 0; i < R; i++)
-        UNROLLED for (int v = 0; v < 4; v++) sum[i][v] = _mm512_loadu_ps(total[i] + v * 16);
+    load_totals(sum, total, R);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = group_scales(a, tile, g);
         if (g + 2 < groups) prefetch_scales(group_scales(a, tile, g + 2), a->pairs);
@@ -336,8 +346,7 @@ KERNEL tile_rows_vnni(const int4_args *a, int64_t tile, int64_t i0, float total[
             }
         }
     }
-    UNROLLED for (int i = 0; i < R; i++)
-        UNROLLED for (int v = 0; v < 4; v++) _mm512_storeu_ps(total[i] + v * 16, sum[i][v]);
+    store_totals(total, sum, R);
 }
 
 /* From CACHE_MIN_ROWS rows on (prompts) each tile's codes are widened once to int16 and multiplied
@@ -389,8 +398,7 @@ KERNEL tile_rows_vnni_wide(const int4_args *a, int64_t tile, int64_t i0, float t
     const int16_t *x[ROWS_AT_ONCE];
     UNROLLED for (int i = 0; i < R; i++) x[i] = a->x16 + (i0 + i) * a->kp;
     __m512 sum[ROWS_AT_ONCE][4]; /* total's rows, in registers across the groups */
-    UNROLLED for (int i = 0; i < R; i++)
-        UNROLLED for (int v = 0; v < 4; v++) sum[i][v] = _mm512_loadu_ps(total[i] + v * 16);
+    load_totals(sum, total, R);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *sz = group_scales(a, tile, g);
         if (g + 2 < groups) prefetch_scales(group_scales(a, tile, g + 2), a->pairs);
@@ -421,8 +429,7 @@ KERNEL tile_rows_vnni_wide(const int4_args *a, int64_t tile, int64_t i0, float t
             }
         }
     }
-    UNROLLED for (int i = 0; i < R; i++)
-        UNROLLED for (int v = 0; v < 4; v++) _mm512_storeu_ps(total[i] + v * 16, sum[i][v]);
+    store_totals(total, sum, R);
 }
 #define TILE_ROWS tile_rows_vnni
 #else
